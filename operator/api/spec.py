@@ -1,0 +1,355 @@
+"""The TrainingJob API (`kubetrain.dev/v1alpha1`): one typed description of every field.
+
+Field names are the contract of DESIGN.md. The local backend, the operator,
+the CRD schema (`crd.py`) and the reference docs all read these classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .schema import AtMostOne, ExactlyOne, OnlyWhen, field
+
+GROUP = "kubetrain.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+
+Mode = Literal["Single", "ParameterServer", "DDP"]
+MODES: tuple[str, ...] = ("Single", "ParameterServer", "DDP")
+
+ENTRYPOINT_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+ENTRYPOINT_HINT = "expected 'package.module:function'"
+QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
+DNS1123_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+
+
+@dataclass
+class Model:
+    """The model to train: a built-in name or a user entry point."""
+
+    __rules__ = (ExactlyOne(("name", "entrypoint")),)
+
+    name: Literal["mlp", "cnn"] | None = field("Built-in model: mlp or cnn.", None)
+    entrypoint: str | None = field(
+        "User model factory 'package.module:function'; it is called with `args` as keyword "
+        "arguments plus `input_shape` and `num_classes`, and returns a torch.nn.Module.",
+        None,
+        pattern=ENTRYPOINT_PATTERN,
+        pattern_hint=ENTRYPOINT_HINT,
+    )
+    args: dict[str, Any] = field(
+        "Keyword arguments for the model (mlp: hidden, layers; cnn: channels, hidden).",
+        default_factory=dict,
+    )
+
+
+@dataclass
+class Dataset:
+    """The data to train on: a built-in name, an .npz file, or a user entry point."""
+
+    __rules__ = (ExactlyOne(("name", "path", "entrypoint")),)
+
+    name: Literal["digits", "synthetic"] | None = field(
+        "Built-in dataset: digits (scikit-learn's bundled 8x8 digits) or synthetic "
+        "(seeded classification data; args: samples, features, classes, seed).",
+        None,
+    )
+    path: str | None = field("An .npz file holding arrays `x` (features) and `y` (integer labels).", None)
+    entrypoint: str | None = field(
+        "User dataset 'package.module:function'; called with `args` as keyword arguments, "
+        "it returns (x, y) arrays.",
+        None,
+        pattern=ENTRYPOINT_PATTERN,
+        pattern_hint=ENTRYPOINT_HINT,
+    )
+    args: dict[str, Any] = field("Keyword arguments for the dataset.", default_factory=dict)
+    eval_fraction: float = field(
+        "Fraction of the samples held out for evaluation.", 0.2, minimum=0.0, maximum=0.9
+    )
+
+
+@dataclass
+class Optimizer:
+    """The optimizer; in ParameterServer mode it runs on the parameter servers."""
+
+    name: Literal["sgd", "adam"] = field("sgd or adam.", "sgd")
+    learning_rate: float = field("Learning rate.", 0.05, minimum=0.0, exclusive_minimum=True)
+    momentum: float = field("SGD momentum.", 0.9, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+    weight_decay: float = field("L2 weight decay.", 0.0, minimum=0.0)
+
+
+@dataclass
+class Training:
+    """How long and how to train."""
+
+    __rules__ = (AtMostOne(("epochs", "max_steps")),)
+
+    epochs: int | None = field(
+        "Passes over the training data (10 when neither epochs nor maxSteps is set).",
+        None,
+        minimum=1,
+        maximum=100000,
+    )
+    max_steps: int | None = field(
+        "Optimizer steps to run, instead of epochs. In ParameterServer mode a step is one "
+        "update of the parameters; each worker runs maxSteps / workers of them in Sync mode.",
+        None,
+        minimum=1,
+    )
+    batch_size: int = field("Samples per step, per worker or rank.", 64, minimum=1, maximum=65536)
+    optimizer: Optimizer = field("The optimizer.", default_factory=Optimizer)
+    seed: int = field("Seed of every random choice: initial weights, shuffling, data.", 0, minimum=0)
+    device: Literal["auto", "cpu", "cuda"] = field(
+        "auto uses a visible GPU when there is one; cuda fails when none is visible.", "auto"
+    )
+
+    @property
+    def effective_epochs(self) -> int | None:
+        if self.epochs is None and self.max_steps is None:
+            return 10
+        return self.epochs
+
+
+@dataclass
+class Compression:
+    """Gradient compression between workers and parameter servers."""
+
+    algorithm: Literal["None", "FP16", "Int8", "TopK", "PowerSGD"] = field(
+        "None, FP16, Int8 (scaled), TopK (with error feedback) or PowerSGD (with error feedback).",
+        "None",
+    )
+    ratio: float = field(
+        "TopK: fraction of the elements sent.", 0.01, minimum=0.0, maximum=1.0, exclusive_minimum=True
+    )
+    rank: int = field("PowerSGD: rank of the low-rank approximation.", 2, minimum=1, maximum=64)
+    min_tensor_bytes: int = field(
+        "Tensors smaller than this travel uncompressed.", 65536, minimum=0
+    )
+    warmup_steps: int = field(
+        "Steps at the start of training that run without compression.", 0, minimum=0
+    )
+
+
+@dataclass
+class ParameterServer:
+    """The parameter-server topology (mode ParameterServer only)."""
+
+    replicas: int = field(
+        "Parameter-server shards; parameters are balanced across them by bytes.",
+        1,
+        minimum=1,
+        maximum=64,
+        immutable=True,
+    )
+    workers: int = field("Worker replicas.", 2, minimum=1, maximum=1024, immutable=True)
+    aggregation: Literal["Sync", "Async"] = field(
+        "Sync averages every live worker's gradient per step; Async applies gradients as they arrive.",
+        "Sync",
+    )
+    max_staleness: int = field(
+        "Async: a worker waits when it is this many steps ahead of the slowest.", 4, minimum=0
+    )
+    sync_timeout_seconds: float = field(
+        "Sync: a worker silent this long is dropped from the step.",
+        30.0,
+        minimum=0.0,
+        exclusive_minimum=True,
+    )
+    compression: Compression = field("Gradient compression.", default_factory=Compression)
+
+
+@dataclass
+class DDP:
+    """The torchrun data-parallel topology (mode DDP only)."""
+
+    nodes: int = field("Nodes (pods) in the group.", 2, minimum=1, maximum=1024, immutable=True)
+    procs_per_node: int = field("Ranks per node.", 1, minimum=1, maximum=64, immutable=True)
+    backend: Literal["gloo", "nccl"] = field("gloo on CPUs, nccl on GPUs.", "gloo")
+    comm_hook: Literal["None", "FP16", "PowerSGD"] = field(
+        "DDP communication hook: None, FP16 or PowerSGD (torch's built-in hooks).", "None"
+    )
+    power_sgd_rank: int = field(
+        "PowerSGD hook: matrix approximation rank.", 2, minimum=1, maximum=64, name="powerSGDRank"
+    )
+    max_restarts: int = field("torchrun --max-restarts: group restarts before giving up.", 3, minimum=0)
+
+
+@dataclass
+class Resources:
+    """corev1 ResourceRequirements per role (cluster only)."""
+
+    ps: dict[str, Any] = field("Resources of each parameter server.", default_factory=dict)
+    worker: dict[str, Any] = field(
+        "Resources of each worker, of the Single replica and of each DDP node.", default_factory=dict
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for role in ("ps", "worker"):
+            for key in getattr(self, role):
+                if key not in ("limits", "requests", "claims"):
+                    problems.append((f"{role}.{key}", "unknown field; expected limits, requests or claims"))
+        return problems
+
+
+@dataclass
+class Storage:
+    """The checkpoint volume (cluster only)."""
+
+    size: str = field(
+        "Size of the PVC.", "1Gi", pattern=QUANTITY_PATTERN, pattern_hint="expected a quantity such as 1Gi"
+    )
+    storage_class_name: str = field("StorageClass of the PVC; empty uses the default class.", "")
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = field(
+        "Access mode of the PVC.", "ReadWriteOnce"
+    )
+    existing_claim: str = field(
+        "Use this PVC instead of creating one.",
+        "",
+        pattern=DNS1123_PATTERN,
+        pattern_hint="expected a DNS-1123 name",
+        max_length=253,
+    )
+
+
+@dataclass
+class Checkpoint:
+    """Checkpoints, owned by the system: written atomically, resumed on every start."""
+
+    interval_steps: int = field("Steps between checkpoints.", 50, minimum=1)
+    keep_last: int = field("Checkpoints kept; older ones are deleted.", 3, minimum=1, maximum=1000)
+    storage: Storage = field("The checkpoint volume (cluster only).", default_factory=Storage)
+
+
+@dataclass
+class RestartPolicy:
+    """What happens when a replica fails."""
+
+    policy: Literal["OnFailure", "ExitCode", "Never"] = field(
+        "OnFailure retries every failure; ExitCode retries exit 75 and signals (128+N) only; "
+        "Never fails the job at the first failure.",
+        "OnFailure",
+    )
+    backoff_limit: int = field("Restarts allowed in total.", 6, minimum=0)
+    max_restarts_without_progress: int = field(
+        "Consecutive restarts that saw no new checkpoint before the job fails.", 3, minimum=0
+    )
+
+
+@dataclass
+class RunPolicy:
+    """Lifetime of the job."""
+
+    suspend: bool = field("Stop the pods (after a checkpoint) and keep the job; false resumes.", False)
+    active_deadline_seconds: int | None = field(
+        "The job fails with DeadlineExceeded when it runs longer than this.", None, minimum=1
+    )
+    ttl_seconds_after_finished: int | None = field(
+        "Delete the job this long after it finished.", None, minimum=0
+    )
+    progress_deadline_seconds: int = field(
+        "No new step for this long means the job hangs; handled as a failure.", 600, minimum=1
+    )
+    clean_pod_policy: Literal["All", "Running", "None"] = field(
+        "Pods deleted when the job finishes: All, the still Running ones, or None.", "Running"
+    )
+
+
+@dataclass
+class Metrics:
+    """Prometheus metrics of every trainer process."""
+
+    port: int = field("Port of the /metrics endpoint; 0 turns it off.", 9090, minimum=0, maximum=65535)
+
+
+@dataclass
+class Spec:
+    """The desired state of a TrainingJob."""
+
+    __rules__ = (
+        OnlyWhen("parameter_server", "mode", "ParameterServer"),
+        OnlyWhen("ddp", "mode", "DDP"),
+    )
+
+    mode: Mode = field("Single, ParameterServer or DDP.", immutable=True)
+    image: str = field("Trainer image (cluster only); empty uses the operator's default.", "")
+    model: Model = field("The model.", default_factory=lambda: Model(name="mlp"))
+    dataset: Dataset = field("The data.", default_factory=lambda: Dataset(name="digits"))
+    training: Training = field("Training settings.", default_factory=Training)
+    parameter_server: ParameterServer | None = field(
+        "Parameter-server settings (mode ParameterServer).", None
+    )
+    ddp: DDP | None = field("DDP settings (mode DDP).", None)
+    resources: Resources = field("Resources per role (cluster only).", default_factory=Resources)
+    checkpoint: Checkpoint = field("Checkpoints.", default_factory=Checkpoint)
+    restart_policy: RestartPolicy = field("Restarts of failed replicas.", default_factory=RestartPolicy)
+    run_policy: RunPolicy = field("Lifetime of the job.", default_factory=RunPolicy)
+    metrics: Metrics = field("Metrics endpoint.", default_factory=Metrics)
+    pod_template: dict[str, Any] = field(
+        "Merged into every pod (cluster only): metadata labels and annotations, and spec fields "
+        "such as nodeSelector, tolerations, affinity, or env for every container.",
+        default_factory=dict,
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.mode == "DDP" and self.ddp is not None:
+            if self.ddp.backend == "nccl" and self.training.device == "cpu":
+                problems.append(("ddp.backend", "nccl needs GPUs; use gloo with training.device cpu"))
+            storage = self.checkpoint.storage
+            # Rank 0 reads and writes the checkpoints and broadcasts them to the
+            # group, so a volume per node (ReadWriteOnce) works; one claim
+            # shared by pods that may land on several nodes does not.
+            if self.ddp.nodes > 1 and storage.existing_claim and storage.access_mode != "ReadWriteMany":
+                problems.append(
+                    (
+                        "checkpoint.storage.accessMode",
+                        "a DDP job of several nodes sharing checkpoint.storage.existingClaim needs "
+                        "ReadWriteMany; or leave existingClaim empty so each node gets its own volume",
+                    )
+                )
+        return problems
+
+    def complete(self) -> "Spec":
+        """Fill the defaults that depend on other fields (the mode's block, epochs)."""
+        if self.mode == "ParameterServer" and self.parameter_server is None:
+            self.parameter_server = ParameterServer()
+        if self.mode == "DDP" and self.ddp is None:
+            self.ddp = DDP()
+        if self.training.epochs is None and self.training.max_steps is None:
+            self.training.epochs = 10
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes that read training data."""
+        if self.mode == "ParameterServer":
+            assert self.parameter_server is not None
+            return self.parameter_server.workers
+        if self.mode == "DDP":
+            assert self.ddp is not None
+            return self.ddp.nodes * self.ddp.procs_per_node
+        return 1
+
+
+@dataclass
+class Metadata:
+    name: str
+    namespace: str = "default"
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+    uid: str = ""
+    generation: int = 0
+
+
+@dataclass
+class TrainingJob:
+    metadata: Metadata
+    spec: Spec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name

@@ -1,0 +1,1 @@
+"""kubetrain's data plane: data, models, checkpoints, metrics and the trainer entry points."""
