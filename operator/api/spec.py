@@ -296,14 +296,15 @@ class Spec:
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        if self.mode == "DDP" and self.ddp is not None:
-            if self.ddp.backend == "nccl" and self.training.device == "cpu":
+        if self.mode == "DDP":
+            ddp = self.ddp or DDP()
+            if ddp.backend == "nccl" and self.training.device == "cpu":
                 problems.append(("ddp.backend", "nccl needs GPUs; use gloo with training.device cpu"))
             storage = self.checkpoint.storage
             # Rank 0 reads and writes the checkpoints and broadcasts them to the
             # group, so a volume per node (ReadWriteOnce) works; one claim
             # shared by pods that may land on several nodes does not.
-            if self.ddp.nodes > 1 and storage.existing_claim and storage.access_mode != "ReadWriteMany":
+            if ddp.nodes > 1 and storage.existing_claim and storage.access_mode != "ReadWriteMany":
                 problems.append(
                     (
                         "checkpoint.storage.accessMode",

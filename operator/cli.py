@@ -1,0 +1,146 @@
+"""The `kubetrain` command: thin argument handling over the API model and the backends.
+
+Errors the user can fix are printed as one line each (file, field path,
+message) with exit code 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from . import __version__
+from .api import InvalidSpec, load_file, load_one
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad command line or input file; the message says which."""
+
+
+def _print_invalid(err: InvalidSpec) -> None:
+    source = f"{err.source}: " if err.source else ""
+    for problem in err.problems:
+        print(f"{source}{problem}", file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    failed = False
+    for path in args.files:
+        try:
+            jobs = load_file(path)
+        except InvalidSpec as err:
+            _print_invalid(err)
+            failed = True
+            continue
+        names = ", ".join(f"{j.name} ({j.spec.mode})" for j in jobs)
+        print(f"{path}: ok: {names}")
+    if failed:
+        return EXIT_USAGE
+    print("ok")
+    return 0
+
+
+FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@step=(?P<step>\d+)")
+
+
+def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
+    faults: dict[str, int] = {}
+    for value in values:
+        m = FAULT.fullmatch(value)
+        if not m:
+            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N, for example worker-1:kill@step=40")
+        replica, step = m["replica"], int(m["step"])
+        if replica not in replicas:
+            raise UsageError(f"--fault {value!r}: this job has no replica {replica!r} (it has {', '.join(replicas)})")
+        if step < 1:
+            raise UsageError(f"--fault {value!r}: the step must be at least 1")
+        if replica in faults:
+            raise UsageError(f"--fault {value!r}: a fault for {replica} is given twice")
+        faults[replica] = step
+    return faults
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .core.plan import replica_names
+    from .local.backend import LocalBackend
+    from .local.rundir import RunDir, RunDirError
+
+    job = load_one(args.file)
+    replicas = [f"{role}-{i}" for role, i in replica_names(job)]
+    faults = parse_faults(args.fault, replicas)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name
+    try:
+        return LocalBackend(job, RunDir(run_dir), faults, echo_logs=not args.quiet).run_job()
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchcli import run_bench
+
+    result = run_bench(args)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kubetrain",
+        description="Distributed PyTorch training from one TrainingJob manifest, locally or on Kubernetes.",
+    )
+    parser.add_argument("--version", action="version", version=f"kubetrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("validate", help="check TrainingJob manifests; prints every problem with its field path")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("run", help="run a TrainingJob on this machine as local processes (resumes an unfinished run)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--run-dir", help="run directory (default: runs/<name>)")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="REPLICA:kill@step=N",
+        help="SIGKILL a replica when it reaches step N (first attempt only); repeatable",
+    )
+    p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("version", help="print the version")
+    p.set_defaults(func=lambda a: print(f"kubetrain {__version__}") or 0)
+
+    p = sub.add_parser("bench", help="benchmarks that print JSON")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+    bsub.required = True
+    b = bsub.add_parser("transport", help="PS transport throughput vs a raw loopback socket, in one run")
+    b.add_argument("--bytes", default="64MiB", help="tensor size, e.g. 64MiB")
+    b = bsub.add_parser("modes", help="samples/s of Single, PS Sync, PS Async and DDP on the same work")
+    b.add_argument("--samples", type=int, default=20000, help="training samples per mode")
+    b.add_argument("--model-hidden", type=int, default=128)
+    b.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except InvalidSpec as err:
+        _print_invalid(err)
+        return EXIT_USAGE
+    except UsageError as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The plan: which replicas a TrainingJob runs, with what command and environment.
+
+Pure: a validated job and an `Endpoints` (where things live: ports, hosts,
+directories) in, plain data out. The local backend and the operator execute
+the same plan; only their `Endpoints` differ (loopback ports and run-directory
+paths locally, Service names and volume mounts in a cluster).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..api import TrainingJob
+
+PYTHON = "python"
+TRAINER_MODULE = "kubetrain_trainer"
+GRPC_PORT = 50051  # parameter servers in a cluster
+RDZV_PORT = 29400  # torchrun's c10d rendezvous in a cluster
+
+
+class Endpoints(Protocol):
+    """Where a replica finds the others and its files."""
+
+    def ps_address(self, index: int) -> str:
+        """host:port of parameter-server shard `index`."""
+
+    def ps_port(self, index: int) -> int:
+        """Port shard `index` listens on."""
+
+    def rendezvous(self) -> str:
+        """host:port of the DDP c10d rendezvous (hosted by node 0)."""
+
+    def metrics_port(self, replica: str) -> int:
+        """Port of the replica's /metrics endpoint (0: off)."""
+
+    def job_file(self) -> str: ...
+
+    def run_dir(self, replica: str) -> str: ...
+
+    def checkpoint_dir(self, replica: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class Replica:
+    role: str  # single | ps | worker | ddp
+    index: int
+    command: tuple[str, ...]
+    env: dict[str, str] = field(hash=False)
+    ports: dict[str, int] = field(hash=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def stateful(self) -> bool:
+        """Holds checkpoints: restarting it needs its volume."""
+        return self.role in ("single", "ps", "ddp")
+
+
+def replica_names(job: TrainingJob) -> list[tuple[str, int]]:
+    spec = job.spec
+    if spec.mode == "Single":
+        return [("single", 0)]
+    if spec.mode == "ParameterServer":
+        ps = spec.parameter_server
+        assert ps is not None
+        return [("ps", i) for i in range(ps.replicas)] + [("worker", i) for i in range(ps.workers)]
+    ddp = spec.ddp
+    assert ddp is not None
+    return [("ddp", i) for i in range(ddp.nodes)]
+
+
+def torchrun_command(job: TrainingJob, node_rank: int, rendezvous: str) -> tuple[str, ...]:
+    """torchrun (as `python -m torch.distributed.run`) for one DDP node.
+
+    torchrun restarts the whole group when a rank fails (--max-restarts) and
+    leaves resuming to the script: every rank resumes from kubetrain's newest
+    checkpoint. The c10d rendezvous lives on node 0 (its headless-Service name
+    in a cluster).
+    """
+    ddp = job.spec.ddp
+    assert ddp is not None
+    return (
+        PYTHON, "-m", "torch.distributed.run",
+        f"--nnodes={ddp.nodes}",
+        f"--nproc-per-node={ddp.procs_per_node}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous}",
+        f"--rdzv-id={job.metadata.namespace}-{job.name}",
+        f"--max-restarts={ddp.max_restarts}",
+        "--monitor-interval=1",
+        "-m", TRAINER_MODULE, "ddp",
+    )  # fmt: skip
+
+
+def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
+    spec = job.spec
+    ps_addrs = ""
+    if spec.mode == "ParameterServer":
+        assert spec.parameter_server is not None
+        ps_addrs = ",".join(endpoints.ps_address(i) for i in range(spec.parameter_server.replicas))
+    replicas = []
+    for role, index in replica_names(job):
+        name = f"{role}-{index}"
+        ports: dict[str, int] = {}
+        metrics_port = endpoints.metrics_port(name)
+        if metrics_port:
+            ports["metrics"] = metrics_port
+        env = {
+            "KUBETRAIN_JOB_NAME": job.name,
+            "KUBETRAIN_NAMESPACE": job.metadata.namespace,
+            "KUBETRAIN_REPLICA": name,
+            "KUBETRAIN_JOB_FILE": endpoints.job_file(),
+            "KUBETRAIN_RUN_DIR": endpoints.run_dir(name),
+            "KUBETRAIN_CHECKPOINT_DIR": endpoints.checkpoint_dir(name),
+            "KUBETRAIN_METRICS_PORT": str(metrics_port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if spec.mode == "ParameterServer":
+            env["KUBETRAIN_PS_ADDRS"] = ps_addrs
+        if role == "ps":
+            ports["grpc"] = endpoints.ps_port(index)
+            env["KUBETRAIN_PS_PORT"] = str(ports["grpc"])
+        if role == "ddp":
+            command = torchrun_command(job, index, endpoints.rendezvous())
+            if index == 0:
+                ports["rendezvous"] = int(endpoints.rendezvous().rsplit(":", 1)[1])
+        else:
+            command = (PYTHON, "-m", TRAINER_MODULE, role)
+        replicas.append(Replica(role=role, index=index, command=command, env=env, ports=ports))
+    return replicas
+
+
+def chief(job: TrainingJob) -> str:
+    """The replica whose metrics and results speak for the job."""
+    return {"Single": "single-0", "ParameterServer": "worker-0", "DDP": "ddp-0"}[job.spec.mode]
+
+
+def with_env(replica: Replica, **extra: str) -> Replica:
+    return dataclasses.replace(replica, env={**replica.env, **extra})

@@ -1,0 +1,165 @@
+"""Restart and success policies: observed replicas in, decisions out.
+
+Pure and shared by the local backend and the operator, so a job behaves the
+same on a laptop and in a cluster.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Literal
+
+from ..api import Spec
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_LOAD = 3
+EXIT_TRANSIENT = 75
+PERMANENT_EXIT_CODES = {EXIT_CONFIG: "InvalidConfiguration", EXIT_LOAD: "LoadFailed"}
+
+BACKOFF_BASE_SECONDS = 1.0
+BACKOFF_CAP_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a replica stopped running."""
+
+    replica: str
+    exit_code: int | None = None  # None: no exit code (evicted, deleted, hung)
+    reason: str = ""  # Evicted | Deleted | Hung | ... when exit_code is None
+
+    def describe(self) -> str:
+        if self.exit_code is None:
+            return {
+                "Hung": f"{self.replica} made no progress and was stopped",
+                "Evicted": f"{self.replica} was evicted",
+                "Deleted": f"{self.replica} was deleted",
+            }.get(self.reason, f"{self.replica} stopped ({self.reason})")
+        if self.exit_code > 128:
+            return f"{self.replica} was killed by {signal_name(self.exit_code - 128)}"
+        if self.exit_code < 0:
+            return f"{self.replica} was killed by {signal_name(-self.exit_code)}"
+        return f"{self.replica} exited with code {self.exit_code}"
+
+    @property
+    def code(self) -> int | None:
+        """Exit code in the shell convention (128+N for signal N)."""
+        if self.exit_code is not None and self.exit_code < 0:
+            return 128 - self.exit_code
+        return self.exit_code
+
+    @property
+    def restart_reason(self) -> str:
+        """One CamelCase word for conditions and Events."""
+        if self.exit_code is None:
+            return self.reason or "Unknown"
+        code = self.code
+        assert code is not None
+        if code > 128:
+            return "Killed" if code - 128 == signal.SIGKILL else "Signaled"
+        if code == EXIT_TRANSIENT:
+            return "TransientError"
+        return PERMANENT_EXIT_CODES.get(code, "Error")
+
+
+def signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+@dataclass(frozen=True)
+class Counters:
+    restarts: int = 0
+    restarts_without_progress: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["restart", "fail"]
+    reason: str  # CamelCase
+    message: str
+    delay_seconds: float = 0.0
+
+
+def retryable(policy: str, failure: Failure) -> bool:
+    if policy == "Never":
+        return False
+    code = failure.code
+    if code is None:  # evicted, deleted, hung: the process did not decide
+        return True
+    if code in PERMANENT_EXIT_CODES:
+        return False
+    if policy == "ExitCode":
+        return code == EXIT_TRANSIENT or code > 128
+    return True
+
+
+def backoff(restarts: int) -> float:
+    """Delay before restart number `restarts` (1-based): 1 s, 2 s, 4 s, ... capped."""
+    return min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** max(0, restarts - 1))
+
+
+def decide(spec: Spec, failure: Failure, counters: Counters, progressed: bool) -> tuple[Decision, Counters]:
+    """What to do about a failed replica, and the counters after it.
+
+    `progressed` says whether a new checkpoint appeared since the last restart:
+    a restart that saw none counts against maxRestartsWithoutProgress, so a job
+    that crashes before every checkpoint stops burning its budget.
+    """
+    rp = spec.restart_policy
+    what = failure.describe()
+    if not retryable(rp.policy, failure):
+        why = "restartPolicy is Never" if rp.policy == "Never" else f"exit code {failure.code} is permanent"
+        if rp.policy == "ExitCode" and failure.code not in PERMANENT_EXIT_CODES:
+            why = f"restartPolicy ExitCode retries only 75 and signals, got {failure.code}"
+        return Decision("fail", failure.restart_reason, f"{what}; not restarted: {why}."), counters
+    if counters.restarts >= rp.backoff_limit:
+        return (
+            Decision("fail", "BackoffLimitExceeded", f"{what}; backoffLimit {rp.backoff_limit} reached."),
+            counters,
+        )
+    without = 0 if progressed else counters.restarts_without_progress + 1
+    if without > rp.max_restarts_without_progress:
+        return (
+            Decision(
+                "fail",
+                "NoProgress",
+                f"{what}; {counters.restarts_without_progress} restarts in a row saw no new checkpoint "
+                f"(maxRestartsWithoutProgress {rp.max_restarts_without_progress}).",
+            ),
+            counters,
+        )
+    after = Counters(restarts=counters.restarts + 1, restarts_without_progress=without)
+    return (
+        Decision(
+            "restart",
+            failure.restart_reason,
+            f"{what}; restart {after.restarts} of {rp.backoff_limit}.",
+            delay_seconds=backoff(after.restarts),
+        ),
+        after,
+    )
+
+
+ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
+
+
+def job_outcome(phases: dict[str, ReplicaPhase]) -> Literal["Running", "Succeeded"]:
+    """Succeeded when the replicas that finish a job have finished.
+
+    Single: single-0. DDP: every node. ParameterServer: every worker and every
+    shard (a shard exits 0 after the workers finished and it wrote its final
+    checkpoint, so none is left running).
+    """
+    if phases and all(p == "Succeeded" for p in phases.values()):
+        return "Succeeded"
+    return "Running"
+
+
+def workers_done(phases: dict[str, ReplicaPhase]) -> bool:
+    workers = [p for name, p in phases.items() if name.startswith("worker-")]
+    return bool(workers) and all(p == "Succeeded" for p in workers)

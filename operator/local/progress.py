@@ -1,0 +1,143 @@
+"""One progress display for a local job: a bar on a terminal, plain periodic lines elsewhere.
+
+It reads the replicas' JSONL event files incrementally (the same events the
+trainers write in a cluster) and shows step, loss, samples/s and ETA.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class JsonlTail:
+    """Reads the lines appended to a file since the last call; keeps a partial last line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+        return out
+
+
+@dataclass
+class JobProgress:
+    """What the job has done so far, folded from the replicas' events."""
+
+    step: int = 0
+    total_steps: int | None = None
+    loss: float | None = None
+    eval_accuracy: float | None = None
+    checkpoint_step: int | None = None
+    samples_per_second: dict[str, float] = field(default_factory=dict)
+    last_step_time: float = field(default_factory=time.monotonic)
+
+    def fold(self, replica: str, event: dict[str, Any]) -> None:
+        if "total_steps" in event and event["total_steps"]:
+            self.total_steps = int(event["total_steps"])
+        kind = event.get("event")
+        if kind == "train":
+            step = int(event.get("step", 0))
+            if step > self.step:
+                self.step = step
+                self.last_step_time = time.monotonic()
+            if event.get("loss") is not None:
+                self.loss = float(event["loss"])
+            if event.get("samples_per_second") is not None:
+                self.samples_per_second[replica] = float(event["samples_per_second"])
+        elif kind == "eval" and event.get("eval_accuracy") is not None:
+            self.eval_accuracy = float(event["eval_accuracy"])
+        elif kind == "checkpoint" and event.get("step") is not None:
+            self.checkpoint_step = max(self.checkpoint_step or 0, int(event["step"]))
+        elif kind in ("start", "resume") and event.get("step") is not None:
+            self.step = max(self.step, int(event["step"]))
+
+    @property
+    def throughput(self) -> float:
+        return sum(self.samples_per_second.values())
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "--:--"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class ProgressDisplay:
+    """Renders JobProgress: redraws one line on a terminal, prints a line every `every` s elsewhere."""
+
+    def __init__(self, out: TextIO, name: str, tty: bool | None = None, every: float = 5.0):
+        self.out = out
+        self.name = name
+        self.tty = out.isatty() if tty is None else tty
+        self.every = every
+        self.started = time.monotonic()
+        self.start_step: int | None = None
+        self.last_print = 0.0
+        self.drawn = False
+
+    def line(self, p: JobProgress) -> str:
+        if self.start_step is None and p.step:
+            self.start_step = p.step
+        total = p.total_steps
+        elapsed = time.monotonic() - self.started
+        done = p.step - (self.start_step or 0)
+        rate = done / elapsed if elapsed > 0 and done > 0 else None
+        eta = (total - p.step) / rate if (total and rate) else None
+        loss = f"{p.loss:.4f}" if p.loss is not None else "-"
+        parts = [f"step {p.step}/{total if total else '?'}", f"loss {loss}", f"{p.throughput:,.0f} samples/s", f"ETA {_eta(eta)}"]
+        if p.eval_accuracy is not None:
+            parts.insert(2, f"acc {p.eval_accuracy:.3f}")
+        if self.tty and total:
+            width = 24
+            filled = int(width * min(1.0, p.step / total))
+            bar = "#" * filled + "." * (width - filled)
+            return f"{self.name} [{bar}] " + "  ".join(parts)
+        return f"{self.name}: " + ", ".join(parts)
+
+    def update(self, p: JobProgress, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self.out.write("\r\x1b[2K" + self.line(p))
+            self.out.flush()
+            self.drawn = True
+        elif force or now - self.last_print >= self.every:
+            self.out.write(self.line(p) + "\n")
+            self.out.flush()
+            self.last_print = now
+
+    def message(self, text: str) -> None:
+        """A log line that must not be overwritten by the bar."""
+        if self.tty and self.drawn:
+            self.out.write("\r\x1b[2K")
+        self.out.write(text.rstrip("\n") + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty and self.drawn:
+            self.out.write("\n")
+            self.out.flush()
+            self.drawn = False

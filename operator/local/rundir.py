@@ -1,0 +1,151 @@
+"""The run directory of a local job: its layout, its state across invocations, atomic writes.
+
+Layout (DESIGN.md): job.yaml (the spec with defaults), summary.json (only once
+the job has ended), metrics/<replica>.jsonl, logs/<replica>.log,
+checkpoints/<replica>/, results/<replica>.json, and state.json (what the
+supervisor must remember across invocations: restarts, accumulated wall time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..api import TrainingJob, dump_manifest, to_manifest
+
+
+class RunDirError(Exception):
+    """The run directory cannot be used; the message names it."""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write to a temporary name, fsync, rename: a reader sees all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class RunState:
+    state: str = "Created"  # Created | Running | Succeeded | Failed
+    reason: str = ""
+    message: str = ""
+    restarts: int = 0
+    restarts_without_progress: int = 0
+    wall_seconds: float = 0.0  # accumulated over earlier invocations
+    invocations: int = 0
+    restart_log: list[dict[str, Any]] | None = None
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = path
+
+    @property
+    def job_file(self) -> Path:
+        return self.path / "job.yaml"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    def log_file(self, replica: str) -> Path:
+        return self.path / "logs" / f"{replica}.log"
+
+    def metrics_file(self, replica: str) -> Path:
+        return self.path / "metrics" / f"{replica}.jsonl"
+
+    def result_file(self, replica: str) -> Path:
+        return self.path / "results" / f"{replica}.json"
+
+    def checkpoint_dir(self, replica: str) -> Path:
+        return self.path / "checkpoints" / replica
+
+    def prepare(self, job: TrainingJob) -> RunState:
+        """Create or reopen the directory for `job`; refuse one that holds another job.
+
+        Checked before anything is written, so a refused directory is left as it was.
+        """
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"{self.path}: exists and is not a directory")
+        if self.job_file.exists():
+            try:
+                old_doc = yaml.safe_load(self.job_file.read_text())
+            except yaml.YAMLError:
+                old_doc = None
+            if not isinstance(old_doc, dict) or old_doc.get("spec") != to_manifest(job)["spec"]:
+                raise RunDirError(
+                    f"{self.path}: holds a run of a different spec (see {self.job_file}); "
+                    "use another --run-dir or delete this one"
+                )
+        try:
+            for sub in ("logs", "metrics", "results", "checkpoints"):
+                (self.path / sub).mkdir(parents=True, exist_ok=True)
+            probe = self.path / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise RunDirError(f"{self.path}: cannot write here ({err.strerror})") from None
+        if not self.job_file.exists():
+            atomic_write(self.job_file, dump_manifest(job))
+        return self.load_state()
+
+    def load_state(self) -> RunState:
+        if not self.state_file.exists():
+            return RunState()
+        data = json.loads(self.state_file.read_text())
+        return RunState(**{k: v for k, v in data.items() if k in RunState.__dataclass_fields__})
+
+    def save_state(self, state: RunState) -> None:
+        atomic_write(self.state_file, json.dumps(asdict(state), indent=2) + "\n")
+
+    def read_summary(self) -> dict[str, Any] | None:
+        if not self.summary_file.exists():
+            return None
+        return json.loads(self.summary_file.read_text())
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write(self.summary_file, json.dumps(summary, indent=2) + "\n")
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for f in sorted((self.path / "results").glob("*.json")):
+            try:
+                out[f.stem] = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+        return out
+
+    def events(self, replica: str) -> list[dict[str, Any]]:
+        return read_jsonl(self.metrics_file(replica))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line; a line cut by a kill is ignored."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
