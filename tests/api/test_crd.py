@@ -39,3 +39,11 @@ def test_cross_field_rules_become_cel_with_the_validator_messages():
     model = spec["properties"]["model"]
     assert model["x-kubernetes-validations"][0]["message"] == "exactly one of name, entrypoint must be set"
     assert spec["properties"]["mode"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
+
+
+def test_reference_docs_are_generated_from_the_api_model():
+    from kubetrain_operator.api import docs
+
+    committed = (ROOT / "docs/reference.md").read_text()
+    assert committed == docs.render(), "run: python -m kubetrain_operator.api.docs > docs/reference.md"
+    assert "`spec.parameterServer.compression.algorithm`" in committed
