@@ -1,0 +1,366 @@
+"""The Kubernetes objects a TrainingJob owns, as plain dicts: the plan rendered for a cluster.
+
+Pure: the job, its uid and the operator's settings in; ConfigMap, Secret,
+Services, PVCs, Pods and (DDP) a StatefulSet out, each owned by the job so
+deleting the job garbage-collects them. The replicas, commands and environment
+come from `plan.plan_replicas`, the same plan the local backend executes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from ..api import API_VERSION, KIND, TrainingJob, dump_manifest
+from .plan import GRPC_PORT, RDZV_PORT, Replica, plan_replicas
+
+LABEL_JOB = "kubetrain.dev/job-name"
+LABEL_ROLE = "kubetrain.dev/role"
+LABEL_REPLICA = "kubetrain.dev/replica"
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+MANAGER = "kubetrain"
+CONFIG_MOUNT = "/etc/kubetrain"
+DATA_MOUNT = "/kubetrain/data"
+TOKEN_KEY = "token"
+CONTAINER = "trainer"
+RUN_AS_USER = 1000
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator adds to every job: its default trainer image and pull policy."""
+
+    image: str = "kubetrain/trainer:0.1.0"
+    pull_policy: str = "IfNotPresent"
+    grace_seconds: int = 60
+
+
+@dataclass
+class ClusterEndpoints:
+    """Service names, fixed ports and volume mounts (see plan.Endpoints)."""
+
+    job: TrainingJob
+
+    def ps_address(self, index: int) -> str:
+        return f"{self.job.name}-ps-{index}:{GRPC_PORT}"
+
+    def ps_port(self, index: int) -> int:
+        return GRPC_PORT
+
+    def rendezvous(self) -> str:
+        return f"{self.job.name}-ddp-0.{self.job.name}-ddp:{RDZV_PORT}"
+
+    def metrics_port(self, replica: str) -> int:
+        return self.job.spec.metrics.port
+
+    def job_file(self) -> str:
+        return f"{CONFIG_MOUNT}/job.yaml"
+
+    def run_dir(self, replica: str) -> str:
+        return f"{DATA_MOUNT}/run"
+
+    def checkpoint_dir(self, replica: str) -> str:
+        return f"{DATA_MOUNT}/checkpoints"
+
+
+def config_name(job: TrainingJob) -> str:
+    return f"{job.name}-config"
+
+
+def token_name(job: TrainingJob) -> str:
+    return f"{job.name}-token"
+
+
+def pod_name(job: TrainingJob, replica: str) -> str:
+    return f"{job.name}-{replica}"
+
+
+def claim_name(job: TrainingJob, replica: str) -> str:
+    return f"{job.name}-ckpt-{replica}"
+
+
+def owner_reference(job: TrainingJob, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(job: TrainingJob, uid: str, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.metadata.namespace,
+        "labels": {LABEL_JOB: job.name, LABEL_MANAGED: MANAGER, **(labels or {})},
+        "ownerReferences": [owner_reference(job, uid)],
+    }
+
+
+def config_map(job: TrainingJob, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, uid, config_name(job)),
+        "data": {"job.yaml": dump_manifest(job)},
+    }
+
+
+def token_secret(job: TrainingJob, uid: str, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, uid, token_name(job)),
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
+
+
+def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
+    """One headless Service per shard, so workers reach `<job>-ps-<i>` by name."""
+    assert job.spec.parameter_server is not None
+    out = []
+    for i in range(job.spec.parameter_server.replicas):
+        replica = f"ps-{i}"
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _meta(job, uid, pod_name(job, replica), {LABEL_ROLE: "ps"}),
+                "spec": {
+                    "clusterIP": "None",
+                    "publishNotReadyAddresses": True,
+                    "selector": {LABEL_JOB: job.name, LABEL_REPLICA: replica},
+                    "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT}],
+                },
+            }
+        )
+    return out
+
+
+def ddp_service(job: TrainingJob, uid: str) -> dict[str, Any]:
+    """The StatefulSet's headless Service: rank 0's pod is `<job>-ddp-0.<job>-ddp`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, uid, f"{job.name}-ddp", {LABEL_ROLE: "ddp"}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job.name, LABEL_ROLE: "ddp"},
+            "ports": [{"name": "rendezvous", "port": RDZV_PORT, "targetPort": RDZV_PORT}],
+        },
+    }
+
+
+def _claim_spec(job: TrainingJob) -> dict[str, Any]:
+    storage = job.spec.checkpoint.storage
+    spec: dict[str, Any] = {
+        "accessModes": [storage.access_mode],
+        "resources": {"requests": {"storage": storage.size}},
+    }
+    if storage.storage_class_name:
+        spec["storageClassName"] = storage.storage_class_name
+    return spec
+
+
+def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
+    """A checkpoint PVC per stateful pod (Single, each PS shard); none with existingClaim.
+
+    One ReadWriteOnce volume per shard works on any default StorageClass;
+    workers keep nothing (their cursors live in ps-0's checkpoints). DDP's
+    volumes come from the StatefulSet's claim template.
+    """
+    if job.spec.checkpoint.storage.existing_claim or job.spec.mode == "DDP":
+        return []
+    replicas = ["single-0"] if job.spec.mode == "Single" else [f"ps-{i}" for i in range(job.spec.parameter_server.replicas)]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": _meta(job, uid, claim_name(job, r), {LABEL_REPLICA: r}),
+            "spec": _claim_spec(job),
+        }
+        for r in replicas
+    ]
+
+
+def _security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[str, Any]:
+    env = [{"name": k, "value": v} for k, v in replica.env.items()]
+    env.append({"name": "KUBETRAIN_JOB_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
+    env.append({"name": "HOME", "value": "/tmp"})
+    ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
+    role_resources = job.spec.resources.ps if replica.role == "ps" else job.spec.resources.worker
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": job.spec.image or settings.image,
+        "imagePullPolicy": settings.pull_policy,
+        "command": list(replica.command),
+        "env": env,
+        "ports": ports,
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "data", "mountPath": DATA_MOUNT},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": _security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if role_resources:
+        container["resources"] = copy.deepcopy(role_resources)
+    return container
+
+
+def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volume: dict[str, Any] | None) -> dict[str, Any]:
+    volumes = [
+        {"name": "config", "configMap": {"name": config_name(job)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if data_volume is not None:
+        volumes.insert(1, data_volume)
+    return {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": settings.grace_seconds,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER},
+        "enableServiceLinks": False,
+        "containers": [_container(job, replica, settings)],
+        "volumes": volumes,
+    }
+
+
+def _data_volume(job: TrainingJob, replica: Replica) -> dict[str, Any]:
+    storage = job.spec.checkpoint.storage
+    if not replica.stateful:
+        return {"name": "data", "emptyDir": {}}
+    if storage.existing_claim:
+        return {"name": "data", "persistentVolumeClaim": {"claimName": storage.existing_claim}}
+    return {"name": "data", "persistentVolumeClaim": {"claimName": claim_name(job, replica.name)}}
+
+
+def merge_pod_template(pod: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
+    """`spec.podTemplate` over a pod: metadata labels/annotations and spec fields.
+
+    Dicts merge recursively; `containers` merge by name (the trainer container is
+    `trainer`), and their `env` by variable name; other lists are replaced.
+    """
+    pod = copy.deepcopy(pod)
+    meta = template.get("metadata", {})
+    for key in ("labels", "annotations"):
+        if meta.get(key):
+            pod["metadata"].setdefault(key, {}).update(meta[key])
+    _merge(pod["spec"], template.get("spec", {}))
+    return pod
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> None:
+    for key, value in over.items():
+        if key == "containers" and isinstance(value, list):
+            by_name = {c.get("name"): c for c in base.get("containers", [])}
+            for c in value:
+                target = by_name.get(c.get("name", CONTAINER))
+                if target is None:
+                    base.setdefault("containers", []).append(copy.deepcopy(c))
+                else:
+                    _merge(target, c)
+        elif key == "env" and isinstance(value, list):
+            names = {e["name"]: i for i, e in enumerate(base.get("env", []))}
+            for e in value:
+                if e.get("name") in names:
+                    base["env"][names[e["name"]]] = copy.deepcopy(e)
+                else:
+                    base.setdefault("env", []).append(copy.deepcopy(e))
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def pod(job: TrainingJob, uid: str, replica: Replica, settings: Settings) -> dict[str, Any]:
+    labels = {LABEL_ROLE: replica.role, LABEL_REPLICA: replica.name}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(job, uid, pod_name(job, replica.name), labels),
+        "spec": _pod_spec(job, replica, settings, _data_volume(job, replica)),
+    }
+    body["metadata"]["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.spec.metrics.port)}
+    return merge_pod_template(body, job.spec.pod_template)
+
+
+def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: Settings) -> dict[str, Any]:
+    """DDP: one StatefulSet of `nodes` pods, each a torchrun agent; node n reads its rank from its ordinal.
+
+    The node rank comes from the pod's ordinal (the `apps.kubernetes.io/pod-index`
+    label, exposed through the downward API), so one template serves every node.
+    """
+    first = replicas[0]
+    command = [c if not c.startswith("--node-rank=") else "--node-rank=$(KUBETRAIN_NODE_RANK)" for c in first.command]
+    env = {k: v for k, v in first.env.items() if k != "KUBETRAIN_REPLICA"}
+    template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
+    pod_spec = _pod_spec(job, template_replica, settings, None)
+    pod_spec["restartPolicy"] = "Always"  # the only policy a StatefulSet allows; the operator counts restarts
+    container = pod_spec["containers"][0]
+    container["env"][:0] = [
+        {"name": "KUBETRAIN_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+        {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    container["env"].append({"name": "KUBETRAIN_REPLICA", "value": "ddp-$(KUBETRAIN_NODE_RANK)"})
+    storage = job.spec.checkpoint.storage
+    labels = {LABEL_JOB: job.name, LABEL_ROLE: "ddp", LABEL_MANAGED: MANAGER}
+    template = merge_pod_template(
+        {
+            "metadata": {
+                "labels": dict(labels),
+                "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.spec.metrics.port)},
+            },
+            "spec": pod_spec,
+        },
+        job.spec.pod_template,
+    )
+    sts: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(job, uid, f"{job.name}-ddp", {LABEL_ROLE: "ddp"}),
+        "spec": {
+            "serviceName": f"{job.name}-ddp",
+            "replicas": len(replicas),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {LABEL_JOB: job.name, LABEL_ROLE: "ddp"}},
+            "template": template,
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+        },
+    }
+    if storage.existing_claim:
+        template["spec"]["volumes"].insert(1, {"name": "data", "persistentVolumeClaim": {"claimName": storage.existing_claim}})
+    else:
+        sts["spec"]["volumeClaimTemplates"] = [
+            {"metadata": {"name": "data", "labels": {LABEL_JOB: job.name}}, "spec": _claim_spec(job)}
+        ]
+    return sts
+
+
+def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settings()) -> list[dict[str, Any]]:
+    """Every object the job owns, in creation order (config first, pods last)."""
+    replicas = plan_replicas(job, ClusterEndpoints(job))
+    objs = [config_map(job, uid), token_secret(job, uid, token)]
+    if job.spec.mode == "ParameterServer":
+        objs += ps_services(job, uid)
+    objs += claims(job, uid)
+    if job.spec.mode == "DDP":
+        objs += [ddp_service(job, uid), statefulset(job, uid, replicas, settings)]
+    else:
+        objs += [pod(job, uid, r, settings) for r in replicas]
+    return objs
