@@ -16,6 +16,7 @@ from . import __version__
 from .api import InvalidSpec, load_file, load_one
 
 EXIT_USAGE = 2
+EXIT_LOAD = 3
 
 
 class UsageError(Exception):
@@ -71,6 +72,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .local.rundir import RunDir, RunDirError
 
     job = load_one(args.file)
+    path = job.spec.dataset.path
+    if path is not None and not Path(path).is_file():
+        print(f"{args.file}: spec.dataset.path: {path}: no such file", file=sys.stderr)
+        return EXIT_LOAD
     replicas = [f"{role}-{i}" for role, i in replica_names(job)]
     faults = parse_faults(args.fault, replicas)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name

@@ -184,6 +184,8 @@ class LocalBackend:
         finally:
             signal.signal(signal.SIGTERM, old_handler)
             self._stop_all()
+            self._read_events()
+            self.display.update(self.progress, force=True)
             self.display.close()
         self.state.wall_seconds = previous_wall + (time.monotonic() - started)
         if outcome == "Interrupted":
@@ -201,7 +203,10 @@ class LocalBackend:
         self.run.write_summary(summary)
         self.display.message(f"{self.job.name}: {outcome}" + (f" ({reason}: {message})" if outcome != "Succeeded" else ""))
         self.display.message(format_summary(summary))
-        return 0 if outcome == "Succeeded" else 1
+        if outcome == "Succeeded":
+            return 0
+        # A replica's permanent exit code is the job's: 2 bad configuration, 3 data or model.
+        return {"InvalidConfiguration": policy.EXIT_CONFIG, "LoadFailed": policy.EXIT_LOAD}.get(reason, 1)
 
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         raise KeyboardInterrupt
@@ -279,7 +284,13 @@ class LocalBackend:
         self.display.message(f"[{p.replica.name}] {decision.message}")
         if decision.action == "fail":
             p.phase = "Failed"
-            return "Failed", decision.reason, decision.message
+            message = decision.message
+            last = self._last_output(p)
+            if last:
+                # Like a pod's termination message: what the replica said last.
+                self.display.message(f"[{p.replica.name}] last output: {last}")
+                message += f" Last output: {last}"
+            return "Failed", decision.reason, message
         self.state.restarts = counters.restarts
         self.state.restarts_without_progress = counters.restarts_without_progress
         assert self.state.restart_log is not None
@@ -406,6 +417,16 @@ class LocalBackend:
             for line in p.log_tail.read():
                 if line.strip():
                     self.display.message(f"[{p.replica.name}] {line}")
+
+    def _last_output(self, p: Proc) -> str:
+        try:
+            with open(self.run.log_file(p.replica.name), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        lines = [line for line in lines if line.strip() and not line.startswith("--- kubetrain:")]
+        return lines[-1].strip() if lines else ""
 
     def _checkpoint_step(self) -> int:
         """Newest checkpoint step of any replica, read from the `latest` pointers."""

@@ -119,6 +119,8 @@ class ProgressDisplay:
         return f"{self.name}: " + ", ".join(parts)
 
     def update(self, p: JobProgress, force: bool = False) -> None:
+        if not p.step and not force:
+            return  # nothing to show before the first step
         now = time.monotonic()
         if self.tty:
             self.out.write("\r\x1b[2K" + self.line(p))

@@ -46,9 +46,8 @@ def build_summary(
         "bytes_received": sum(r.get("bytes_received", 0) or 0 for r in results.values()),
         "compression_ratio": round(raw / compressed, 4) if compressed else 1.0,
     }
-    if reason:
+    if state != "Succeeded":
         summary["reason"] = reason
-    if message:
         summary["message"] = message
     return summary
 
