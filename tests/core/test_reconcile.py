@@ -1,0 +1,185 @@
+"""One reconciliation: observation in, actions and status out (table-driven where it fits)."""
+
+import pytest
+
+from kubetrain_operator.api import from_object
+from kubetrain_operator.core.reconcile import PodObservation as Pod
+from kubetrain_operator.core.reconcile import Progress, iso, reconcile
+
+T0 = 1_800_000_000.0
+
+
+def job(mode="ParameterServer", **spec):
+    return from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                        "metadata": {"name": "j", "generation": 3}, "spec": {"mode": mode, **spec}})
+
+
+def running(*names):
+    return {n: Pod(n, "Running") for n in names}
+
+
+PS_PODS = ("ps-0", "worker-0", "worker-1")
+
+
+def created_pods(act):
+    return [o["metadata"]["name"] for o in act.create if o["kind"] == "Pod"]
+
+
+def test_new_job_creates_every_child_and_reports_created():
+    act = reconcile(job(), "u", "tok", {}, {}, T0)
+    kinds = [o["kind"] for o in act.create]
+    assert kinds.count("Pod") == 3 and "ConfigMap" in kinds and "Secret" in kinds
+    assert act.status["state"] == "Created"
+    assert act.status["startTime"] == iso(T0)
+    assert act.status["observedGeneration"] == 3
+    assert act.status["workers"] == 2
+
+
+def test_existing_children_are_not_created_again():
+    existing = {("ConfigMap", "j-config"), ("Secret", "j-token"), ("Service", "j-ps-0"), ("PersistentVolumeClaim", "j-ckpt-ps-0")}
+    act = reconcile(job(), "u", "tok", running(*PS_PODS), {"state": "Running", "startTime": iso(T0)}, T0 + 1, existing=existing)
+    assert act.create == []
+    assert act.status["state"] == "Running"
+    assert act.status["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
+
+
+def test_failed_worker_is_deleted_then_recreated_after_backoff():
+    pods = running(*PS_PODS)
+    pods["worker-1"] = Pod("worker-1", "Failed", exit_code=137)
+    status = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    act = reconcile(job(), "u", "tok", pods, status, T0 + 5)
+    assert act.delete_pods == ["j-worker-1"]
+    assert act.status["restarts"] == 1
+    assert act.status["state"] == "Restarting"
+    assert act.events[0][:2] == ("Warning", "Killed")
+    assert "pendingRestarts" in act.status and act.requeue_after == pytest.approx(1.0)
+    # Next round: the pod is gone, the backoff (1 s) not over yet.
+    del pods["worker-1"]
+    act2 = reconcile(job(), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
+    assert "j-worker-1" not in created_pods(act2)
+    act3 = reconcile(job(), "u", "tok", pods, act2.status, T0 + 6.5, existing=set())
+    assert "j-worker-1" in created_pods(act3)
+    assert "pendingRestarts" not in act3.status
+    assert act3.status["restarts"] == 1
+
+
+def test_deleted_pod_counts_as_a_restart():
+    pods = running("ps-0", "worker-0")
+    act = reconcile(job(), "u", "tok", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    assert act.status["restarts"] == 1
+    assert act.events[0][1] == "Deleted"
+
+
+@pytest.mark.parametrize("policy, code, state", [("Never", 137, "Failed"), ("ExitCode", 1, "Failed"), ("ExitCode", 75, "Restarting"), ("OnFailure", 3, "Failed")])
+def test_restart_policies(policy, code, state):
+    pods = running(*PS_PODS)
+    pods["worker-0"] = Pod("worker-0", "Failed", exit_code=code)
+    act = reconcile(job(restartPolicy={"policy": policy}), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    assert act.status["state"] == state
+    if state == "Failed":
+        assert act.status["completionTime"] == iso(T0 + 1)
+        assert set(act.delete_pods) == {"j-ps-0", "j-worker-1"}  # cleanPodPolicy Running
+
+
+def test_eviction_is_a_restart_with_its_reason():
+    pods = running(*PS_PODS)
+    pods["ps-0"] = Pod("ps-0", "Failed", reason="Evicted")
+    act = reconcile(job(), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    assert act.events[0][1] == "Evicted"
+    assert act.status["conditions"][-1]["reason"] == "Evicted"
+
+
+def test_backoff_limit_fails_the_job():
+    pods = running(*PS_PODS)
+    pods["worker-0"] = Pod("worker-0", "Failed", exit_code=1)
+    status = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0), "restarts": 6}
+    act = reconcile(job(), "u", "t", pods, status, T0 + 1)
+    assert act.status["state"] == "Failed"
+    assert [c for c in act.status["conditions"] if c["type"] == "Failed"][0]["reason"] == "BackoffLimitExceeded"
+
+
+def test_restarts_without_progress_fail_the_job():
+    pods = running(*PS_PODS)
+    pods["worker-0"] = Pod("worker-0", "Failed", exit_code=1)
+    status = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0), "restarts": 3,
+              "restartsWithoutProgress": 3, "lastCheckpoint": {"step": 50, "time": iso(T0)}, "checkpointAtLastRestart": 50}
+    act = reconcile(job(), "u", "t", pods, status, T0 + 1)
+    assert act.status["state"] == "Failed"
+    assert act.events[-1][1] == "NoProgress"
+
+
+def test_progress_is_recorded_and_a_stall_is_a_hang():
+    j = job(runPolicy={"progressDeadlineSeconds": 60})
+    status = {"state": "Running", "startTime": iso(T0)}
+    act = reconcile(j, "u", "t", running(*PS_PODS), status, T0 + 10,
+                    Progress(step=40, total_steps=200, loss=0.5, checkpoint_step=25, checkpoint_time=T0 + 8))
+    assert act.status["progress"]["step"] == 40
+    assert act.status["lastCheckpoint"] == {"step": 25, "time": iso(T0 + 8)}
+    act2 = reconcile(j, "u", "t", running(*PS_PODS), act.status, T0 + 50, Progress(step=40))
+    assert act2.status["restarts"] == 0
+    act3 = reconcile(j, "u", "t", running(*PS_PODS), act2.status, T0 + 71, Progress(step=40))
+    assert act3.status["restarts"] == 1
+    assert act3.events[0][1] == "Hung"
+    assert act3.delete_pods == ["j-worker-0"]
+
+
+def test_workers_done_then_shards_done_is_success_with_clean_pod_policy():
+    pods = {"ps-0": Pod("ps-0", "Running"), "worker-0": Pod("worker-0", "Succeeded", exit_code=0),
+            "worker-1": Pod("worker-1", "Succeeded", exit_code=0)}
+    st = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    act = reconcile(job(), "u", "t", pods, st, T0 + 1)
+    assert act.status["state"] == "Running" and act.delete_pods == []
+    act = reconcile(job(), "u", "t", pods, act.status, T0 + 200)
+    assert act.delete_pods == ["j-ps-0"]  # drained too long: stopped gracefully
+    pods["ps-0"] = Pod("ps-0", "Succeeded", exit_code=0)
+    act = reconcile(job(runPolicy={"cleanPodPolicy": "All"}), "u", "t", pods, act.status, T0 + 201)
+    assert act.status["state"] == "Succeeded"
+    assert set(act.delete_pods) == {"j-ps-0", "j-worker-0", "j-worker-1"}
+
+
+def test_suspend_stops_pods_and_resume_recreates_them():
+    st = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    act = reconcile(job(runPolicy={"suspend": True}), "u", "t", running(*PS_PODS), st, T0 + 1)
+    assert set(act.delete_pods) == {"j-ps-0", "j-worker-0", "j-worker-1"}
+    assert act.status["state"] == "Suspended"
+    act = reconcile(job(runPolicy={"suspend": True}), "u", "t", {}, act.status, T0 + 2)
+    assert act.create == [] or all(o["kind"] != "Pod" for o in act.create)
+    act = reconcile(job(), "u", "t", {}, act.status, T0 + 3)
+    assert sorted(created_pods(act)) == ["j-ps-0", "j-worker-0", "j-worker-1"]
+    assert act.status["restarts"] == 0
+    assert act.events[0][1] == "Resumed"
+
+
+def test_active_deadline_fails_with_deadline_exceeded():
+    act = reconcile(job(runPolicy={"activeDeadlineSeconds": 30}), "u", "t", running(*PS_PODS),
+                    {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 31)
+    assert act.status["state"] == "Failed"
+    assert act.events[-1][1] == "DeadlineExceeded"
+
+
+def test_ttl_deletes_a_finished_job():
+    st = {"state": "Succeeded", "completionTime": iso(T0)}
+    act = reconcile(job(runPolicy={"ttlSecondsAfterFinished": 60}), "u", "t", {}, st, T0 + 10)
+    assert not act.delete_job and act.requeue_after == pytest.approx(50)
+    act = reconcile(job(runPolicy={"ttlSecondsAfterFinished": 60}), "u", "t", {}, st, T0 + 61)
+    assert act.delete_job
+
+
+def test_image_pull_failure_is_reported():
+    pods = {n: Pod(n, "Pending", waiting_reason="ImagePullBackOff", waiting_message="not found") for n in PS_PODS}
+    act = reconcile(job(), "u", "t", pods, {"state": "Created", "startTime": iso(T0)}, T0 + 1)
+    cond = act.status["conditions"][0]
+    assert cond["reason"] == "ImagePullFailed" and "ImagePullBackOff" in cond["message"]
+
+
+def test_ddp_rank_restart_in_place_is_counted_and_success_scales_down():
+    j = job("DDP")
+    pods = {"ddp-0": Pod("ddp-0", "Running"), "ddp-1": Pod("ddp-1", "Running", restart_count=1, last_exit_code=1)}
+    act = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    assert act.status["restarts"] == 1
+    act = reconcile(j, "u", "t", pods, act.status, T0 + 2)
+    assert act.status["restarts"] == 1  # the same restart is not counted twice
+    done = {n: Pod(n, "Running", restart_count=2, last_exit_code=0) for n in ("ddp-0", "ddp-1")}
+    act = reconcile(j, "u", "t", done, act.status, T0 + 3)
+    assert act.status["state"] == "Succeeded"
+    assert act.scale_statefulset == 0
