@@ -85,6 +85,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    from .controller.run import run
+
+    return run(
+        namespaces=args.namespace,
+        metrics_port=args.metrics_port,
+        liveness_port=args.liveness_port,
+        trainer_image=args.trainer_image,
+        pull_policy=args.pull_policy,
+        scrape_networks=[n for n in args.scrape_networks.split(",") if n],
+        scrape=not args.no_scrape,
+    )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .benchcli import run_bench
 
@@ -118,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("operator", help="run the TrainingJob operator against the current kubeconfig")
+    p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable); default: all")
+    p.add_argument("--metrics-port", type=int, default=8080, help="port of the operator's /metrics (0: off)")
+    p.add_argument("--liveness-port", type=int, default=8081, help="port of /healthz for the liveness probe (0: off)")
+    p.add_argument("--trainer-image", default=f"kubetrain/trainer:{__version__}", help="image of jobs without spec.image")
+    p.add_argument("--pull-policy", default="IfNotPresent", choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument(
+        "--scrape-networks",
+        default="",
+        help="comma-separated CIDRs of pod IPs the operator may read /metrics from (default: any)",
+    )
+    p.add_argument("--no-scrape", action="store_true", help="never read the trainers' /metrics (no progress, no hang detection)")
+    p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("version", help="print the version")
     p.set_defaults(func=lambda a: print(f"kubetrain {__version__}") or 0)

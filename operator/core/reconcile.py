@@ -228,10 +228,13 @@ def reconcile(
             st["ddpRestartCounts"] = counts
             if p.last_exit_code not in (0, None):
                 failures.append(policy.Failure(n, exit_code=p.last_exit_code))
-    # Hang: no new step for progressDeadlineSeconds while replicas run.
+    # Hang: no new step for progressDeadlineSeconds while replicas run. The
+    # clock starts with the first step the operator read from the metrics, so
+    # a job whose metrics cannot be read is never taken for hung.
     last_step_time = parse_iso(st.get("lastStepTime")) or started
     limit = spec.run_policy.progress_deadline_seconds
-    if not failures and state_before in ("Running", "Restarting") and now - last_step_time >= limit:
+    watched = "lastStep" in st
+    if not failures and watched and state_before in ("Running", "Restarting") and now - last_step_time >= limit:
         chief = {"Single": "single-0", "ParameterServer": "worker-0", "DDP": "ddp-0"}[spec.mode]
         failures.append(policy.Failure(chief, reason="Hung"))
         st["lastStepTime"] = iso(now)

@@ -1,0 +1,182 @@
+"""All of the operator's Kubernetes I/O, in one module; ApiException becomes KubeError.
+
+Responses are read as raw JSON (`_preload_content=False`): the client's model
+classes cost more CPU than the rest of a reconciliation together.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from datetime import datetime, timezone
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from ..api import GROUP, PLURAL, VERSION
+from ..core.children import LABEL_JOB
+
+log = logging.getLogger(__name__)
+
+
+class KubeError(Exception):
+    """An API call failed; the message names the verb, the object and the API's reason."""
+
+    def __init__(self, verb: str, what: str, err: ApiException):
+        self.status = err.status
+        reason = err.reason
+        try:
+            reason = json.loads(err.body or "{}").get("message") or reason
+        except ValueError:
+            pass
+        super().__init__(f"{verb} {what}: {err.status} {reason}")
+
+
+_local = threading.local()
+
+
+def load_config() -> None:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def _api() -> client.ApiClient:
+    # One ApiClient per thread: kopf runs sync handlers on a thread pool.
+    api = getattr(_local, "api", None)
+    if api is None:
+        api = _local.api = client.ApiClient()
+    return api
+
+
+def _json(resp: Any) -> Any:
+    return json.loads(resp.data)
+
+
+def list_pods(namespace: str, job: str) -> list[dict[str, Any]]:
+    try:
+        resp = client.CoreV1Api(_api()).list_namespaced_pod(
+            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False
+        )
+    except ApiException as err:
+        raise KubeError("list", f"pods of {namespace}/{job}", err) from None
+    return _json(resp)["items"]
+
+
+def pending_claims(namespace: str, job: str) -> list[str]:
+    try:
+        resp = client.CoreV1Api(_api()).list_namespaced_persistent_volume_claim(
+            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False
+        )
+    except ApiException as err:
+        raise KubeError("list", f"persistentvolumeclaims of {namespace}/{job}", err) from None
+    return [c["metadata"]["name"] for c in _json(resp)["items"] if (c.get("status") or {}).get("phase") == "Pending"]
+
+
+def create(obj: dict[str, Any]) -> bool:
+    """Create an object; False when it exists already (another round created it)."""
+    kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]
+    api = _api()
+    try:
+        if kind == "Pod":
+            client.CoreV1Api(api).create_namespaced_pod(ns, obj, _preload_content=False)
+        elif kind == "Service":
+            client.CoreV1Api(api).create_namespaced_service(ns, obj, _preload_content=False)
+        elif kind == "ConfigMap":
+            client.CoreV1Api(api).create_namespaced_config_map(ns, obj, _preload_content=False)
+        elif kind == "Secret":
+            client.CoreV1Api(api).create_namespaced_secret(ns, obj, _preload_content=False)
+        elif kind == "PersistentVolumeClaim":
+            client.CoreV1Api(api).create_namespaced_persistent_volume_claim(ns, obj, _preload_content=False)
+        elif kind == "StatefulSet":
+            client.AppsV1Api(api).create_namespaced_stateful_set(ns, obj, _preload_content=False)
+        else:
+            raise ValueError(f"cannot create a {kind}")
+    except ApiException as err:
+        if err.status == 409:
+            return False
+        raise KubeError("create", f"{kind.lower()} {ns}/{name}", err) from None
+    return True
+
+
+def delete_pod(namespace: str, name: str) -> None:
+    """Graceful delete: the trainer gets SIGTERM, checkpoints and exits within the grace period."""
+    try:
+        client.CoreV1Api(_api()).delete_namespaced_pod(name, namespace, _preload_content=False)
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("delete", f"pod {namespace}/{name}", err) from None
+
+
+def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
+    try:
+        client.AppsV1Api(_api()).patch_namespaced_stateful_set_scale(
+            name, namespace, {"spec": {"replicas": replicas}}, _preload_content=False
+        )
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("scale", f"statefulset {namespace}/{name}", err) from None
+
+
+def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+    try:
+        client.CustomObjectsApi(_api()).patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False
+        )
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("patch", f"status of trainingjob {namespace}/{name}", err) from None
+
+
+def delete_job(namespace: str, name: str) -> None:
+    try:
+        client.CustomObjectsApi(_api()).delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background", _preload_content=False
+        )
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("delete", f"trainingjob {namespace}/{name}", err) from None
+
+
+def record_event(job: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """A core/v1 Event about the job; failures are logged, never raised (events are best effort)."""
+    meta = job["metadata"]
+    now = datetime.now(timezone.utc)
+    body = {
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "TrainingJob",
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta["uid"],
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": "kubetrain-operator"},
+        "firstTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "count": 1,
+    }
+    try:
+        client.CoreV1Api(_api()).create_namespaced_event(meta["namespace"], body, _preload_content=False)
+    except ApiException as err:
+        log.warning("cannot record event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], KubeError("create", "event", err))
+
+
+def scrape(ip: str, port: int, timeout: float = 2.0) -> str | None:
+    """The text of a pod's /metrics, or None when it does not answer (yet)."""
+    start = time.monotonic()
+    host = f"[{ip}]" if ":" in ip else ip
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as resp:
+            return resp.read().decode(errors="replace")
+    except OSError as err:
+        log.debug("scrape %s:%s failed after %.1fs: %s", ip, port, time.monotonic() - start, err)
+        return None

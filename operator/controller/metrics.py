@@ -1,0 +1,37 @@
+"""The operator's own Prometheus metrics, every one defined here once."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+JOBS_CREATED = Counter(
+    "kubetrain_operator_jobs_created_total", "TrainingJobs the operator started managing.",
+    ["namespace", "mode"], registry=REGISTRY,
+)  # fmt: skip
+JOBS_SUCCEEDED = Counter(
+    "kubetrain_operator_jobs_succeeded_total", "TrainingJobs that succeeded.", ["namespace", "mode"], registry=REGISTRY
+)
+JOBS_FAILED = Counter(
+    "kubetrain_operator_jobs_failed_total", "TrainingJobs that failed.", ["namespace", "mode"], registry=REGISTRY
+)
+REPLICA_RESTARTS = Counter(
+    "kubetrain_operator_replica_restarts_total", "Replicas the operator restarted, by reason.",
+    ["namespace", "mode", "reason"], registry=REGISTRY,
+)  # fmt: skip
+JOBS_BY_STATE = Gauge(
+    "kubetrain_operator_jobs", "TrainingJobs the operator manages, by state.", ["namespace", "state"], registry=REGISTRY
+)
+RECONCILE_SECONDS = Histogram(
+    "kubetrain_operator_reconcile_duration_seconds", "Wall time of one reconciliation, I/O included.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=REGISTRY,
+)  # fmt: skip
+RECONCILE_ERRORS = Counter(
+    "kubetrain_operator_reconcile_errors_total", "Reconciliations that failed and will be retried.", registry=REGISTRY
+)
+
+
+def serve(port: int) -> None:
+    if port:
+        start_http_server(port, addr="0.0.0.0", registry=REGISTRY)

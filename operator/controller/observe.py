@@ -1,0 +1,99 @@
+"""What the operator sees, turned into the pure core's observations: pods and metrics text."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from ..core.children import CONTAINER, LABEL_REPLICA
+from ..core.reconcile import PodObservation, Progress
+
+STS_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+
+def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
+    """A pod (as a dict, the API's camelCase shape) as the core sees it; None if not ours."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    replica = labels.get(LABEL_REPLICA)
+    if replica is None and STS_INDEX_LABEL in labels:
+        replica = f"ddp-{labels[STS_INDEX_LABEL]}"
+    if replica is None:
+        return None
+    status = pod.get("status") or {}
+    exit_code = last_exit = None
+    waiting_reason = waiting_message = ""
+    restarts = 0
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != CONTAINER:
+            continue
+        restarts = cs.get("restartCount") or 0
+        state = cs.get("state") or {}
+        if state.get("terminated"):
+            exit_code = state["terminated"].get("exitCode")
+        if state.get("waiting"):
+            waiting_reason = state["waiting"].get("reason") or ""
+            waiting_message = state["waiting"].get("message") or ""
+        last = (cs.get("lastState") or {}).get("terminated")
+        if last:
+            last_exit = last.get("exitCode")
+    return PodObservation(
+        replica=replica,
+        phase=status.get("phase") or "Pending",
+        exit_code=exit_code,
+        reason=status.get("reason") or "",
+        waiting_reason=waiting_reason,
+        waiting_message=waiting_message,
+        terminating=meta.get("deletionTimestamp") is not None,
+        restart_count=restarts,
+        last_exit_code=last_exit,
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        ip=status.get("podIP") or "",
+    )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name -> value for the unlabelled-by-extra-dimension kubetrain_ gauges we need."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("kubetrain_"):
+            continue
+        try:
+            name_labels, value = line.rsplit(" ", 1)
+            out[name_labels.split("{", 1)[0]] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float] | None = None) -> Progress | None:
+    """Progress from the chief's samples (and, for a PS job, the shard that counts steps)."""
+    head = checkpoint_samples or samples
+    if "kubetrain_training_step" not in head:
+        return None
+
+    def get(src: dict[str, float], key: str) -> float | None:
+        return src.get(f"kubetrain_{key}")
+
+    ckpt_time = get(head, "checkpoint_last_success_timestamp_seconds")
+    ckpt_step = get(head, "last_checkpoint_step")
+    total = get(head, "total_steps") or get(samples, "total_steps")
+    return Progress(
+        step=int(get(head, "training_step") or 0),
+        total_steps=int(total) if total else None,
+        loss=get(samples, "loss"),
+        eval_accuracy=get(samples, "eval_accuracy"),
+        samples_per_second=get(samples, "samples_per_second"),
+        checkpoint_step=int(ckpt_step) if ckpt_step else None,
+        checkpoint_time=ckpt_time if ckpt_time else None,
+    )
+
+
+def scrape_allowed(ip: str, networks: list[str]) -> bool:
+    """Whether the operator may connect to this pod IP (an allow-list; empty allows all)."""
+    if not ip:
+        return False
+    if not networks:
+        return True
+    addr = ipaddress.ip_address(ip)
+    return any(addr in ipaddress.ip_network(n, strict=False) for n in networks)
