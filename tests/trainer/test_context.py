@@ -1,0 +1,64 @@
+"""The replica context comes from the KUBETRAIN_* environment; events and results are plain JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kubetrain_trainer.context import ReplicaContext
+from kubetrain_trainer.errors import ConfigError
+from kubetrain_trainer.events import EventLog, write_result
+
+
+def test_from_env_reads_every_variable(write_job, tmp_path: Path) -> None:
+    ctx = ReplicaContext.from_env("worker", {
+        "KUBETRAIN_JOB_FILE": str(write_job(name="digits")),
+        "KUBETRAIN_JOB_NAME": "digits",
+        "KUBETRAIN_NAMESPACE": "team-a",
+        "KUBETRAIN_REPLICA": "worker-3",
+        "KUBETRAIN_RUN_DIR": str(tmp_path / "run"),
+        "KUBETRAIN_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "KUBETRAIN_METRICS_PORT": "9191",
+        "KUBETRAIN_PS_ADDRS": "ps-0:50051,ps-1:50051",
+        "KUBETRAIN_PS_PORT": "50051",
+        "KUBETRAIN_JOB_TOKEN": "secret",
+        "KUBETRAIN_FAULT": "kill@step=12",
+    })
+    assert (ctx.role, ctx.index, ctx.replica) == ("worker", 3, "worker-3")
+    assert (ctx.namespace, ctx.job_name, ctx.spec.mode) == ("team-a", "digits", "Single")
+    assert ctx.ps_addrs == ["ps-0:50051", "ps-1:50051"] and ctx.ps_port == 50051 and ctx.token == "secret"
+    assert ctx.fault_step == 12 and ctx.metrics_port == 9191 and ctx.checkpoint_dir == tmp_path / "ckpt"
+
+
+def test_from_env_defaults(write_job) -> None:
+    ctx = ReplicaContext.from_env("single", {"KUBETRAIN_JOB_FILE": str(write_job(name="digits"))})
+    assert ctx.replica == "single-0" and ctx.fault_step is None and ctx.ps_addrs == []
+    assert ctx.run_dir == Path("runs/digits") and ctx.checkpoint_dir == Path("runs/digits/checkpoints/single-0")
+    assert ctx.metrics_port == 0  # the spec's metrics.port (0 in the test spec)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"KUBETRAIN_REPLICA": "worker"}, "expected '<role>-<index>' such as 'worker-1', got 'worker'"),
+        ({"KUBETRAIN_METRICS_PORT": "http"}, "KUBETRAIN_METRICS_PORT: expected an integer, got 'http'"),
+        ({"KUBETRAIN_FAULT": "kill@40"}, "KUBETRAIN_FAULT: expected 'kill@step=N', got 'kill@40'"),
+    ],
+    ids=["replica without index", "port not a number", "fault without step="],
+)
+def test_bad_environment_is_a_config_error(write_job, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ReplicaContext.from_env("single", {"KUBETRAIN_JOB_FILE": str(write_job()), **env})
+
+
+def test_events_are_json_lines_and_nan_becomes_null(tmp_path: Path) -> None:
+    log = EventLog(tmp_path, "worker-0")
+    log.write("eval", step=3, eval_accuracy=float("nan"))
+    log.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "metrics" / "worker-0.jsonl").read_text().splitlines()]
+    assert record["event"] == "eval" and record["replica"] == "worker-0" and record["eval_accuracy"] is None
+    path = write_result(tmp_path, "worker-0", {"steps": 3, "eval_loss": float("inf")})
+    assert json.loads(path.read_text()) == {"steps": 3, "eval_loss": None}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["worker-0.json"]

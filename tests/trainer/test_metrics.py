@@ -1,0 +1,105 @@
+"""The trainer's exposition follows Prometheus naming rules and is served over HTTP."""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubetrain_trainer.errors import ConfigError
+from kubetrain_trainer.metrics import TrainerMetrics
+
+LABELS = {"namespace": "default", "job": "digits", "role": "worker", "replica": "worker-1"}
+ALLOWED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "le"}
+NAME = re.compile(r"kubetrain_[a-z][a-z0-9_]*")
+# Unit words that must appear as the suffix (before _total), never in the middle or in another form.
+UNIT_SUFFIXES = ("_seconds", "_bytes")
+WRONG_UNITS = re.compile(r"_(milliseconds|ms|millis|kilobytes|kb|mb|megabytes|minutes|hours)(_|$)")
+
+CONTRACT = {
+    "kubetrain_steps": "counter",
+    "kubetrain_samples": "counter",
+    "kubetrain_step_duration_seconds": "histogram",
+    "kubetrain_loss": "gauge",
+    "kubetrain_eval_accuracy": "gauge",
+    "kubetrain_eval_loss": "gauge",
+    "kubetrain_gradient_bytes": "counter",
+    "kubetrain_network_bytes": "counter",
+    "kubetrain_staleness_steps": "histogram",
+    "kubetrain_sync_dropped_workers": "counter",
+    "kubetrain_rpc_duration_seconds": "histogram",
+    "kubetrain_rpc_retries": "counter",
+    "kubetrain_checkpoint_duration_seconds": "histogram",
+    "kubetrain_checkpoint_size_bytes": "gauge",
+    "kubetrain_checkpoint_last_success_timestamp_seconds": "gauge",
+    "kubetrain_last_checkpoint_step": "gauge",
+    "kubetrain_training_step": "gauge",
+    "kubetrain_total_steps": "gauge",
+    "kubetrain_samples_per_second": "gauge",
+    "kubetrain_process_starts": "counter",
+}
+
+
+def touched() -> TrainerMetrics:
+    """Metrics with one observation each, so every family (and its labelled series) is exposed."""
+    m = TrainerMetrics(LABELS)
+    m.steps_total.inc()
+    m.gradient_bytes_total.labels(stage="raw").inc(100)
+    m.network_bytes_total.labels(direction="sent").inc(10)
+    m.rpc_duration_seconds.labels(method="PushPull").observe(0.01)
+    m.rpc_retries_total.labels(method="PushPull").inc()
+    m.staleness_steps.observe(2)
+    return m
+
+
+def kubetrain_families(m: TrainerMetrics) -> dict:
+    families = text_string_to_metric_families(m.exposition().decode())
+    # prometheus-client adds a *_created gauge per counter and histogram: not ours to name.
+    return {f.name: f for f in families if f.name.startswith("kubetrain_") and not f.name.endswith("_created")}
+
+
+def test_every_contract_metric_is_exposed_with_its_type() -> None:
+    families = kubetrain_families(touched())
+    assert {name: f.type for name, f in families.items()} == CONTRACT
+
+
+def test_exposed_names_follow_prometheus_naming_rules() -> None:
+    for name, family in kubetrain_families(touched()).items():
+        assert NAME.fullmatch(name), name
+        assert family.documentation, f"{name} has no help text"
+        assert not WRONG_UNITS.search(name), f"{name}: use base units (seconds, bytes)"
+        if "duration" in name:
+            assert name.endswith("_seconds") and family.type == "histogram", name
+        for unit in UNIT_SUFFIXES:
+            if unit[1:] in name.split("_"):
+                assert name.endswith(unit), f"{name}: the unit {unit} goes last"
+        for sample in family.samples:
+            if family.type == "counter" and not sample.name.endswith("_created"):
+                assert sample.name.endswith("_total"), sample.name
+            assert set(sample.labels) <= ALLOWED_LABELS, sample.labels
+            assert {k: sample.labels[k] for k in LABELS} == LABELS
+
+
+def test_labels_must_be_exactly_the_replica_labels() -> None:
+    with pytest.raises(ConfigError, match="metric labels must be exactly namespace, job, role, replica"):
+        TrainerMetrics({"job": "x", "pod": "y"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_exposes_metrics_over_http_and_port_zero_turns_it_off() -> None:
+    m = touched()
+    assert m.serve(0) == 0
+    port = m.serve(free_port())
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        m.close()
+    assert 'kubetrain_steps_total{job="digits",namespace="default",replica="worker-1",role="worker"} 1.0' in body

@@ -1,0 +1,52 @@
+"""`python -m kubetrain_trainer ROLE`: the one command every replica runs, locally and in pods.
+
+It reads the replica's context from the environment, turns SIGTERM into a
+checkpoint-and-stop request, runs the role, and turns a TrainerError into its
+exit code with a one-line message on stderr (no traceback: the message names
+the field or file to fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+from .context import ReplicaContext
+from .errors import TrainerError
+
+PROG = "python -m kubetrain_trainer"
+
+# Each role is a package-level function `run_*(ctx) -> int`, imported only when
+# chosen, so a Single replica never loads gRPC and a PS replica never loads DDP.
+ROLES = {
+    "single": "kubetrain_trainer.single:run_single",
+    "ps": "kubetrain_trainer.ps:run_ps",
+    "worker": "kubetrain_trainer.ps:run_worker",
+    "ddp": "kubetrain_trainer.ddp:run_ddp",
+}
+
+
+def runner(role: str) -> Callable[[ReplicaContext], int]:
+    module, _, name = ROLES[role].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="Run one replica of a TrainingJob.")
+    parser.add_argument("role", choices=sorted(ROLES), help="the replica's role")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        ctx = ReplicaContext.from_env(args.role)
+        ctx.install_signal_handlers()
+        return runner(args.role)(ctx)
+    except TrainerError as err:
+        print(f"{PROG} {args.role}: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Who this replica is and where it works: the ReplicaContext, read from the environment.
+
+Every replica, in a pod or as a local process, is started as
+`python -m kubetrain_trainer ROLE` and learns everything else from the
+KUBETRAIN_* variables of docs/internals.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubetrain_operator.api import InvalidSpec, Spec, TrainingJob, load_one
+
+from .errors import ConfigError
+
+FAULT_PATTERN = re.compile(r"kill@step=([0-9]+)")
+REPLICA_PATTERN = re.compile(r"([a-z]+)-([0-9]+)")
+
+
+@dataclass
+class ReplicaContext:
+    """One replica's view of its job; built once by `from_env` and passed down."""
+
+    job: TrainingJob
+    replica: str = "single-0"
+    """`<role>-<index>`: single-0, ps-1, worker-0, ddp-0."""
+    role: str = ""
+    """Derived from `replica` when empty."""
+    index: int = -1
+    """Derived from `replica` when negative."""
+    run_dir: Path = Path(".")
+    """Receives metrics/<replica>.jsonl and results/<replica>.json."""
+    checkpoint_dir: Path = Path("checkpoints")
+    """This replica's own checkpoint directory."""
+    metrics_port: int = 0
+    """Port of /metrics; 0 turns it off."""
+    ps_addrs: list[str] = field(default_factory=list)
+    """host:port of each parameter-server shard, in shard order (ps-0 hosts the coordinator)."""
+    ps_port: int = 0
+    """Port a parameter server listens on."""
+    token: str = ""
+    """Shared secret the parameter servers check in call metadata."""
+    fault_step: int | None = None
+    """Local fault injection: SIGKILL this process right after this step."""
+    namespace: str = ""
+    """Metric label; the job's namespace when empty."""
+    job_name: str = ""
+    """Metric label; the job's name when empty."""
+    stop_requested: bool = False
+    """Set by the SIGTERM handler; training loops check it after every step."""
+
+    def __post_init__(self) -> None:
+        if not self.role or self.index < 0:
+            match = REPLICA_PATTERN.fullmatch(self.replica)
+            if match is None:
+                raise ConfigError(
+                    f"KUBETRAIN_REPLICA: expected '<role>-<index>' such as 'worker-1', got {self.replica!r}"
+                )
+            self.role = self.role or match.group(1)
+            self.index = self.index if self.index >= 0 else int(match.group(2))
+        self.run_dir = Path(self.run_dir)
+        self.checkpoint_dir = Path(self.checkpoint_dir)
+        self.namespace = self.namespace or self.job.metadata.namespace
+        self.job_name = self.job_name or self.job.name
+
+    @property
+    def spec(self) -> Spec:
+        return self.job.spec
+
+    @classmethod
+    def from_env(cls, role: str | None = None, environ: Mapping[str, str] | None = None) -> "ReplicaContext":
+        """Read the KUBETRAIN_* variables; `role` names the default replica (`<role>-0`)."""
+        env = os.environ if environ is None else environ
+        job_file = env.get("KUBETRAIN_JOB_FILE")
+        if not job_file:
+            raise ConfigError("KUBETRAIN_JOB_FILE: not set; it must name the job's manifest (job.yaml)")
+        try:
+            job = load_one(job_file)
+        except InvalidSpec as err:
+            raise ConfigError(str(err)) from None
+        replica = env.get("KUBETRAIN_REPLICA") or f"{role or 'single'}-0"
+        run_dir = Path(env.get("KUBETRAIN_RUN_DIR") or Path("runs") / job.name)
+        return cls(
+            job=job,
+            replica=replica,
+            run_dir=run_dir,
+            checkpoint_dir=Path(env.get("KUBETRAIN_CHECKPOINT_DIR") or run_dir / "checkpoints" / replica),
+            metrics_port=_int(env, "KUBETRAIN_METRICS_PORT", job.spec.metrics.port),
+            ps_addrs=[a for a in env.get("KUBETRAIN_PS_ADDRS", "").split(",") if a],
+            ps_port=_int(env, "KUBETRAIN_PS_PORT", 0),
+            token=env.get("KUBETRAIN_JOB_TOKEN", ""),
+            fault_step=_fault_step(env.get("KUBETRAIN_FAULT", "")),
+            namespace=env.get("KUBETRAIN_NAMESPACE", ""),
+            job_name=env.get("KUBETRAIN_JOB_NAME", ""),
+        )
+
+    def maybe_fault(self, step: int) -> None:
+        """SIGKILL this process right after `step` when KUBETRAIN_FAULT asks for it.
+
+        SIGKILL, not an exception: nothing gets to clean up or checkpoint, as
+        when a node dies, so the run directory shows what a real crash leaves.
+        """
+        if self.fault_step is not None and step == self.fault_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def install_signal_handlers(self) -> None:
+        """Turn SIGTERM into `stop_requested`; the loop then checkpoints and exits 143."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def _fault_step(raw: str) -> int | None:
+    if not raw:
+        return None
+    match = FAULT_PATTERN.fullmatch(raw)
+    if match is None:
+        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N', got {raw!r}")
+    return int(match.group(1))

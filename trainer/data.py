@@ -1,0 +1,283 @@
+"""Training data: loading the datasets into tensors, and each rank's deterministic order over them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kubetrain_operator.api.spec import Dataset
+
+from .errors import ConfigError, LoadError, TrainerError
+
+
+@dataclass
+class Data:
+    """A dataset split into train and eval tensors (float32 inputs, int64 labels), on the CPU."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    eval_x: torch.Tensor
+    eval_y: torch.Tensor
+    input_shape: tuple[int, ...]
+    """Shape of one sample, without the batch dimension."""
+    num_classes: int
+
+
+# --- plug-ins -----------------------------------------------------------------
+
+
+def load_entrypoint(ref: str, path: str) -> Callable[..., Any]:
+    """Import `package.module:function`; LoadError names the field `path` and what went wrong."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # a user module may fail with anything at import time
+        raise LoadError(f"{path}: {ref}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
+    if not hasattr(module, attr):
+        raise LoadError(f"{path}: {ref}: module {module_name!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise LoadError(f"{path}: {ref}: {attr!r} is a {type(fn).__name__}, not callable")
+    return fn
+
+
+def call_with_args(fn: Callable[..., Any], args: Mapping[str, Any], what: str, path: str) -> Any:
+    """Call a factory with keyword arguments from the spec.
+
+    Arguments the factory does not take are a configuration error (exit 2)
+    naming `path`; anything the factory itself raises is a load error (exit 3).
+    """
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as err:
+        raise ConfigError(f"{path}: {what} does not take these arguments: {err}") from None
+    except ValueError:
+        pass  # no introspectable signature (a C function): let the call decide
+    try:
+        return fn(**args)
+    except TrainerError:
+        raise
+    except Exception as err:
+        raise LoadError(f"{path}: {what} failed: {type(err).__name__}: {err}") from None
+
+
+# --- built-in datasets --------------------------------------------------------
+
+
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits (1797 samples, flat 64 features scaled to [0, 1])."""
+    # Importing sklearn costs ~2 s, paid by every replica at every start; the
+    # data is one small CSV inside the package (pixels, then the label), so
+    # read it directly and fall back to the public loader if it ever moves.
+    location = importlib.util.find_spec("sklearn")
+    csv = Path(location.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if location else None
+    if csv is not None and csv.is_file():
+        table = np.loadtxt(csv, delimiter=",")
+        pixels, labels = table[:, :-1], table[:, -1]
+    else:
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        pixels, labels = bunch.data, bunch.target
+    return pixels.astype(np.float32) / 16.0, labels.astype(np.int64)
+
+
+def synthetic(
+    samples: int = 2048, features: int = 32, classes: int = 4, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian clusters, one per class, with unit noise: learnable, and the same for every seed."""
+    if samples < 1 or features < 1 or classes < 2:
+        raise ConfigError(
+            "spec.dataset.args: synthetic needs samples >= 1, features >= 1 and classes >= 2, "
+            f"got samples={samples}, features={features}, classes={classes}"
+        )
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0.0, 1.0, (classes, features))
+    y = rng.integers(0, classes, samples)
+    x = centers[y] + rng.normal(0.0, 1.0, (samples, features))
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+BUILTIN_DATASETS: dict[str, Callable[..., tuple[np.ndarray, np.ndarray]]] = {
+    "digits": digits,
+    "synthetic": synthetic,
+}
+
+
+def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+    where = f"spec.dataset.path: {path}"
+    if not Path(path).is_file():
+        raise LoadError(f"{where}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            missing = [k for k in ("x", "y") if k not in arrays.files]
+            if missing:
+                raise LoadError(
+                    f"{where}: has no array {' or '.join(map(repr, missing))} "
+                    f"(found {', '.join(arrays.files) or 'none'}); expected x (features) and y (labels)"
+                )
+            return arrays["x"], arrays["y"]
+    except LoadError:
+        raise
+    except Exception as err:  # zipfile.BadZipFile, ValueError (pickled objects), OSError
+        raise LoadError(f"{where}: not a readable .npz file: {type(err).__name__}: {err}") from None
+
+
+def _raw(spec: Dataset, seed: int) -> tuple[Any, Any, str]:
+    """The (x, y) arrays the spec points at, and the field path to blame for their content."""
+    if spec.path is not None:
+        x, y = _npz(spec.path)
+        return x, y, f"spec.dataset.path: {spec.path}"
+    if spec.entrypoint is not None:
+        fn = load_entrypoint(spec.entrypoint, "spec.dataset.entrypoint")
+        result = call_with_args(fn, spec.args, spec.entrypoint, "spec.dataset.entrypoint")
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise LoadError(
+                f"spec.dataset.entrypoint: {spec.entrypoint} returned {type(result).__name__}; expected (x, y)"
+            )
+        return result[0], result[1], f"spec.dataset.entrypoint: {spec.entrypoint}"
+    if spec.name not in BUILTIN_DATASETS:
+        raise LoadError(
+            f"spec.dataset.name: unknown dataset {spec.name!r}; expected one of {', '.join(BUILTIN_DATASETS)}"
+        )
+    args = dict(spec.args)
+    if spec.name == "synthetic":
+        args.setdefault("seed", seed)
+    x, y = call_with_args(BUILTIN_DATASETS[spec.name], args, spec.name, "spec.dataset.args")
+    return x, y, f"spec.dataset.name: {spec.name}"
+
+
+def _tensors(x: Any, y: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        x = torch.as_tensor(np.asarray(x, dtype=np.float32))
+        y_arr = np.asarray(y)
+    except (TypeError, ValueError) as err:
+        raise LoadError(f"{where}: x must be numeric: {err}") from None
+    if x.ndim < 2 or len(x) == 0:
+        raise LoadError(f"{where}: x must hold samples along its first axis, got shape {tuple(x.shape)}")
+    if y_arr.ndim != 1 or len(y_arr) != len(x):
+        raise LoadError(f"{where}: y must be 1-D with one label per sample of x ({len(x)}), got shape {y_arr.shape}")
+    if not np.issubdtype(y_arr.dtype, np.integer) or y_arr.min() < 0:
+        raise LoadError(f"{where}: y must hold non-negative integer labels, got dtype {y_arr.dtype}")
+    return x, torch.as_tensor(y_arr.astype(np.int64))
+
+
+def load_data(spec: Dataset, seed: int) -> Data:
+    """Load the dataset of `spec` and split it, seeded, into train and eval parts."""
+    x_raw, y_raw, where = _raw(spec, seed)
+    x, y = _tensors(x_raw, y_raw, where)
+    n = len(x)
+    n_eval = int(round(n * spec.eval_fraction))
+    if n - n_eval < 1:
+        raise LoadError(f"{where}: {n} samples leave none for training with evalFraction {spec.eval_fraction}")
+    # The split depends on the seed alone, so every replica of a job holds out the same samples.
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    train, held_out = order[n_eval:], order[:n_eval]
+    return Data(
+        train_x=x[train],
+        train_y=y[train],
+        eval_x=x[held_out],
+        eval_y=y[held_out],
+        input_shape=tuple(x.shape[1:]),
+        num_classes=int(y.max()) + 1,
+    )
+
+
+# --- order ----------------------------------------------------------------------
+
+
+class ShardCursor:
+    """This rank's way through the training samples: shuffled per epoch, disjoint across ranks.
+
+    Every epoch shuffles all sample indices with `seed + epoch` (the same
+    permutation on every rank) and gives rank r the indices r, r+W, r+2W, ...
+    of the first `num_samples // W * W`: shards are disjoint, equally long (so
+    ranks run the same steps per epoch), and together cover the data but for
+    fewer than W samples, a different few each epoch. The last batch of a
+    shard may be short. The state is two numbers (epoch, position), so a
+    resumed cursor continues with the very next sample.
+    """
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, batch_size: int, seed: int):
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside world size {world_size}")
+        if num_samples < world_size:
+            raise ConfigError(
+                f"{num_samples} training samples cannot be sharded over {world_size} ranks; "
+                "use more data or fewer workers"
+            )
+        if batch_size < 1:
+            raise ConfigError(f"spec.training.batchSize: must be at least 1, got {batch_size}")
+        self.num_samples = num_samples
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shard_size = num_samples // world_size
+        self._epoch = 0
+        self._position = 0
+        self._shard: torch.Tensor | None = None
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch (0-based)."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Samples of this epoch's shard already handed out; 0 right after an epoch ends."""
+        return self._position
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.shard_size / self.batch_size)
+
+    def _current_shard(self) -> torch.Tensor:
+        if self._shard is None:
+            generator = torch.Generator().manual_seed(self.seed + self._epoch)
+            order = torch.randperm(self.num_samples, generator=generator)
+            self._shard = order[self.rank : self.shard_size * self.world_size : self.world_size]
+        return self._shard
+
+    def next_batch(self) -> torch.LongTensor:
+        """Indices of the next batch; after the last batch of a shard the epoch advances."""
+        end = min(self._position + self.batch_size, self.shard_size)
+        batch = self._current_shard()[self._position : end].clone()
+        self._position = end
+        if end == self.shard_size:
+            self._epoch += 1
+            self._position = 0
+            self._shard = None
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_samples": self.num_samples,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue where `state` left off; it must describe the same data, shard and seed."""
+        for key in ("num_samples", "rank", "world_size", "seed"):
+            if state[key] != getattr(self, key):
+                raise ConfigError(
+                    f"cursor state was saved with {key}={state[key]}, this cursor has {key}={getattr(self, key)}"
+                )
+        if not 0 <= state["position"] < self.shard_size:
+            raise ConfigError(f"cursor position {state['position']} is outside the shard of {self.shard_size}")
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._shard = None

@@ -1,0 +1,62 @@
+"""The replica's own record of a run: JSONL events as they happen and one results file at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe values: NaN and infinities (an empty eval split) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class EventLog:
+    """Appends `{"time", "event", "replica", ...}` lines to run_dir/metrics/<replica>.jsonl.
+
+    Each line is flushed when written, so a killed process loses none of the
+    lines before its death. Safe to use from the checkpoint writer thread.
+    """
+
+    def __init__(self, run_dir: str | Path, replica: str):
+        self.replica = replica
+        self.path = Path(run_dir) / "metrics" / f"{replica}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": event, "replica": self.replica, **_plain(fields)}
+        line = json.dumps(record, allow_nan=False) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def write_result(run_dir: str | Path, replica: str, result: dict[str, Any]) -> Path:
+    """Write run_dir/results/<replica>.json atomically (temp file, fsync, rename)."""
+    path = Path(run_dir) / "results" / f"{replica}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_plain(result), f, indent=2, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path

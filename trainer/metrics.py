@@ -1,0 +1,145 @@
+"""Every Prometheus metric a trainer process exports, defined once: name, unit, help, labels.
+
+Names start with `kubetrain_`, carry base units (`_seconds`, `_bytes`),
+counters end in `_total` (prometheus-client appends it), durations are
+histograms. Every series carries the replica's labels (namespace, job, role,
+replica); the few with one more label take it from a small fixed set
+(stage: raw|compressed, direction: sent|received, method: an RPC name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+
+from .context import ReplicaContext
+from .errors import ConfigError, TransientError
+
+LABELS = ("namespace", "job", "role", "replica")
+PREFIX = "kubetrain_"
+
+FAST_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SLOW_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STALENESS_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+class Labelled:
+    """A metric with one label beyond the replica's: `.labels(stage="raw")` fills in the rest."""
+
+    def __init__(self, metric: Any, base: Mapping[str, str]):
+        self._metric = metric
+        self._base = dict(base)
+
+    def labels(self, **extra: str) -> Any:
+        return self._metric.labels(**self._base, **extra)
+
+
+class TrainerMetrics:
+    """The metrics of one replica, in their own registry (with the process collectors)."""
+
+    def __init__(self, ctx_or_labels: ReplicaContext | Mapping[str, str], registry: CollectorRegistry | None = None):
+        if isinstance(ctx_or_labels, ReplicaContext):
+            ctx = ctx_or_labels
+            labels = {"namespace": ctx.namespace, "job": ctx.job_name, "role": ctx.role, "replica": ctx.replica}
+        else:
+            labels = dict(ctx_or_labels)
+            if set(labels) != set(LABELS):
+                raise ConfigError(f"metric labels must be exactly {', '.join(LABELS)}, got {', '.join(labels)}")
+        self.labels = labels
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        self.registry = registry
+        self._server: Any = None
+
+        # Progress
+        self.steps_total = self._counter("steps", "Optimizer steps this replica has run.")
+        self.samples_total = self._counter("samples", "Training samples this replica has processed.")
+        self.step_duration_seconds = self._histogram(
+            "step_duration_seconds", "Wall time of one training step.", FAST_SECONDS
+        )
+        self.training_step = self._gauge("training_step", "The step the job has reached, as this replica sees it.")
+        self.total_steps = self._gauge("total_steps", "Steps the job runs in all.")
+        self.samples_per_second = self._gauge("samples_per_second", "Recent training throughput of this replica.")
+        self.loss = self._gauge("loss", "Training loss of the most recent step.")
+        self.eval_accuracy = self._gauge("eval_accuracy", "Accuracy on the eval split at the last evaluation (0..1).")
+        self.eval_loss = self._gauge("eval_loss", "Mean cross-entropy on the eval split at the last evaluation.")
+        self.process_starts_total = self._counter(
+            "process_starts", "Starts of this replica's process; more than one series reset means restarts."
+        )
+        # Communication
+        self.gradient_bytes_total = self._counter(
+            "gradient_bytes", "Gradient bytes before (raw) and after (compressed) compression.", "stage"
+        )
+        self.network_bytes_total = self._counter(
+            "network_bytes", "Payload bytes this replica sent or received.", "direction"
+        )
+        self.staleness_steps = self._histogram(
+            "staleness_steps", "Async: steps the parameters moved between a worker's read and its push.",
+            STALENESS_STEPS,
+        )
+        self.sync_dropped_workers_total = self._counter(
+            "sync_dropped_workers", "Sync: workers dropped from a step after syncTimeoutSeconds of silence."
+        )
+        self.rpc_duration_seconds = self._histogram(
+            "rpc_duration_seconds", "Wall time of one parameter-server RPC, retries included.", FAST_SECONDS, "method"
+        )
+        self.rpc_retries_total = self._counter("rpc_retries", "RPC attempts that failed and were retried.", "method")
+        # Checkpoints
+        self.checkpoint_duration_seconds = self._histogram(
+            "checkpoint_duration_seconds", "Time to make one checkpoint durable.", SLOW_SECONDS
+        )
+        self.checkpoint_size_bytes = self._gauge("checkpoint_size_bytes", "Size of the last checkpoint file.")
+        self.checkpoint_last_success_timestamp_seconds = self._gauge(
+            "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint became durable."
+        )
+        self.last_checkpoint_step = self._gauge("last_checkpoint_step", "Step of the last durable checkpoint.")
+
+    def _bind(self, metric: Any, extra: str | None) -> Any:
+        return Labelled(metric, self.labels) if extra else metric.labels(**self.labels)
+
+    def _counter(self, name: str, doc: str, extra: str | None = None) -> Any:
+        names = LABELS + ((extra,) if extra else ())
+        return self._bind(Counter(PREFIX + name, doc, names, registry=self.registry), extra)
+
+    def _gauge(self, name: str, doc: str) -> Any:
+        return self._bind(Gauge(PREFIX + name, doc, LABELS, registry=self.registry), None)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], extra: str | None = None) -> Any:
+        names = LABELS + ((extra,) if extra else ())
+        return self._bind(Histogram(PREFIX + name, doc, names, buckets=buckets, registry=self.registry), extra)
+
+    def serve(self, port: int) -> int:
+        """Serve /metrics on `port` (all interfaces); 0 turns it off. Returns the port served."""
+        if port == 0:
+            return 0
+        try:
+            self._server, _ = start_http_server(port, registry=self.registry)
+        except OSError as err:
+            # Locally a port may still be held by the previous attempt of this replica.
+            raise TransientError(f"metrics port {port}: cannot listen: {err.strerror or err}") from None
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)
