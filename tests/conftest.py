@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).parents[1]
-EXAMPLES = ROOT / "examples"
-
-
-def job_doc(name: str = "t", mode: str = "Single", **spec) -> dict:
-    return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"mode": mode, **spec}}
+sys.path.insert(0, str(Path(__file__).parent))  # `import support` from any test area
 
 
 @pytest.fixture
@@ -29,12 +21,3 @@ def write_job(tmp_path):
         return path
 
     return write
-
-
-def kubetrain(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    """The real `kubetrain` command, as a user runs it."""
-    env = {**os.environ, **kw.pop("env", {})}
-    return subprocess.run(
-        [sys.executable, "-m", "kubetrain_operator.cli", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, **kw,
-    )

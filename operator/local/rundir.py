@@ -117,6 +117,25 @@ class RunDir:
     def save_state(self, state: RunState) -> None:
         atomic_write(self.state_file, json.dumps(asdict(state), indent=2) + "\n")
 
+    @property
+    def targets_file(self) -> Path:
+        return self.path / "targets.json"
+
+    def write_targets(self, replicas: list[Any]) -> None:
+        """The replicas' /metrics endpoints in Prometheus's file_sd format.
+
+        Ports are picked free at every start, so this is rewritten each time;
+        a Prometheus with `file_sd_configs` on this file follows the job. The
+        series carry their own namespace/job/role/replica labels: scrape with
+        `honor_labels: true` so Prometheus's `job` does not rename them.
+        """
+        groups = [
+            {"targets": [f"127.0.0.1:{r.ports['metrics']}"], "labels": {"kubetrain_replica": r.name}}
+            for r in replicas
+            if r.ports.get("metrics")
+        ]
+        atomic_write(self.targets_file, json.dumps(groups, indent=2) + "\n")
+
     def read_summary(self) -> dict[str, Any] | None:
         if not self.summary_file.exists():
             return None

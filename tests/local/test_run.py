@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, job_doc, kubetrain
+from support import EXAMPLES, job_doc, kubetrain
 from kubetrain_operator.local.summary import SUMMARY_KEYS
 from kubetrain_operator.api import load_one
 from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
@@ -145,3 +145,13 @@ def test_bad_input_is_refused_without_traces(tmp_path, write_job, name, setup, a
     assert "Traceback" not in proc.stderr
     after = sorted(p.name for p in run.iterdir()) if run.is_dir() else None
     assert after == before  # nothing written that could pass for a run
+
+
+def test_metrics_targets_are_written_for_prometheus(tmp_path, write_job):
+    path = write_job(job_doc("targets", training={"epochs": 1}))
+    run = tmp_path / "run"
+    assert kubetrain("run", str(path), "--run-dir", str(run), "--quiet").returncode == 0
+    groups = json.loads((run / "targets.json").read_text())
+    assert [g["labels"]["kubetrain_replica"] for g in groups] == ["single-0"]
+    host, port = groups[0]["targets"][0].split(":")
+    assert host == "127.0.0.1" and int(port) > 0
