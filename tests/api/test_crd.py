@@ -47,3 +47,7 @@ def test_reference_docs_are_generated_from_the_api_model():
     committed = (ROOT / "docs/reference.md").read_text()
     assert committed == docs.render(), "run: python -m kubetrain_operator.api.docs > docs/reference.md"
     assert "`spec.parameterServer.compression.algorithm`" in committed
+
+
+def test_chart_crd_is_the_generated_crd():
+    assert (ROOT / "charts/kubetrain/crds/trainingjobs.yaml").read_text() == crd.render()
