@@ -10,6 +10,7 @@ and one progress display follows the job.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -142,6 +143,8 @@ class LocalBackend:
         self.state = RunState()
         self.last_checkpoint_at_restart = 0
         self.stop_requested = False
+        # The shared secret parameter servers check; a Secret in a cluster.
+        self.token = secrets.token_hex(16)
 
     # -- entry ----------------------------------------------------------------
 
@@ -328,6 +331,7 @@ class LocalBackend:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(replica.env)
+        env["KUBETRAIN_JOB_TOKEN"] = self.token
         fault = self.faults.pop(replica.name, None)
         if fault is not None:  # first attempt only: a restarted replica runs clean
             replica = with_env(replica, KUBETRAIN_FAULT=f"kill@step={fault}")
