@@ -102,8 +102,14 @@ def cmd_operator(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .benchcli import run_bench
 
-    result = run_bench(args)
-    print(json.dumps(result, indent=2))
+    try:
+        result = run_bench(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    text = json.dumps(result, indent=2)
+    print(text)
+    if getattr(args, "out", None):
+        Path(args.out).write_text(text + "\n")
     return 0
 
 
@@ -155,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     bsub.required = True
     b = bsub.add_parser("transport", help="PS transport throughput vs a raw loopback socket, in one run")
     b.add_argument("--bytes", default="64MiB", help="tensor size, e.g. 64MiB")
-    b = bsub.add_parser("modes", help="samples/s of Single, PS Sync, PS Async and DDP on the same work")
-    b.add_argument("--samples", type=int, default=20000, help="training samples per mode")
+    b = bsub.add_parser("modes", help="samples/s of Single, PS Sync, PS Async and DDP on the same work, in one run")
+    b.add_argument("--epochs", type=int, default=5, help="epochs of digits per mode (the same samples for every mode)")
+    b.add_argument("--batch", type=int, default=64, help="global batch; 2-replica modes use half per replica")
     b.add_argument("--model-hidden", type=int, default=128)
+    b.add_argument("--modes", help="comma-separated subset of Single,PS-Sync,PS-Async,DDP")
     b.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
     return parser
