@@ -21,3 +21,6 @@ def write_job(tmp_path):
         return path
 
     return write
+
+
+from clusterlib import cluster  # noqa: E402,F401  (the session's test cluster, for every area)

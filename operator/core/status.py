@@ -48,14 +48,14 @@ def conditions(
         if before is None and not is_true:
             continue
         status = "True" if is_true else "False"
-        if ctype == observed.state or (ctype == "Created" and observed.state == "Created"):
+        if ctype == observed.state:
             reason, message = observed.reason, observed.message
-        elif before is not None and before.get("status") == status:
+        elif before is not None and (before.get("status") == status or not is_true):
+            # Unchanged, or no longer true: the last reason stays readable
+            # (Restarting=False, reason Killed: the last restart and why).
             reason, message = before.get("reason", ctype), before.get("message", "")
-        elif is_true:
-            reason, message = ctype, f"The job is {ctype.lower()}."
         else:
-            reason, message = f"Not{ctype}", f"The job is {observed.state.lower()}."
+            reason, message = ctype, f"The job is {ctype.lower()}."
         changed = before is None or before.get("status") != status
         out.append(
             {

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Builds the test cluster's binaries from the pinned Go modules beside this
+# script, once, into a cache outside the clone, and prints that bin directory.
+#
+# Each tool set is its own module (kubernetes/, etcd/, kwok/, helm/) because
+# their dependency graphs conflict: helm v3.22 wants the v0.37 client
+# libraries, Kubernetes v1.36.3 replaces them with v0.36.3, and etcd and kwok
+# pin other gRPC and OpenTelemetry versions. One module would let Go's minimum
+# version selection rebuild every tool against dependencies it was never
+# released with.
+#
+# The cache key hashes the modules and this script, so a change to either
+# builds a new directory. The marker file .complete is written last: a build
+# that was interrupted has no marker and is redone from scratch (Go's own
+# caches, kept under $KUBETRAIN_CACHE/go, make the redo cheaper).
+#
+#   hack/tools/build.sh            build if needed; print the bin directory
+#   hack/tools/build.sh --check    print the bin directory if built, else fail
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}
+go_min_minor=26 # every go.mod here says `go 1.26.0`
+
+# Kubernetes stamps its version into two packages; `kubectl version` reads
+# client-go's, the servers read component-base's.
+k8s_version=v1.36.3
+k8s_build_date=2026-07-22T18:07:38Z # the tag's date, so rebuilds are identical
+k8s_ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  k8s_ldflags+=" -X $pkg.gitVersion=$k8s_version -X $pkg.gitMajor=1 -X $pkg.gitMinor=36"
+  k8s_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$k8s_build_date"
+done
+etcd_ldflags="-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=v3.6.16"
+# kwokctl derives the default Kubernetes version of a cluster from KubeVersion.
+kwok_ldflags="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=0.8.0 -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=1.36.3"
+# helm's `kubeVersion` checks (lint, template) use the client-go minor it
+# was built with: helm v3.22 is built with client-go v0.37, hence 1.37.
+helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=v3.22.0"
+helm_ldflags+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=37"
+done
+
+# name | module directory | main package | ldflags variable
+targets=(
+  "etcd|etcd|go.etcd.io/etcd/server/v3|etcd_ldflags"
+  "kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|kwok_ldflags"
+  "kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwokctl|kwok_ldflags"
+  "kube-apiserver|kubernetes|k8s.io/kubernetes/cmd/kube-apiserver|k8s_ldflags"
+  "kube-controller-manager|kubernetes|k8s.io/kubernetes/cmd/kube-controller-manager|k8s_ldflags"
+  "kube-scheduler|kubernetes|k8s.io/kubernetes/cmd/kube-scheduler|k8s_ldflags"
+  "kubectl|kubernetes|k8s.io/kubernetes/cmd/kubectl|k8s_ldflags"
+  "kubelet|kubernetes|k8s.io/kubernetes/cmd/kubelet|k8s_ldflags"
+  "kube-proxy|kubernetes|k8s.io/kubernetes/cmd/kube-proxy|k8s_ldflags"
+  "helm|helm|helm.sh/helm/v3/cmd/helm|helm_ldflags"
+)
+
+say() { echo "hack/tools/build.sh: $*" >&2; }
+
+key=$(cd "$here" && find . -type f \( -name go.mod -o -name go.sum -o -name '*.go' -o -name build.sh \) \
+  | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
+dir="$cache/tools/$key"
+bin="$dir/bin"
+
+if [ -f "$dir/.complete" ]; then
+  echo "$bin"
+  exit 0
+fi
+if [ "${1:-}" = "--check" ]; then
+  say "the tools are not built ($dir/.complete missing); run hack/cluster build"
+  exit 1
+fi
+
+# GOTOOLCHAIN=local: an old Go must fail here rather than download another.
+if ! command -v go >/dev/null; then
+  say "go not found on PATH: install Go 1.$go_min_minor or newer (https://go.dev/dl/) to build the test cluster's tools"
+  exit 1
+fi
+go_version=$(GOTOOLCHAIN=local go env GOVERSION)
+minor=$(echo "$go_version" | sed -nE 's/^go1\.([0-9]+).*/\1/p')
+if [ -z "$minor" ] || [ "$minor" -lt "$go_min_minor" ]; then
+  say "found $go_version; the test cluster's tools need Go 1.$go_min_minor or newer (https://go.dev/dl/)"
+  exit 1
+fi
+
+export GOTOOLCHAIN=local CGO_ENABLED=0
+export GOMODCACHE="$cache/go/mod" GOCACHE="$cache/go/build"
+export GOFLAGS="-mod=readonly -trimpath -buildvcs=false"
+mkdir -p "$cache/tools" "$GOMODCACHE" "$GOCACHE"
+
+# Two builds at once (a developer and CI on one machine) would clobber each
+# other's bin directory: the second waits, then finds the marker.
+exec 9>"$dir.lock"
+if ! flock -n 9; then
+  say "another build of $key is running; waiting for it"
+  flock 9
+fi
+if [ -f "$dir/.complete" ]; then
+  echo "$bin"
+  exit 0
+fi
+
+rm -rf "$dir"
+mkdir -p "$bin"
+start=$SECONDS
+say "building the test cluster's tools with $go_version into $dir (cold: about 20 minutes)"
+
+for module in etcd kwok kubernetes helm; do
+  t=$SECONDS
+  (cd "$here/$module" && go mod download)
+  say "downloaded the $module modules ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
+done
+
+i=0
+for target in "${targets[@]}"; do
+  IFS='|' read -r name module pkg flags_var <<<"$target"
+  i=$((i + 1))
+  t=$SECONDS
+  say "[$i/${#targets[@]}] $name ..."
+  (cd "$here/$module" && go build -ldflags "${!flags_var}" -o "$bin/$name" "$pkg") &
+  pid=$!
+  # A heartbeat: kube-apiserver alone compiles for several silent minutes.
+  beat=$((t + 60))
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if [ "$SECONDS" -ge "$beat" ]; then
+      say "      $name still compiling ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
+      beat=$((beat + 60))
+    fi
+  done
+  if ! wait "$pid"; then
+    say "go build of $name ($pkg) failed; $dir stays incomplete and is rebuilt next time"
+    exit 1
+  fi
+  say "[$i/${#targets[@]}] $name done ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
+done
+
+du -sh "$bin" | awk '{print "binaries: " $1}' >&2
+date -u +%Y-%m-%dT%H:%M:%SZ >"$dir/.complete"
+say "done in $((SECONDS - start)) s"
+echo "$bin"
