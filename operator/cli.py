@@ -62,6 +62,8 @@ def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
             raise UsageError(f"--fault {value!r}: the step must be at least 1")
         if replica in faults:
             raise UsageError(f"--fault {value!r}: a fault for {replica} is given twice")
+        if replica.startswith("ddp-") and any(r.startswith("ddp-") for r in faults):
+            raise UsageError(f"--fault {value!r}: a DDP group takes one fault per run")
         faults[replica] = step
     return faults
 
@@ -77,6 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"{args.file}: spec.dataset.path: {path}: no such file", file=sys.stderr)
         return EXIT_LOAD
     replicas = [f"{role}-{i}" for role, i in replica_names(job)]
+    if job.spec.mode == "DDP":  # a fault names a rank, and there are nodes x procsPerNode of them
+        replicas = [f"ddp-{rank}" for rank in range(job.spec.world_size)]
     faults = parse_faults(args.fault, replicas)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name
     try:

@@ -63,6 +63,9 @@ class ClusterEndpoints:
     def checkpoint_dir(self, replica: str) -> str:
         return f"{DATA_MOUNT}/checkpoints"
 
+    def local_addr(self) -> str | None:
+        return None
+
 
 def config_name(job: TrainingJob) -> str:
     return f"{job.name}-config"
@@ -307,7 +310,11 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     label, exposed through the downward API), so one template serves every node.
     """
     first = replicas[0]
-    command = [c if not c.startswith("--node-rank=") else "--node-rank=$(KUBETRAIN_NODE_RANK)" for c in first.command]
+    # One template for every pod: node 0's argv without its is_host choice; the
+    # agent derives it from the pod's ordinal (KUBETRAIN_NODE_RANK).
+    command = list(first.command)
+    i = command.index("--rdzv-conf")
+    del command[i : i + 2]
     env = {k: v for k, v in first.env.items() if k != "KUBETRAIN_REPLICA"}
     template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
     pod_spec = _pod_spec(job, template_replica, settings, None)

@@ -8,16 +8,16 @@ paths locally, Service names and volume mounts in a cluster).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from kubetrain_trainer.ddp.launch import RDZV_PORT, torchrun_command  # standard library only
 
 from ..api import TrainingJob
 
 PYTHON = "python"
 TRAINER_MODULE = "kubetrain_trainer"
 GRPC_PORT = 50051  # parameter servers in a cluster
-RDZV_PORT = 29400  # torchrun's c10d rendezvous in a cluster
 
 
 class Endpoints(Protocol):
@@ -40,6 +40,9 @@ class Endpoints(Protocol):
     def run_dir(self, replica: str) -> str: ...
 
     def checkpoint_dir(self, replica: str) -> str: ...
+
+    def local_addr(self) -> str | None:
+        """Address a DDP node's agent advertises (None: the host's name)."""
 
 
 @dataclass(frozen=True)
@@ -73,30 +76,6 @@ def replica_names(job: TrainingJob) -> list[tuple[str, int]]:
     return [("ddp", i) for i in range(ddp.nodes)]
 
 
-def torchrun_command(job: TrainingJob, node_rank: int, rendezvous: str) -> tuple[str, ...]:
-    """torchrun (as `python -m torch.distributed.run`) for one DDP node.
-
-    torchrun restarts the whole group when a rank fails (--max-restarts) and
-    leaves resuming to the script: every rank resumes from kubetrain's newest
-    checkpoint. The c10d rendezvous lives on node 0 (its headless-Service name
-    in a cluster).
-    """
-    ddp = job.spec.ddp
-    assert ddp is not None
-    return (
-        PYTHON, "-m", "torch.distributed.run",
-        f"--nnodes={ddp.nodes}",
-        f"--nproc-per-node={ddp.procs_per_node}",
-        f"--node-rank={node_rank}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rendezvous}",
-        f"--rdzv-id={job.metadata.namespace}-{job.name}",
-        f"--max-restarts={ddp.max_restarts}",
-        "--monitor-interval=1",
-        "-m", TRAINER_MODULE, "ddp",
-    )  # fmt: skip
-
-
 def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
     spec = job.spec
     ps_addrs = ""
@@ -126,7 +105,11 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             ports["grpc"] = endpoints.ps_port(index)
             env["KUBETRAIN_PS_PORT"] = str(ports["grpc"])
         if role == "ddp":
-            command = torchrun_command(job, index, endpoints.rendezvous())
+            assert spec.ddp is not None
+            rdzv_id = f"{job.metadata.namespace}-{job.name}"
+            command = tuple(
+                torchrun_command(spec, index, endpoints.rendezvous(), rdzv_id, python=PYTHON, local_addr=endpoints.local_addr())
+            )
             if index == 0:
                 ports["rendezvous"] = int(endpoints.rendezvous().rsplit(":", 1)[1])
         else:
@@ -139,6 +122,3 @@ def chief(job: TrainingJob) -> str:
     """The replica whose metrics and results speak for the job."""
     return {"Single": "single-0", "ParameterServer": "worker-0", "DDP": "ddp-0"}[job.spec.mode]
 
-
-def with_env(replica: Replica, **extra: str) -> Replica:
-    return dataclasses.replace(replica, env={**replica.env, **extra})

@@ -99,8 +99,14 @@ def retryable(policy: str, failure: Failure) -> bool:
 
 
 def backoff(restarts: int) -> float:
-    """Delay before restart number `restarts` (1-based): 1 s, 2 s, 4 s, ... capped."""
-    return min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** max(0, restarts - 1))
+    """Delay before restart number `restarts` (1-based): at once, then 1 s, 2 s, 4 s, ... capped.
+
+    The first failure is most often a one-off (a node lost, a kill): it is
+    replaced at once. A job that keeps failing waits longer each time.
+    """
+    if restarts <= 1:
+        return 0.0
+    return min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (restarts - 2))
 
 
 def decide(spec: Spec, failure: Failure, counters: Counters, progressed: bool) -> tuple[Decision, Counters]:

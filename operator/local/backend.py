@@ -22,7 +22,7 @@ from typing import TextIO
 
 from ..api import TrainingJob
 from ..core import policy
-from ..core.plan import Replica, plan_replicas, with_env
+from ..core.plan import Replica, plan_replicas
 from .progress import JobProgress, JsonlTail, ProgressDisplay
 from .rundir import RunDir, RunState
 from .summary import build_summary, format_summary
@@ -73,10 +73,12 @@ class LocalEndpoints:
         return str(self.run.path)
 
     def checkpoint_dir(self, replica: str) -> str:
-        # A DDP group keeps one set of checkpoints (rank 0 writes them), as
-        # node 0's volume does in a cluster.
-        name = "ddp-0" if replica.startswith("ddp-") else replica
-        return str(self.run.checkpoint_dir(name))
+        # Each DDP node has its own directory, as each pod has its own volume;
+        # the group resumes from the newest checkpoint any node holds.
+        return str(self.run.checkpoint_dir(replica))
+
+    def local_addr(self) -> str | None:
+        return "127.0.0.1"  # every byte stays on loopback
 
 
 def local_endpoints(job: TrainingJob, run: RunDir) -> LocalEndpoints:
@@ -202,7 +204,7 @@ class LocalBackend:
         self.state.state, self.state.reason, self.state.message = outcome, reason, message
         self.run.save_state(self.state)
         summary = build_summary(
-            self.job, self.run.results(), outcome, self.state.wall_seconds, self.state.restarts, reason, message
+            self.job, self.run.results(), outcome, self.state.wall_seconds, self._restarts(), reason, message
         )
         self.run.write_summary(summary)
         self.display.message(f"{self.job.name}: {outcome}" + (f" ({reason}: {message})" if outcome != "Succeeded" else ""))
@@ -332,16 +334,28 @@ class LocalBackend:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(replica.env)
         env["KUBETRAIN_JOB_TOKEN"] = self.token
-        fault = self.faults.pop(replica.name, None)
-        if fault is not None:  # first attempt only: a restarted replica runs clean
-            replica = with_env(replica, KUBETRAIN_FAULT=f"kill@step={fault}")
-            env["KUBETRAIN_FAULT"] = f"kill@step={fault}"
+        if replica.role == "ddp":
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on loopback too
+            # A rank lands on whichever node the rendezvous puts it: every node
+            # learns which rank must fail, on the group's first start only.
+            target = next((r for r in self.faults if r.startswith("ddp-")), None)
+            if target is not None and p.attempts == 0:
+                env["KUBETRAIN_FAULT"] = f"kill@step={self.faults[target]}"
+                env["KUBETRAIN_FAULT_REPLICA"] = target
+                if all(q.attempts > 0 or q is p for q in self.procs.values()):
+                    del self.faults[target]
+        else:
+            fault = self.faults.pop(replica.name, None)
+            if fault is not None:  # first attempt only: a restarted replica runs clean
+                env["KUBETRAIN_FAULT"] = f"kill@step={fault}"
         command = [self.python if replica.command[0] == "python" else replica.command[0], *replica.command[1:]]
         log_path = self.run.log_file(replica.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         p.log_tail = LogTail(log_path)
         p.log = open(log_path, "a")
         p.attempts += 1
+        if replica.name == "ddp-0":
+            self.state.group_starts += 1
         p.log.write(f"--- kubetrain: attempt {p.attempts} of {replica.name} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
         p.log.flush()
         p.log_tail.offset = log_path.stat().st_size
@@ -422,6 +436,14 @@ class LocalBackend:
             for line in p.log_tail.read():
                 if line.strip():
                     self.display.message(f"[{p.replica.name}] {line}")
+
+    def _restarts(self) -> int:
+        """The supervisor's restarts, plus the group restarts torchrun made by itself:
+        every start of the group writes a `start` event on rank 0."""
+        if self.job.spec.mode != "DDP":
+            return self.state.restarts
+        starts = sum(1 for e in self.run.events("ddp-0") if e.get("event") == "start")
+        return self.state.restarts + max(0, starts - self.state.group_starts)
 
     def _last_output(self, p: Proc) -> str:
         try:

@@ -97,6 +97,7 @@ class ProgressDisplay:
         self.started = time.monotonic()
         self.start_step: int | None = None
         self.last_print = 0.0
+        self.last_line = ""
         self.drawn = False
 
     def line(self, p: JobProgress) -> str:
@@ -127,8 +128,11 @@ class ProgressDisplay:
             self.out.flush()
             self.drawn = True
         elif force or now - self.last_print >= self.every:
-            self.out.write(self.line(p) + "\n")
-            self.out.flush()
+            line = self.line(p)
+            if line != self.last_line:
+                self.out.write(line + "\n")
+                self.out.flush()
+                self.last_line = line
             self.last_print = now
 
     def message(self, text: str) -> None:

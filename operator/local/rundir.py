@@ -48,6 +48,7 @@ class RunState:
     restarts_without_progress: int = 0
     wall_seconds: float = 0.0  # accumulated over earlier invocations
     invocations: int = 0
+    group_starts: int = 0  # DDP: times the supervisor started the torchrun group
     restart_log: list[dict[str, Any]] | None = None
 
 

@@ -55,9 +55,13 @@ def test_ddp_is_a_statefulset_with_a_headless_service():
     sts = objs[-1]
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == "j-ddp"
     command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "--node-rank=$(KUBETRAIN_NODE_RANK)" in command
-    assert "--rdzv-endpoint=j-ddp-0.j-ddp:29400" in command
-    assert "--nproc-per-node=2" in command and "--nnodes=3" in command
+    # One template: the agent learns whether it hosts the rendezvous from its ordinal.
+    assert "--rdzv-conf" not in command
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "pod-index" in env["KUBETRAIN_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert command[command.index("--rdzv-endpoint") + 1] == "j-ddp-0.j-ddp:29400"
+    assert command[command.index("--nproc-per-node") + 1] == "2"
+    assert command[command.index("--nnodes") + 1] == "3"
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
 
@@ -98,7 +102,13 @@ def _normalised(replicas):
                     "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT"):
             if key in env:
                 env[key] = "<endpoint>"
-        command = tuple("<endpoint>" if c.startswith("--rdzv-endpoint=") else c for c in r.command)
+        command = list(r.command)
+        if "--local-addr" in command:  # loopback locally, the pod's own address in a cluster
+            i = command.index("--local-addr")
+            del command[i : i + 2]
+        if "--rdzv-endpoint" in command:
+            command[command.index("--rdzv-endpoint") + 1] = "<endpoint>"
+        command = tuple(command)
         out.append((r.name, command, env, sorted(r.ports)))
     return out
 

@@ -61,7 +61,7 @@ def test_decide(case):
 
 
 def test_backoff_doubles_and_is_capped():
-    assert [backoff(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert [backoff(n) for n in (1, 2, 3, 4, 5)] == [0.0, 1.0, 2.0, 4.0, 8.0]
     assert backoff(30) == 60.0
 
 

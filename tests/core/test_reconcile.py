@@ -52,15 +52,22 @@ def test_failed_worker_is_deleted_then_recreated_after_backoff():
     assert act.status["restarts"] == 1
     assert act.status["state"] == "Restarting"
     assert act.events[0][:2] == ("Warning", "Killed")
-    assert "pendingRestarts" in act.status and act.requeue_after == pytest.approx(1.0)
-    # Next round: the pod is gone, the backoff (1 s) not over yet.
+    assert "pendingRestarts" in act.status
+    # Next round: the pod is gone; the first restart is at once.
     del pods["worker-1"]
     act2 = reconcile(job(), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
-    assert "j-worker-1" not in created_pods(act2)
-    act3 = reconcile(job(), "u", "tok", pods, act2.status, T0 + 6.5, existing=set())
-    assert "j-worker-1" in created_pods(act3)
-    assert "pendingRestarts" not in act3.status
-    assert act3.status["restarts"] == 1
+    assert "j-worker-1" in created_pods(act2)
+    assert "pendingRestarts" not in act2.status
+    assert act2.status["restarts"] == 1
+    # A second failure waits its backoff (1 s) before the pod comes back.
+    pods["worker-1"] = Pod("worker-1", "Failed", exit_code=1)
+    act3 = reconcile(job(), "u", "tok", pods, act2.status, T0 + 10)
+    assert act3.delete_pods == ["j-worker-1"] and act3.requeue_after == pytest.approx(1.0)
+    del pods["worker-1"]
+    act4 = reconcile(job(), "u", "tok", pods, act3.status, T0 + 10.5, existing=set())
+    assert "j-worker-1" not in created_pods(act4)
+    act5 = reconcile(job(), "u", "tok", pods, act4.status, T0 + 11.1, existing=set())
+    assert "j-worker-1" in created_pods(act5)
 
 
 def test_deleted_pod_counts_as_a_restart():

@@ -1,0 +1,11 @@
+"""Comparison reports of local runs: `build_report` (Markdown + PNG plots) and `compare` (run variants, then report).
+
+Pure control-plane code (matplotlib, no torch): it reads run directories
+written by `kubetrain run` and drives the local backend.
+"""
+
+from .compare import compare
+from .report import build_report
+from .runs import ReportError
+
+__all__ = ["ReportError", "build_report", "compare"]

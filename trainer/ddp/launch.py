@@ -1,0 +1,73 @@
+"""The torchrun command line of one DDP node, built from the spec (standard library only).
+
+The operator (which never imports torch) and the local backend both start a
+DDP node with `torchrun_command`, so a pod and a local process run the same
+argv. Every node joins one c10d rendezvous hosted by node 0's agent; torchrun
+restarts the whole group when a rank fails (`--max-restarts`), and the ranks
+resume from kubetrain's checkpoints. The argv runs torchrun through
+`kubetrain_trainer.ddp.agent` (same arguments), which keeps restarts working
+and exits with the failed rank's own exit code (see agent.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RDZV_PORT = 29400
+"""The rendezvous port node 0's agent listens on (torchrun's own default)."""
+
+
+def rank_replica(rank: int) -> str:
+    """The replica name of a global rank: its metric label, event log and results file."""
+    return f"ddp-{rank}"
+
+
+def torchrun_command(
+    spec: Any,
+    node_rank: int,
+    rdzv_endpoint: str,
+    job_id: str,
+    *,
+    python: str = "python",
+    local_addr: str | None = None,
+) -> list[str]:
+    """argv of the torchrun agent of node `node_rank` (0-based) of a DDP job.
+
+    `spec` is a completed `kubetrain_operator.api.Spec` of mode DDP.
+    `rdzv_endpoint` is `host:port` of node 0 (in a cluster the first pod's
+    headless-service name); node 0's agent hosts the rendezvous store there
+    (`is_host=true`) and the other agents connect to it, so no agent has to
+    guess from its hostname whether the endpoint is its own. `job_id` names
+    the rendezvous: agents of another job on the same endpoint never join it.
+
+    `local_addr` is the address this node's agent advertises to the others
+    (and, on the agent that gets group rank 0, the MASTER_ADDR of the ranks);
+    without it torchrun uses the host's FQDN. Locally pass "127.0.0.1" to keep
+    every byte on loopback.
+
+    Global ranks are assigned by the rendezvous, not by `node_rank` (c10d sorts
+    the agents by address), so `--node-rank` is not passed: it would be
+    ignored, and suggest an order that does not hold. The ranks of one node
+    are `GROUP_RANK * procsPerNode + LOCAL_RANK`.
+    """
+    ddp = spec.ddp
+    if spec.mode != "DDP" or ddp is None:
+        raise ValueError(f"spec.mode: torchrun_command needs mode DDP, got {spec.mode!r}")
+    if not 0 <= node_rank < ddp.nodes:
+        raise ValueError(f"node_rank {node_rank} is outside spec.ddp.nodes ({ddp.nodes})")
+    host, sep, port = rdzv_endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"rdzv_endpoint: expected 'host:port', got {rdzv_endpoint!r}")
+    argv = [
+        python, "-m", "kubetrain_trainer.ddp.agent",  # torchrun's arguments, see agent.py
+        "--nnodes", str(ddp.nodes),
+        "--nproc-per-node", str(ddp.procs_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", rdzv_endpoint,
+        "--rdzv-id", job_id,
+        "--rdzv-conf", f"is_host={'true' if node_rank == 0 else 'false'}",
+        "--max-restarts", str(ddp.max_restarts),
+    ]
+    if local_addr:
+        argv += ["--local-addr", local_addr]
+    return argv + ["-m", "kubetrain_trainer", "ddp"]

@@ -1,0 +1,424 @@
+"""One rank of a DDP group under torchrun: sharded data, averaged gradients, checkpoints via rank 0.
+
+torchrun starts every rank with RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK and
+TORCHELASTIC_RESTART_COUNT, and restarts the whole group when one rank
+fails. What survives a restart is kubetrain's checkpoint, written by global
+rank 0 alone: at start the first rank of every node reads the newest valid
+checkpoint on its node's volume, the group agrees on the newest of those and
+its holder broadcasts it, so only the volume of the node that held rank 0
+needs the files (a ReadWriteOnce volume per node works) and a rank 0 that
+lands on another node after a restart loses nothing.
+
+Every step ends with one small all-reduce of (loss x samples, samples, stop):
+it gives every rank the global mean loss, and turns a SIGTERM seen by any
+rank into a stop of the whole group after the same step, checkpoint first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import CheckpointInfo, CheckpointStore, capture_rng_state, restore_rng_state, spec_hash
+from ..context import ReplicaContext
+from ..data import ShardCursor, load_data
+from ..device import make_deterministic, select_device
+from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
+from ..events import EventLog, write_result
+from ..metrics import TrainerMetrics
+from ..models import build_model, build_optimizer, evaluate
+from ..training import log_interval, planned_steps, train_step
+from .hooks import CommHook
+from .launch import rank_replica
+
+log = logging.getLogger(__name__)
+
+# Local fault injection names a rank: every node's torchrun gets the same
+# environment, so KUBETRAIN_FAULT alone would fire on every rank that sees it.
+FAULT_REPLICA_VAR = "KUBETRAIN_FAULT_REPLICA"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the torchrun group (torchrun's environment)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node: int
+    """GROUP_RANK: the node's index in this rendezvous round (assigned by c10d, not by pod name)."""
+    restart_count: int
+    """TORCHELASTIC_RESTART_COUNT: restarts counted by this node's agent (0 on the first attempt).
+
+    torch counts per agent: a node whose ranks were restarted because another
+    node failed may still say 0 (pytorch#135712). The `start` events of a
+    rank count the attempts reliably.
+    """
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Topology":
+        missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if v not in env]
+        if missing:
+            raise ConfigError(
+                f"python -m kubetrain_trainer ddp runs under torchrun, which sets {', '.join(missing)}; "
+                "start DDP jobs with `kubetrain run` or the operator"
+            )
+        try:
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                node=int(env.get("GROUP_RANK", "0")),
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            )
+        except ValueError as err:
+            raise ConfigError(f"torchrun environment: {err}") from None
+
+
+def select_ddp_device(spec: Any, local_rank: int) -> torch.device:
+    """The device of a rank: cuda:<local rank> for nccl (which needs it), else spec.training.device."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec.ddp.backend == "nccl":
+        if visible <= local_rank:
+            raise ConfigError(
+                f"spec.ddp.backend: nccl needs one GPU per rank, but local rank {local_rank} sees {visible} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); "
+                "use gloo to train on CPUs"
+            )
+        device = torch.device("cuda", local_rank)
+    else:
+        device = select_device(spec.training.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank % visible)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def fault_armed(env: Mapping[str, str], replica: str) -> bool:
+    """KUBETRAIN_FAULT fires on the group's first attempt only, and only on the rank it names (if any)."""
+    return env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and env.get(FAULT_REPLICA_VAR, replica) == replica
+
+
+class DDPTrainer:
+    """Owns the model, optimizer, cursor, hook and (on rank 0) checkpoints of one rank."""
+
+    def __init__(self, ctx: ReplicaContext, topo: Topology):
+        self.started = time.monotonic()
+        spec = ctx.spec
+        if topo.world_size != spec.world_size:
+            raise ConfigError(
+                f"spec.ddp: nodes x procsPerNode = {spec.ddp.nodes} x {spec.ddp.procs_per_node} = "
+                f"{spec.world_size} ranks, but torchrun started {topo.world_size}"
+            )
+        self.topo = topo
+        self.node_replica = ctx.replica
+        replica = rank_replica(topo.rank)
+        self.ctx = dataclasses.replace(
+            ctx,
+            replica=replica,
+            role="ddp",
+            index=topo.rank,
+            fault_step=ctx.fault_step if fault_armed(os.environ, replica) else None,
+        )
+        # The SIGTERM handler must set the flag of the context this loop reads.
+        self.ctx.install_signal_handlers()
+        self.chief = topo.rank == 0
+        self.threads = make_deterministic()
+        self.device = select_ddp_device(spec, topo.local_rank)
+        self.data = load_data(spec.dataset, spec.training.seed)
+        self.train_x = self.data.train_x.to(self.device)
+        self.train_y = self.data.train_y.to(self.device)
+        self.model = build_model(spec.model, self.data.input_shape, self.data.num_classes, spec.training.seed)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
+        self.cursor = ShardCursor(
+            len(self.train_x), topo.rank, topo.world_size, spec.training.batch_size, spec.training.seed
+        )
+        self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
+        self.metrics = TrainerMetrics(self.ctx)
+        self.events = EventLog(ctx.run_dir, replica)
+        # The first rank of each node reads its node's volume; only rank 0 writes.
+        self.store = (
+            CheckpointStore(ctx.checkpoint_dir, spec.checkpoint.keep_last, spec_hash(spec),
+                            on_persisted=self._persisted)
+            if topo.local_rank == 0 else None
+        )
+        # Read before joining the group: a bad checkpoint (another spec) fails
+        # this rank at once, and torchrun then stops the others.
+        self.found = self.store.load_latest() if self.store is not None else None
+        self.ddp: DistributedDataParallel | None = None
+        self.hook: CommHook | None = None
+        self.step = 0
+        self.samples = 0
+        self.loss = float("nan")
+        self.eval_loss = float("nan")
+        self.eval_accuracy = float("nan")
+        self.eval_step = -1
+        self.checkpoint_step = -1
+        self.bytes_sent = 0
+        self.raw_gradient_bytes = 0
+
+    # --- the group ---------------------------------------------------------------
+
+    def join(self) -> None:
+        """Join the process group, wrap the model in DDP and register the communication hook."""
+        spec = self.ctx.spec
+        # A collective that waits longer than the progress deadline is a hang;
+        # failing it lets torchrun restart the group.
+        dist.init_process_group(
+            spec.ddp.backend, timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds)
+        )
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[self.device] if self.device.type == "cuda" else None
+        )
+        self.hook = CommHook(
+            spec.ddp.comm_hook,
+            dist.group.WORLD,
+            powersgd_rank=spec.ddp.power_sgd_rank,
+            total_steps=self.total_steps,
+            seed=spec.training.seed,
+        )
+        self.hook.register(self.ddp)
+
+    def leave(self) -> None:
+        # DDP's reducer holds the hook and its Python process group; both must
+        # go before the group is destroyed, or the C++ side aborts at exit
+        # ("terminate called without an active exception").
+        self.ddp = None
+        self.hook = None
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # --- state -------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "cursor": self.cursor.state_dict(),
+            "rng": capture_rng_state(),
+            "samples": self.samples,
+            "loss": self.loss,
+            "bytes_sent": self.bytes_sent,
+            "raw_gradient_bytes": self.raw_gradient_bytes,
+        }
+
+    def restore(self) -> None:
+        """Agree on the newest checkpoint any node holds; its holder broadcasts it to all."""
+        offers: list[int | None] = [None] * self.topo.world_size
+        dist.all_gather_object(offers, self.found[0] if self.found is not None else None)
+        held = [(step, rank) for rank, step in enumerate(offers) if step is not None]
+        if not held:
+            return
+        step, source = max(held, key=lambda sr: (sr[0], -sr[1]))
+        box = [self.found[1] if self.topo.rank == source else None]
+        dist.broadcast_object_list(box, src=source)
+        state = box[0]
+        self.found = None
+        self.step = step
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        # Every rank is at the same epoch and position; only the shard differs.
+        self.cursor.load_state_dict({**state["cursor"], "rank": self.topo.rank})
+        restore_rng_state(state["rng"])
+        self.samples = state["samples"]
+        self.loss = state["loss"]
+        self.bytes_sent = state["bytes_sent"]
+        self.raw_gradient_bytes = state["raw_gradient_bytes"]
+        self.checkpoint_step = step
+        self.events.write("resume", step=step, source_rank=source)
+        log.info("%s: resumed from step %d of %d (checkpoint of rank %d)", self.ctx.replica, step,
+                 self.total_steps, source)
+
+    def checkpoint(self) -> None:
+        if self.chief:
+            assert self.store is not None
+            self.store.save(self.step, self.state())
+        self.checkpoint_step = self.step
+
+    def wait_checkpoint(self) -> None:
+        """Rank 0's last checkpoint is durable on return, on every rank."""
+        if self.chief:
+            assert self.store is not None
+            self.store.wait()
+        dist.barrier()
+
+    def _persisted(self, info: CheckpointInfo, seconds: float) -> None:
+        self.metrics.checkpoint_duration_seconds.observe(seconds)
+        self.metrics.checkpoint_size_bytes.set(info.bytes)
+        self.metrics.checkpoint_last_success_timestamp_seconds.set_to_current_time()
+        self.metrics.last_checkpoint_step.set(info.step)
+        self.events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes)
+
+    def evaluate(self) -> None:
+        """The chief evaluates; the others only note that the step was evaluated."""
+        self.eval_step = self.step
+        if not self.chief:
+            return
+        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y)
+        self.metrics.eval_loss.set(self.eval_loss)
+        self.metrics.eval_accuracy.set(self.eval_accuracy)
+        self.events.write(
+            "eval", step=self.step, epoch=self.cursor.epoch, eval_loss=self.eval_loss, eval_accuracy=self.eval_accuracy
+        )
+        log.info("%s: step %d: eval accuracy %.4f, loss %.4f", self.ctx.replica, self.step,
+                 self.eval_accuracy, self.eval_loss)
+
+    # --- the loop ----------------------------------------------------------------
+
+    def sync_step(self, loss: float, samples: int) -> tuple[float, bool]:
+        """All-reduce (loss x samples, samples, stop): the global mean loss, and whether any rank must stop."""
+        control = torch.tensor(
+            [loss * samples, float(samples), 1.0 if self.ctx.stop_requested else 0.0],
+            dtype=torch.float64, device=self.device,
+        )
+        dist.all_reduce(control)
+        total_loss, total_samples, stops = control.tolist()
+        return total_loss / total_samples, stops > 0
+
+    def run(self) -> int:
+        self.metrics.process_starts_total.inc()
+        self.metrics.total_steps.set(self.total_steps)
+        port = self.ctx.metrics_port
+        self.metrics.serve(port + self.topo.local_rank if port else 0)
+        self.join()
+        assert self.ddp is not None and self.hook is not None
+        self.restore()
+        spec = self.ctx.spec
+        self.events.write(
+            "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
+            rank=self.topo.rank, world_size=self.topo.world_size, node=self.topo.node, pid=os.getpid(),
+            node_replica=self.node_replica, agent_restart_count=self.topo.restart_count,
+            backend=spec.ddp.backend, comm_hook=spec.ddp.comm_hook,
+        )
+        interval = log_interval(self.total_steps)
+        run_samples, train_seconds = 0, 0.0
+        window_samples, window_start = 0, time.perf_counter()
+        while self.step < self.total_steps:
+            step_start = time.perf_counter()
+            batch = self.cursor.next_batch().to(self.device)
+            local_loss = train_step(self.ddp, self.optimizer, self.train_x[batch], self.train_y[batch])
+            raw, sent = self.hook.end_step()
+            self.loss, stop = self.sync_step(local_loss, len(batch))
+            self.step += 1
+            self.samples += len(batch)
+            self.raw_gradient_bytes += raw
+            self.bytes_sent += sent
+            run_samples += len(batch)
+            window_samples += len(batch)
+            now = time.perf_counter()
+            train_seconds += now - step_start
+            self.metrics.steps_total.inc()
+            self.metrics.samples_total.inc(len(batch))
+            self.metrics.step_duration_seconds.observe(now - step_start)
+            self.metrics.training_step.set(self.step)
+            self.metrics.loss.set(self.loss)
+            self.metrics.gradient_bytes_total.labels(stage="raw").inc(raw)
+            self.metrics.gradient_bytes_total.labels(stage="compressed").inc(sent)
+            self.metrics.network_bytes_total.labels(direction="sent").inc(sent)
+            self.metrics.network_bytes_total.labels(direction="received").inc(sent)
+            # After the update, before this step's checkpoint: a crash here loses the step.
+            self.ctx.maybe_fault(self.step)
+            if self.step % interval == 0 or self.step == self.total_steps:
+                rate = window_samples / max(now - window_start, 1e-9)
+                self.metrics.samples_per_second.set(rate)
+                epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
+                self.events.write("train", step=self.step, loss=self.loss, local_loss=local_loss,
+                                  samples=self.samples, samples_per_second=rate, epoch=round(epoch, 4))
+                window_samples, window_start = 0, now
+            if self.cursor.position == 0:  # an epoch just ended
+                self.evaluate()
+            if self.step % spec.checkpoint.interval_steps == 0 or self.step == self.total_steps or stop:
+                self.checkpoint()
+            if stop and self.step < self.total_steps:
+                self.wait_checkpoint()
+                self.events.write("stop", step=self.step)
+                log.info("%s: stopped by SIGTERM at step %d, checkpoint written", self.ctx.replica, self.step)
+                return EXIT_TERMINATED
+        if self.eval_step != self.step:
+            self.evaluate()
+        if self.checkpoint_step != self.step:
+            self.checkpoint()
+        self.wait_checkpoint()
+        wall = time.monotonic() - self.started
+        result: dict[str, Any] = {
+            "steps": self.step,
+            "epochs": round(self.step / self.cursor.steps_per_epoch, 4),
+            "final_train_loss": self.loss,
+            "samples": self.samples,
+            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
+            "wall_seconds": wall,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_sent,
+            "raw_gradient_bytes": self.raw_gradient_bytes,
+            "compressed_gradient_bytes": self.bytes_sent,
+            "compression_ratio": self.raw_gradient_bytes / self.bytes_sent if self.bytes_sent else None,
+            "rank": self.topo.rank,
+            "world_size": self.topo.world_size,
+            "agent_restart_count": self.topo.restart_count,
+            "comm_hook": self.hook.stats(),
+        }
+        if self.chief:
+            result.update(eval_accuracy=self.eval_accuracy, eval_loss=self.eval_loss)
+        write_result(self.ctx.run_dir, self.ctx.replica, result)
+        self.events.write("end", step=self.step, wall_seconds=wall)
+        return EXIT_OK
+
+    def close(self) -> None:
+        # A checkpoint still being written reports to the event log: let it finish first.
+        if self.store is not None:
+            with contextlib.suppress(TransientError):
+                self.store.wait()
+        self.leave()
+        self.metrics.close()
+        self.events.close()
+
+
+def run_ddp(ctx: ReplicaContext) -> int:
+    """Train as one rank of the torchrun group; resumes from the newest checkpoint; returns the exit code.
+
+    0 when the job is done, 143 after a SIGTERM (checkpoint written), 2 for a
+    configuration that cannot work (nccl without a GPU), 75 when a collective
+    failed (DistError: a peer hung or its store went away), 1 for any other
+    failure (gloo reports a dead peer as a plain RuntimeError). torchrun
+    restarts the group whatever the code; the codes matter once it gives up.
+    """
+    topo = Topology.from_env(os.environ)
+    trainer = DDPTrainer(ctx, topo)
+    failure, error_type = "", TrainerError
+    try:
+        return trainer.run()
+    except TrainerError:
+        raise
+    except Exception as err:
+        if isinstance(err, dist.DistError):
+            error_type = TransientError
+        # Logged, then dropped before the group is torn down: a live traceback
+        # holds the failed backward's frames, and with them gloo work that
+        # made the interpreter hang at exit until torchrun's SIGKILL (30 s).
+        log.error("%s: training failed:\n%s", trainer.ctx.replica, "".join(traceback.format_exception(err)))
+        failure = f"{type(err).__name__}: {_first_line(err)}"
+    finally:
+        trainer.close()
+    raise error_type(f"{trainer.ctx.replica}: training failed: {failure}")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""

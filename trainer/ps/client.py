@@ -1,0 +1,130 @@
+"""A worker's calls to the parameter servers: one reused channel per shard, token, deadlines, retries."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from . import ps_pb2 as pb
+from . import ps_pb2_grpc
+from .transport import (
+    TOKEN_KEY,
+    Assembler,
+    Backoff,
+    ByteCounter,
+    OutTensor,
+    WireFrame,
+    call_with_retry,
+    decode_frame,
+    encode_frame,
+    frames_for,
+    invalid,
+    open_channel,
+)
+
+PULL = "/kubetrain.ps.v1.ParameterShard/Pull"
+PUSH = "/kubetrain.ps.v1.ParameterShard/Push"
+
+
+class PSClient:
+    """Calls to every shard of a job. `call_timeout` bounds a call; `wait_timeout` a call that may wait."""
+
+    def __init__(
+        self,
+        addrs: list[str],
+        token: str,
+        chunk_bytes: int,
+        backoff: Backoff,
+        call_timeout: float = 30.0,
+        wait_timeout: float = 60.0,
+        metrics: Any = None,
+    ):
+        self.addrs = addrs
+        self.chunk_bytes = chunk_bytes
+        self.backoff = backoff
+        self.call_timeout = call_timeout
+        self.wait_timeout = wait_timeout
+        self.metrics = metrics
+        self.counter = ByteCounter(metrics)
+        self.metadata = ((TOKEN_KEY, token),)
+        self.channels = [open_channel(a) for a in addrs]
+        self._pull = [
+            ch.unary_stream(PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=self._decode)
+            for ch in self.channels
+        ]
+        self._push = [
+            ch.stream_unary(PUSH, request_serializer=self._encode, response_deserializer=pb.PushReply.FromString)
+            for ch in self.channels
+        ]
+        self.shards = [ps_pb2_grpc.ParameterShardStub(ch) for ch in self.channels]
+        self.coordinator = ps_pb2_grpc.CoordinatorStub(self.channels[0])
+
+    def _encode(self, frame: WireFrame) -> bytes:
+        message = encode_frame(frame)
+        self.counter.add(sent=len(message))
+        return message
+
+    def _decode(self, message: bytes) -> WireFrame:
+        self.counter.add(received=len(message))
+        return decode_frame(message)
+
+    def _call(self, method: str, shard: int, call: Callable[[], Any]) -> Any:
+        def on_retry(err: grpc.RpcError, attempt: int) -> None:
+            if self.metrics:
+                self.metrics.rpc_retries_total.labels(method=method).inc()
+
+        started = time.perf_counter()
+        try:
+            return call_with_retry(call, f"{method} to {self.addrs[shard]}", self.backoff, on_retry)
+        finally:
+            if self.metrics:
+                self.metrics.rpc_duration_seconds.labels(method=method).observe(time.perf_counter() - started)
+
+    def register(self, worker: int, incarnation: int) -> pb.RegisterReply:
+        request = pb.RegisterRequest(worker=worker, incarnation=incarnation)
+        return self._call("Register", 0, lambda: self.coordinator.Register(
+            request, timeout=self.call_timeout, metadata=self.metadata))
+
+    def heartbeat(self, worker: int, incarnation: int, worker_step: int) -> pb.HeartbeatReply:
+        """One try, short deadline: a missed heartbeat is harmless, the next one follows."""
+        request = pb.HeartbeatRequest(worker=worker, incarnation=incarnation, worker_step=worker_step)
+        return self.coordinator.Heartbeat(request, timeout=2.0, metadata=self.metadata)
+
+    def pull(self, shard: int, request: pb.PullRequest, assembler: Callable[[], Assembler]) -> tuple[pb.PullHeader, dict]:
+        """The shard's parameters into a fresh assembler per attempt; returns the header and the tensors."""
+
+        def attempt() -> tuple[pb.PullHeader, dict]:
+            collector = assembler()
+            header = None
+            for frame in self._pull[shard](request, timeout=self.wait_timeout, metadata=self.metadata):
+                if header is None:
+                    if not frame.header.HasField("pull"):
+                        raise invalid(f"{self.addrs[shard]}: pull reply without a PullHeader")
+                    header = frame.header.pull
+                collector.add(frame)
+            if header is None:
+                raise invalid(f"{self.addrs[shard]}: empty pull reply")
+            return header, collector.finish()
+
+        return self._call("Pull", shard, attempt)
+
+    def push(self, shard: int, header: pb.PushHeader, tensors: list[OutTensor]) -> pb.PushReply:
+        """Push one gradient; a retry re-sends the same (incarnation, worker_step), applied once."""
+        return self._call("Push", shard, lambda: self._push[shard](
+            frames_for(tensors, self.chunk_bytes, pb.Frame(push=header)),
+            timeout=self.wait_timeout, metadata=self.metadata))
+
+    def finish(self, shard: int, worker: int, cursor_json: str) -> pb.FinishReply:
+        request = pb.FinishRequest(worker=worker, cursor_json=cursor_json)
+        return self._call("Finish", shard, lambda: self.shards[shard].Finish(
+            request, timeout=self.call_timeout, metadata=self.metadata))
+
+    def status(self, shard: int) -> pb.StatusReply:
+        return self.shards[shard].Status(pb.StatusRequest(), timeout=self.call_timeout, metadata=self.metadata)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()

@@ -1,0 +1,98 @@
+"""The job's coordinator, hosted by ps-0: membership, ranks, each worker's data cursor, end of job.
+
+A worker's rank is its index (worker-1 has rank 1), so a restarted worker
+reads the same data shard. Its cursor (ShardCursor state) arrives with every
+push to ps-0 and is checkpointed with ps-0's parameters: a restarted worker
+continues from the last step ps-0 took from it, and a restarted ps-0 hands
+out the cursors of its checkpoint. Workers stay stateless.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from . import ps_pb2 as pb
+from . import ps_pb2_grpc
+
+
+@dataclass
+class Member:
+    incarnation: int = 0
+    worker_step: int = 0
+    last_contact: float = 0.0
+    cursor_json: str = ""
+    finished: bool = False
+
+
+class Coordinator(ps_pb2_grpc.CoordinatorServicer):
+    """Membership and cursors of the job's workers; thread-safe."""
+
+    def __init__(self, workers: int, liveness_timeout: float, clock: Callable[[], float] = time.monotonic):
+        self.workers = workers
+        self.liveness_timeout = liveness_timeout
+        self.clock = clock
+        self.members = {w: Member(last_contact=clock()) for w in range(workers)}
+        self.lock = threading.Lock()
+
+    def _member(self, worker: int, context: grpc.ServicerContext) -> Member:
+        if worker >= self.workers:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"worker {worker} is outside this job's {self.workers} workers (0..{self.workers - 1})",
+            )
+        return self.members[worker]
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        with self.lock:
+            member = self._member(request.worker, context)
+            member.incarnation = request.incarnation
+            member.last_contact = self.clock()
+            return pb.RegisterReply(
+                rank=request.worker, world_size=self.workers, cursor_json=member.cursor_json, finished=member.finished
+            )
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        with self.lock:
+            member = self._member(request.worker, context)
+            member.last_contact = self.clock()
+            member.worker_step = max(member.worker_step, request.worker_step)
+            return pb.HeartbeatReply(job_finished=all(m.finished for m in self.members.values()))
+
+    def record(self, worker: int, worker_step: int, cursor_json: str, finished: bool = False) -> None:
+        """A worker's progress, as its push (or Finish) reached ps-0."""
+        with self.lock:
+            member = self.members[worker]
+            member.last_contact = self.clock()
+            member.worker_step = worker_step
+            if cursor_json:
+                member.cursor_json = cursor_json
+            member.finished = member.finished or finished
+
+    def live(self) -> list[int]:
+        """Workers heard from within the liveness timeout that have not finished."""
+        now = self.clock()
+        with self.lock:
+            return [
+                w for w, m in self.members.items()
+                if not m.finished and now - m.last_contact < self.liveness_timeout
+            ]
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {
+                w: {"cursor_json": m.cursor_json, "worker_step": m.worker_step, "finished": m.finished}
+                for w, m in self.members.items()
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.lock:
+            for w, saved in state.items():
+                member = self.members[int(w)]
+                member.cursor_json = saved["cursor_json"]
+                member.worker_step = saved["worker_step"]
+                member.finished = saved["finished"]

@@ -1,0 +1,57 @@
+"""What the parameter servers and the workers derive alike from the job: model, shards, settings.
+
+Both sides build the model from the same seed and assign its parameters to
+shards with the same pure function, so neither the initial parameters nor
+the assignment ever travel over the wire.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from kubetrain_operator.api.spec import ParameterServer
+from torch import nn
+
+from ..context import ReplicaContext
+from ..data import Data, load_data
+from ..errors import ConfigError
+from ..models import build_model
+from .sharding import assign_shards
+from .transport import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+
+CHUNK_ENV = "KUBETRAIN_PS_CHUNK_BYTES"
+
+
+def ps_spec(ctx: ReplicaContext) -> ParameterServer:
+    spec = ctx.spec
+    if spec.mode != "ParameterServer" or spec.parameter_server is None:
+        raise ConfigError(f"spec.mode: the {ctx.role} role needs mode ParameterServer, got {spec.mode}")
+    if not ctx.token:
+        raise ConfigError("KUBETRAIN_JOB_TOKEN: empty; parameter servers refuse to serve without a job token")
+    return spec.parameter_server
+
+
+def chunk_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """Chunk size of tensor streams: KUBETRAIN_PS_CHUNK_BYTES, 1 MiB by default, at most 4 MiB."""
+    raw = environ.get(CHUNK_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_CHUNK_BYTES
+    except ValueError:
+        raise ConfigError(f"{CHUNK_ENV}: expected a number of bytes, got {raw!r}") from None
+    if not 0 < value <= MAX_CHUNK_BYTES:
+        raise ConfigError(f"{CHUNK_ENV}: must be between 1 and {MAX_CHUNK_BYTES}, got {value}")
+    return value
+
+
+def model_and_data(ctx: ReplicaContext) -> tuple[nn.Module, Data]:
+    spec = ctx.spec
+    data = load_data(spec.dataset, spec.training.seed)
+    model = build_model(spec.model, data.input_shape, data.num_classes, spec.training.seed)
+    return model, data
+
+
+def shards_of(model: nn.Module, shards: int) -> list[list[str]]:
+    """Parameter names of each shard, balanced by bytes."""
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    return assign_shards(sizes, shards)

@@ -1,0 +1,134 @@
+"""The `ps` role: one parameter-server shard process, from start (or resume) to the job's end."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..checkpoint import CheckpointInfo, CheckpointStore, spec_hash
+from ..context import ReplicaContext
+from ..data import ShardCursor
+from ..device import make_deterministic
+from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
+from ..events import EventLog, write_result
+from ..metrics import TrainerMetrics
+from ..models import build_optimizer
+from ..training import log_interval
+from .coordinator import Coordinator
+from .job import chunk_bytes, model_and_data, ps_spec, shards_of
+from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
+
+log = logging.getLogger(__name__)
+
+
+def planned_global_steps(ctx: ReplicaContext, steps_per_epoch: int) -> int:
+    """Updates the job makes: maxSteps, or each worker's epochs of steps (all of them, in Async)."""
+    training, ps = ctx.spec.training, ps_spec(ctx)
+    if training.max_steps is not None:
+        return training.max_steps
+    local = (training.effective_epochs or 0) * steps_per_epoch
+    return local if ps.aggregation == "Sync" else local * ps.workers
+
+
+def run_ps(ctx: ReplicaContext) -> int:
+    """Serve shard `ctx.index` until every worker has finished (0) or SIGTERM (143)."""
+    started = time.monotonic()
+    ps = ps_spec(ctx)
+    spec = ctx.spec
+    if ctx.index >= ps.replicas:
+        raise ConfigError(f"KUBETRAIN_REPLICA: {ctx.replica} is outside spec.parameterServer.replicas ({ps.replicas})")
+    if not ctx.ps_port:
+        raise ConfigError("KUBETRAIN_PS_PORT: not set; a parameter server needs a port to listen on")
+    make_deterministic()
+    model, data = model_and_data(ctx)
+    names = shards_of(model, ps.replicas)[ctx.index]
+    params = {n: p for n, p in model.named_parameters() if n in names}
+    steps_per_epoch = ShardCursor(len(data.train_x), 0, ps.workers, spec.training.batch_size, 0).steps_per_epoch
+    total_steps = planned_global_steps(ctx, steps_per_epoch)
+    interval = log_interval(total_steps)
+
+    metrics = TrainerMetrics(ctx)
+    events = EventLog(ctx.run_dir, ctx.replica)
+
+    def persisted(info: CheckpointInfo, seconds: float) -> None:
+        metrics.checkpoint_duration_seconds.observe(seconds)
+        metrics.checkpoint_size_bytes.set(info.bytes)
+        metrics.checkpoint_last_success_timestamp_seconds.set_to_current_time()
+        metrics.last_checkpoint_step.set(info.step)
+        events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes)
+
+    first_step_logged = False
+
+    def after_step(step: int) -> None:
+        nonlocal first_step_logged
+        ctx.maybe_fault(step)
+        if step % interval == 0 or not first_step_logged or step == total_steps:
+            events.write("step", step=step, dropped_total=shard.dropped_total)
+            first_step_logged = True
+
+    store = CheckpointStore(ctx.checkpoint_dir, spec.checkpoint.keep_last, spec_hash(spec), on_persisted=persisted)
+    config = ShardConfig(
+        replica=ctx.replica,
+        workers=ps.workers,
+        aggregation=ps.aggregation,
+        sync_timeout=ps.sync_timeout_seconds,
+        max_staleness=ps.max_staleness,
+        max_steps=spec.training.max_steps,
+        interval_steps=spec.checkpoint.interval_steps,
+        chunk_bytes=chunk_bytes(),
+    )
+    coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds) if ctx.index == 0 else None
+    shard = ParameterShard(
+        config, params, lambda p: build_optimizer(p, spec.training.optimizer), store,
+        coordinator=coordinator, metrics=metrics, after_step=after_step,
+    )
+    resumed = shard.restore()
+    metrics.process_starts_total.inc()
+    metrics.total_steps.set(total_steps)
+    metrics.training_step.set(shard.step)
+    metrics.serve(ctx.metrics_port)
+    # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish.
+    server = build_server(shard, ctx.token, max_workers=2 * ps.workers + 8)
+    try:
+        server.add_insecure_port(f"0.0.0.0:{ctx.ps_port}")
+    except RuntimeError as err:
+        raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
+    server.start()
+    events.write("start", step=shard.step, total_steps=total_steps, tensors=len(params),
+                 parameter_bytes=sum(e.nbytes for e in shard.expected.values()), incarnation=shard.incarnation)
+    if resumed:
+        events.write("resume", step=shard.step)
+    log.info("%s: serving %d tensors on port %d from step %d%s", ctx.replica, len(params), ctx.ps_port,
+             shard.step, " (resumed)" if resumed else "")
+    try:
+        while not shard.job_finished.wait(TICK_SECONDS):
+            shard.tick()
+            if ctx.stop_requested:
+                with shard.cond:
+                    shard.checkpoint(wait=True)
+                events.write("stop", step=shard.step)
+                log.info("%s: stopped by SIGTERM at step %d, checkpoint written", ctx.replica, shard.step)
+                return EXIT_TERMINATED
+        with shard.cond:
+            if shard.checkpoint_step != shard.step:
+                shard.checkpoint(wait=True)
+        store.wait()
+        # Grace: the reply to the last Finish is still on its way out.
+        server.stop(grace=2.0).wait()
+        wall = time.monotonic() - started
+        write_result(ctx.run_dir, ctx.replica, {
+            "steps": shard.step,
+            "bytes_sent": shard.counter.sent,
+            "bytes_received": shard.counter.received,
+            "raw_gradient_bytes": shard.raw_gradient_bytes,
+            "compressed_gradient_bytes": shard.compressed_gradient_bytes,
+            "sync_dropped_workers": shard.dropped_total,
+            "wall_seconds": wall,
+        })
+        events.write("end", step=shard.step, wall_seconds=wall)
+        log.info("%s: every worker finished; final checkpoint at step %d", ctx.replica, shard.step)
+        return EXIT_OK
+    finally:
+        server.stop(grace=None)
+        metrics.close()
+        events.close()

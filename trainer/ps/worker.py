@@ -1,0 +1,274 @@
+"""The `worker` role: pull parameters, compute a gradient on the next batch, push it; repeat.
+
+A worker holds no state worth saving: parameters and optimizer live on the
+shards, and its data cursor travels with every push to ps-0 (the
+coordinator). A restarted worker registers, receives its cursor and goes on
+with the next batch. worker-0 is the chief: when training ends it waits for
+the final parameters of every shard and evaluates them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import torch
+
+from ..compression import GradientCompressor
+from ..context import ReplicaContext
+from ..data import ShardCursor
+from ..device import make_deterministic, select_device
+from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
+from ..events import EventLog, write_result
+from ..metrics import TrainerMetrics
+from ..models import evaluate
+from ..training import compute_gradients, log_interval
+from . import ps_pb2 as pb
+from .client import PSClient
+from .job import chunk_bytes, model_and_data, ps_spec, shards_of
+from .serve import planned_global_steps
+from .transport import Assembler, Backoff, Expected, OutTensor, dtype_name
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 1.0
+
+
+class Worker:
+    """One worker process: its model replica, cursor, compressor and client."""
+
+    def __init__(self, ctx: ReplicaContext):
+        self.started = time.monotonic()
+        self.ctx = ctx
+        spec = ctx.spec
+        self.ps = ps_spec(ctx)
+        if ctx.index >= self.ps.workers:
+            raise ConfigError(f"KUBETRAIN_REPLICA: {ctx.replica} is outside spec.parameterServer.workers ({self.ps.workers})")
+        if len(ctx.ps_addrs) != self.ps.replicas:
+            raise ConfigError(
+                f"KUBETRAIN_PS_ADDRS: lists {len(ctx.ps_addrs)} shards, spec.parameterServer.replicas is {self.ps.replicas}"
+            )
+        make_deterministic()
+        self.device = select_device(spec.training.device)
+        self.model, self.data = model_and_data(ctx)
+        self.model.to(self.device)
+        self.params = dict(self.model.named_parameters())
+        self.shards = shards_of(self.model, self.ps.replicas)
+        # Pulled parameters land in place: in the model itself on a CPU, else in a CPU mirror.
+        self.landing = (
+            {n: p.data for n, p in self.params.items()} if self.device.type == "cpu"
+            else {n: torch.empty_like(p, device="cpu") for n, p in self.params.items()}
+        )
+        self.scratch: list[dict] = [{} for _ in self.shards]
+        self.train_x = self.data.train_x.to(self.device)
+        self.train_y = self.data.train_y.to(self.device)
+        self.cursor = ShardCursor(len(self.train_x), ctx.index, self.ps.workers, spec.training.batch_size, spec.training.seed)
+        self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
+        epochs = spec.training.effective_epochs
+        self.local_total = epochs * self.cursor.steps_per_epoch if spec.training.max_steps is None and epochs else None
+        self.compressor = GradientCompressor(self.ps.compression)
+        self.metrics = TrainerMetrics(ctx)
+        self.events = EventLog(ctx.run_dir, ctx.replica)
+        self.incarnation = random.getrandbits(63) or 1
+        wait_timeout = max(30.0, 2 * self.ps.sync_timeout_seconds + 10)
+        self.client = PSClient(
+            ctx.ps_addrs, ctx.token, chunk_bytes(),
+            Backoff(budget=float(spec.run_policy.progress_deadline_seconds)),
+            wait_timeout=wait_timeout, metrics=self.metrics,
+        )
+        self.pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="shard")
+        self.ps_step = [0] * len(self.shards)
+        self.ps_incarnation = [0] * len(self.shards)
+        self.min_step = [0] * len(self.shards)
+        self.worker_step = 0
+        self.samples = 0
+        self.loss = float("nan")
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+
+    # --- calls to every shard -------------------------------------------------------
+
+    def _each_shard(self, fn) -> list[Any]:
+        if len(self.shards) == 1:
+            return [fn(0)]
+        return list(self.pool.map(fn, range(len(self.shards))))
+
+    def pull(self, final: bool = False) -> list[pb.PullHeader]:
+        def one(s: int) -> pb.PullHeader:
+            names = self.shards[s]
+            expected = {n: Expected.of(self.params[n]) for n in names}
+            request = pb.PullRequest(
+                worker=self.ctx.index, worker_step=self.worker_step, min_step=self.min_step[s],
+                ps_incarnation=self.ps_incarnation[s], final=final,
+            )
+            header, _ = self.client.pull(
+                s, request, lambda: Assembler(expected, self.scratch[s], {n: self.landing[n] for n in names}))
+            self.ps_step[s], self.ps_incarnation[s] = header.step, header.ps_incarnation
+            return header
+
+        headers = self._each_shard(one)
+        if self.device.type != "cpu":
+            with torch.no_grad():
+                for name, param in self.params.items():
+                    param.copy_(self.landing[name])
+        return headers
+
+    def push(self, grads: dict[str, torch.Tensor]) -> list[pb.PushReply | None]:
+        encoded = {n: self.compressor.compress(n, g, self.worker_step - 1) for n, g in grads.items()}
+        cursor_json = json.dumps(self.cursor.state_dict())
+
+        def one(s: int) -> pb.PushReply | None:
+            header = pb.PushHeader(
+                worker=self.ctx.index, incarnation=self.incarnation, worker_step=self.worker_step,
+                base_step=self.ps_step[s], ps_incarnation=self.ps_incarnation[s],
+                cursor_json=cursor_json if s == 0 else "", loss=self.loss,
+            )
+            tensors = [
+                OutTensor(n, dtype_name(grads[n].dtype), tuple(grads[n].shape), encoded[n].codec, encoded[n].payload)
+                for n in self.shards[s]
+            ]
+            try:
+                return self.client.push(s, header, tensors)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                # The shard restarted from a checkpoint: this gradient belongs to
+                # parameters it no longer has. Drop it and pull again.
+                log.warning("%s: push to shard %d refused: %s", self.ctx.replica, s, err.details())
+                return None
+
+        replies = self._each_shard(one)
+        for s, reply in enumerate(replies):
+            applied = reply is not None and reply.outcome in (pb.PushReply.APPLIED, pb.PushReply.DUPLICATE)
+            self.min_step[s] = self.ps_step[s] + 1 if applied and self.ps.aggregation == "Sync" else 0
+        self.metrics.gradient_bytes_total.labels(stage="raw").inc(sum(g.numel() * g.element_size() for g in grads.values()))
+        self.metrics.gradient_bytes_total.labels(stage="compressed").inc(sum(e.payload.numel() for e in encoded.values()))
+        return replies
+
+    def _heartbeat(self) -> None:
+        while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
+            try:
+                self.client.heartbeat(self.ctx.index, self.incarnation, self.worker_step)
+            except grpc.RpcError:
+                pass  # ps-0 restarting: pulls and pushes retry; the next heartbeat will tell
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        ctx = self.ctx
+        self.metrics.process_starts_total.inc()
+        self.metrics.total_steps.set(self.total_steps)
+        self.metrics.serve(ctx.metrics_port)
+        registration = self.client.register(ctx.index, self.incarnation)
+        if registration.cursor_json:
+            self.cursor.load_state_dict(json.loads(registration.cursor_json))
+        spe = self.cursor.steps_per_epoch
+        self.worker_step = self.cursor.epoch * spe + self.cursor.position // self.cursor.batch_size
+        self.events.write("start", step=self.worker_step, worker_step=self.worker_step,
+                          total_steps=self.total_steps, device=str(self.device))
+        if registration.cursor_json:
+            self.events.write("resume", step=self.worker_step, worker_step=self.worker_step)
+            log.info("%s: resuming at its step %d (cursor from the coordinator)", ctx.replica, self.worker_step)
+        self._heartbeat_thread.start()
+        interval = log_interval(self.local_total or self.total_steps)
+        train_seconds, run_samples = 0.0, 0
+        window_samples, window_start, logged_once = 0, time.perf_counter(), False
+        while not registration.finished:
+            if ctx.stop_requested:
+                self.events.write("stop", step=self.ps_step[0], worker_step=self.worker_step)
+                log.info("%s: stopped by SIGTERM at its step %d; its cursor is with ps-0", ctx.replica, self.worker_step)
+                return EXIT_TERMINATED
+            if self.local_total is not None and self.worker_step >= self.local_total:
+                break
+            headers = self.pull()
+            if any(h.done for h in headers):
+                break
+            step_start = time.perf_counter()
+            batch = self.cursor.next_batch().to(self.device)
+            self.loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch])
+            self.worker_step += 1
+            grads = {n: p.grad.detach().to("cpu") for n, p in self.params.items()}
+            self.push(grads)
+            now = time.perf_counter()
+            train_seconds += now - step_start
+            self.samples += len(batch)
+            run_samples += len(batch)
+            window_samples += len(batch)
+            self.metrics.steps_total.inc()
+            self.metrics.samples_total.inc(len(batch))
+            self.metrics.step_duration_seconds.observe(now - step_start)
+            self.metrics.training_step.set(self.ps_step[0])
+            self.metrics.loss.set(self.loss)
+            ctx.maybe_fault(self.worker_step)
+            if self.worker_step % interval == 0 or not logged_once:
+                rate = window_samples / max(now - window_start, 1e-9)
+                self.metrics.samples_per_second.set(rate)
+                epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
+                self.events.write("train", step=self.ps_step[0] + 1, worker_step=self.worker_step, loss=self.loss,
+                                  samples=self.samples, samples_per_second=rate, epoch=round(epoch, 4))
+                window_samples, window_start, logged_once = 0, now, True
+        return self.finish(run_samples / train_seconds if train_seconds else 0.0)
+
+    def finish(self, samples_per_second: float) -> int:
+        ctx = self.ctx
+        result: dict[str, Any] = {}
+        if ctx.index == 0:
+            # Wait until every worker is done pushing, then evaluate the final parameters.
+            self.pull(final=True)
+            eval_loss, eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y)
+            self.metrics.eval_loss.set(eval_loss)
+            self.metrics.eval_accuracy.set(eval_accuracy)
+            self.events.write("eval", step=self.ps_step[0], epoch=self.cursor.epoch,
+                              eval_loss=eval_loss, eval_accuracy=eval_accuracy)
+            log.info("%s: final eval accuracy %.4f, loss %.4f at step %d", ctx.replica, eval_accuracy, eval_loss,
+                     self.ps_step[0])
+            result = {"eval_accuracy": eval_accuracy, "eval_loss": eval_loss}
+        cursor_json = json.dumps(self.cursor.state_dict())
+        self._each_shard(lambda s: self.client.finish(s, ctx.index, cursor_json))
+        wall = time.monotonic() - self.started
+        write_result(ctx.run_dir, ctx.replica, {
+            "steps": self.worker_step,
+            "global_step": self.ps_step[0],
+            "epochs": round(self.worker_step / self.cursor.steps_per_epoch, 4),
+            "final_train_loss": self.loss,
+            **result,
+            "samples": self.samples,
+            "samples_per_second": samples_per_second,
+            "bytes_sent": self.client.counter.sent,
+            "bytes_received": self.client.counter.received,
+            "raw_gradient_bytes": self.compressor.raw_bytes,
+            "compressed_gradient_bytes": self.compressor.compressed_bytes,
+            "compression_ratio": self.compressor.ratio,
+            "wall_seconds": wall,
+        })
+        self.events.write("end", step=self.ps_step[0], worker_step=self.worker_step, wall_seconds=wall)
+        return EXIT_OK
+
+    def close(self) -> None:
+        # Join before closing the channel: a thread still inside gRPC when the
+        # interpreter exits makes the process abort (exit -6).
+        self._stop_heartbeat.set()
+        if self._heartbeat_thread.is_alive():
+            self._heartbeat_thread.join()
+        self.pool.shutdown(wait=True)
+        self.client.close()
+        self.metrics.close()
+        self.events.close()
+
+
+def run_worker(ctx: ReplicaContext) -> int:
+    """Train as one worker until the job's steps are done (0) or SIGTERM (143)."""
+    worker = Worker(ctx)
+    try:
+        return worker.run()
+    except grpc.RpcError as err:
+        # Retries spent (progressDeadlineSeconds) or a refusal no retry can fix.
+        raise TransientError(f"{ctx.replica}: parameter server call failed: {err.code().name}: {err.details()}") from None
+    finally:
+        worker.close()
