@@ -60,7 +60,11 @@ def test_killed_replica_resumes_to_the_same_parameters(tmp_path, write_job):
     assert proc.returncode == 0, proc.stderr
     assert "single-0 was killed by SIGKILL; restart 1 of 6." in proc.stderr
     state = json.loads((faulty / "state.json").read_text())
-    assert [(r["reason"], r["exit_code"], r["checkpoint_step"]) for r in state["restart_log"]] == [("Killed", 137, 40)]
+    [restart] = state["restart_log"]
+    assert (restart["reason"], restart["exit_code"]) == ("Killed", 137)
+    # Checkpoints persist in the background: the one of step 40 may still be in
+    # flight when the kill at step 45 lands, and then step 20 is the newest.
+    assert restart["checkpoint_step"] in (20, 40)
     step_a, params_a = final_parameters(clean)
     step_b, params_b = final_parameters(faulty)
     assert step_a == step_b
