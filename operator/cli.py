@@ -103,6 +103,44 @@ def cmd_operator(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import ReportError, build_report
+
+    try:
+        path = build_report([Path(d) for d in args.run_dirs], Path(args.out))
+    except ReportError as err:
+        raise UsageError(str(err)) from None
+    print(path)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .report import ReportError, compare
+
+    modes = [m for m in args.modes.split(",") if m]
+    compression = [c for c in args.compression.split(",") if c] if args.compression else None
+    try:
+        path = compare(Path(args.file), modes, compression, Path(args.out))
+    except (ReportError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    except KeyboardInterrupt:
+        return 130
+    print(path)
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    try:
+        from kubetrain_trainer import verify
+    except ImportError as err:
+        raise UsageError(f"kubetrain checkpoints needs the trainer's dependencies (torch): {err}") from None
+    if args.action == "verify":
+        return verify.main_verify(args.dirs[0], job_file=args.job, as_json=args.json, run_eval=not args.no_eval)
+    if args.action == "compare":
+        return verify.main_compare(args.dirs, tolerance=args.tolerance, as_json=args.json)
+    return verify.main_recovery(args.dirs[0], args.fault, args.run_root, as_json=args.json)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .benchcli import run_bench
 
@@ -142,6 +180,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="a Markdown report with plots comparing finished run directories")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default="reports/latest", help="output directory (default: reports/latest)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("compare", help="run variants of one manifest locally (modes, compression) and report")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--modes", default="Single,ParameterServer,DDP", help="comma-separated modes")
+    p.add_argument("--compression", help="comma-separated compression algorithms for the ParameterServer runs")
+    p.add_argument("--out", default="reports/compare", help="output directory (runs, manifests, report)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("checkpoints", help="validate and compare checkpoints")
+    csub = p.add_subparsers(dest="action", metavar="ACTION")
+    csub.required = True
+    c = csub.add_parser("verify", help="check every checkpoint of a directory, load it, evaluate the newest")
+    c.add_argument("dirs", nargs=1, metavar="DIR")
+    c.add_argument("--job", help="the job's manifest (default: job.yaml of the run directory)")
+    c.add_argument("--no-eval", action="store_true", help="skip evaluating the model on the eval split")
+    c.add_argument("--json", action="store_true")
+    c = csub.add_parser("compare", help="compare the final checkpoints of several runs")
+    c.add_argument("dirs", nargs="+", metavar="DIR")
+    c.add_argument("--tolerance", type=float, default=1e-6)
+    c.add_argument("--json", action="store_true")
+    c = csub.add_parser("recovery", help="run a job with a fault and without, and compare their final checkpoints")
+    c.add_argument("dirs", nargs=1, metavar="FILE")
+    c.add_argument("--fault", required=True, metavar="REPLICA:kill@step=N")
+    c.add_argument("--run-root", default="runs/recovery-check")
+    c.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_checkpoints)
 
     p = sub.add_parser("operator", help="run the TrainingJob operator against the current kubeconfig")
     p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable); default: all")

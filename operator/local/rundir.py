@@ -122,16 +122,20 @@ class RunDir:
     def targets_file(self) -> Path:
         return self.path / "targets.json"
 
-    def write_targets(self, replicas: list[Any]) -> None:
+    def write_targets(self, job: TrainingJob, replicas: list[Any]) -> None:
         """The replicas' /metrics endpoints in Prometheus's file_sd format.
 
         Ports are picked free at every start, so this is rewritten each time;
         a Prometheus with `file_sd_configs` on this file follows the job. The
-        series carry their own namespace/job/role/replica labels: scrape with
-        `honor_labels: true` so Prometheus's `job` does not rename them.
+        labels are the ones the trainer's series carry, so process metrics
+        (process_start_time_seconds, ...) get them too; scrape with
+        `honor_labels: true` so the series' own labels win.
         """
         groups = [
-            {"targets": [f"127.0.0.1:{r.ports['metrics']}"], "labels": {"kubetrain_replica": r.name}}
+            {
+                "targets": [f"127.0.0.1:{r.ports['metrics']}"],
+                "labels": {"namespace": job.metadata.namespace, "job": job.name, "role": r.role, "replica": r.name},
+            }
             for r in replicas
             if r.ports.get("metrics")
         ]

@@ -156,6 +156,6 @@ def test_metrics_targets_are_written_for_prometheus(tmp_path, write_job):
     run = tmp_path / "run"
     assert kubetrain("run", str(path), "--run-dir", str(run), "--quiet").returncode == 0
     groups = json.loads((run / "targets.json").read_text())
-    assert [g["labels"]["kubetrain_replica"] for g in groups] == ["single-0"]
+    assert [g["labels"] for g in groups] == [{"namespace": "default", "job": "targets", "role": "single", "replica": "single-0"}]
     host, port = groups[0]["targets"][0].split(":")
     assert host == "127.0.0.1" and int(port) > 0

@@ -1,0 +1,82 @@
+"""A real Prometheus on loopback scraping two real `kubetrain run` jobs (Single and ParameterServer).
+
+Started once for test_prometheus.py (module scope, so that its busy jobs do
+not slow down the tests after it), which checks the replicas' exposition
+against the catalogue, queries the dashboards and waits for the alerts. Prometheus finds the replicas through the
+`targets.json` each run directory carries (file_sd), so the ports the local
+backend picks at start need no guessing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from live import (
+    PS, SINGLE, LiveRun, Observed, Prometheus, jobs, prometheus_config, ready, start_run, stop_process, try_scrape,
+    wait_for,
+)
+from support import free_port
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory) -> Observed:
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus is not installed: apt-get install -y --no-install-recommends prometheus")
+    root = tmp_path_factory.mktemp("observed")
+    docs = jobs()
+    run_dirs = {name: root / "runs" / name for name in docs}
+    for path in run_dirs.values():
+        path.mkdir(parents=True)  # file_sd watches these directories from the start
+    operator_port, prom_port = free_port(), free_port()
+    operator_log = root / "operator-metrics.log"
+    operator = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("operator_metrics.py")), str(operator_port)],
+        stdout=open(operator_log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+    config = prometheus_config(root, run_dirs, f"127.0.0.1:{operator_port}")
+    prom_log = root / "prometheus.log"
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h"],
+        stdout=open(prom_log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    )
+    prometheus = Prometheus(f"http://127.0.0.1:{prom_port}", prom, prom_log)
+    runs: dict[str, LiveRun] = {}
+    try:
+        wait_for("Prometheus to be ready", lambda: ready(prometheus), timeout=60)
+        # The first attempt of single-0 dies by SIGKILL at step 1000: the restarts of the alert test begin.
+        replicas = {SINGLE: ["single-0"], PS: ["ps-0", "worker-0", "worker-1"]}
+        runs[SINGLE] = start_run(root, SINGLE, docs[SINGLE], replicas[SINGLE], ["--fault", "single-0:kill@step=1000"])
+        # Below single-0's priority, so that its restarts are not slowed down by three busy PS processes.
+        runs[PS] = start_run(root, PS, docs[PS], replicas[PS], [], nice=10)
+
+        def all_training():
+            for run in runs.values():
+                assert run.popen.poll() is None, f"{run.name} ended early:\n{run.log.read_text()[-3000:]}"
+            seen = prometheus.query("count_over_time(kubetrain_training_step[30s]) > 3")
+            have = {(s["metric"]["job"], s["metric"]["replica"]) for s in seen}
+            return have >= {(job, r) for job, rs in replicas.items() for r in rs}
+
+        wait_for("every replica to be scraped while training", all_training, timeout=120)
+        observed = Observed(prometheus, runs, f"127.0.0.1:{operator_port}")
+        for run in runs.values():
+            for target in run.targets():
+                replica = target["labels"]["replica"]
+                # A replica between two attempts (single-0 after its fault) refuses for a moment.
+                observed.expositions[f"{run.name}/{replica}"] = wait_for(
+                    f"{run.name}/{replica} to serve /metrics", lambda: try_scrape(target["targets"][0]), timeout=60
+                )
+        yield observed
+    finally:
+        # Every part is stopped even when stopping another one failed.
+        with contextlib.ExitStack() as stack:
+            for proc in (operator, prom):
+                stack.callback(stop_process, proc)
+            for run in runs.values():
+                stack.callback(run.stop)
+

@@ -1,0 +1,261 @@
+"""Live parts of the observability tests: a real Prometheus, background `kubetrain run` jobs, their processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from catalogue import ALERTS
+from support import ROOT, job_doc
+
+SCRAPE_SECONDS = 1
+# The rules' minutes become 2 s: a 10-minute window is 20 s here, long enough
+# for a replica to restart a few times on a loaded 2-core machine.
+TIME_SCALE = 30
+SINGLE, PS = "obs-single", "obs-ps"
+UNTIL_STOPPED = 10**7  # maxSteps of the jobs: they train until the session stops them
+
+
+def _ms(text: str) -> int:
+    units = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+    parts = re.findall(r"(\d+)(ms|s|m|h|d)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"not a Prometheus duration: {text!r}"
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def scale_duration(text: str) -> str:
+    return f"{max(1, _ms(text) // TIME_SCALE)}ms"
+
+
+def scaled_rules(doc: dict) -> dict:
+    """The alert rules with every duration (ranges, subquery steps, offsets, `for`) divided by TIME_SCALE."""
+    doc = json.loads(json.dumps(doc))
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            expr = re.sub(
+                r"\[([^\]]+)\]", lambda m: "[" + ":".join(scale_duration(d) for d in m.group(1).split(":")) + "]",
+                rule["expr"],
+            )
+            rule["expr"] = re.sub(r"\boffset (\w+)", lambda m: "offset " + scale_duration(m.group(1)), expr)
+            if "for" in rule:
+                rule["for"] = scale_duration(rule["for"])
+    return doc
+
+
+def replica_pids(run_dir: Path, replica: str) -> list[int]:
+    """Live processes of a replica of this run, found by the environment the local backend gave them."""
+    wanted = {f"KUBETRAIN_RUN_DIR={run_dir}".encode(), f"KUBETRAIN_REPLICA={replica}".encode()}
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+            if wanted <= env and os.getpgid(int(entry.name)) == int(entry.name):
+                pids.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue  # gone, or not ours
+    return pids
+
+
+@dataclass
+class LiveRun:
+    """A `kubetrain run` in the background, with its run directory."""
+
+    name: str
+    replicas: list[str]
+    run_dir: Path
+    popen: subprocess.Popen
+    log: Path
+
+    def targets(self) -> list[dict]:
+        path = self.run_dir / "targets.json"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def pid(self, replica: str) -> int:
+        pids = replica_pids(self.run_dir, replica)
+        assert len(pids) == 1, f"{self.name}: expected one process of {replica}, found {pids}"
+        return pids[0]
+
+    def starts(self, replica: str) -> int:
+        """`start` events of a replica so far: one per process."""
+        path = self.run_dir / "metrics" / f"{replica}.jsonl"
+        return path.read_text().count('"event": "start"') if path.exists() else 0
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            for pid in replica_pids(self.run_dir, replica):
+                _signal(pid, signal.SIGCONT)  # a frozen replica could not take its SIGTERM
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for replica in self.replicas:
+            for pid in replica_pids(self.run_dir, replica):
+                _signal(pid, signal.SIGKILL)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class Prometheus:
+    url: str
+    popen: subprocess.Popen
+    log: Path
+
+    def api(self, path: str, **params: str) -> dict:
+        query = urllib.parse.urlencode(params, doseq=True)
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as reply:
+            body = json.load(reply)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        try:
+            return self.api("query", query=expr)["result"]
+        except urllib.error.HTTPError as err:
+            raise AssertionError(f"Prometheus refused {expr!r}: {err.read().decode()}") from None
+
+    def firing(self, alert: str) -> list[dict]:
+        return [a for a in self.api("alerts")["alerts"] if a["labels"]["alertname"] == alert and a["state"] == "firing"]
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+
+
+def wait_for(what: str, check, timeout: float, every: float = 0.5):
+    """Poll check() until it returns something truthy; fail naming `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+def scrape(target: str) -> str:
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def try_scrape(target: str) -> str | None:
+    try:
+        return scrape(target)
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+@dataclass
+class Observed:
+    """The session's Prometheus and jobs, and what the replicas exposed once all were training."""
+
+    prometheus: Prometheus
+    runs: dict[str, LiveRun]
+    operator_target: str
+    expositions: dict[str, str] = field(default_factory=dict)  # replica ("obs-ps/worker-0") -> text
+
+
+def jobs() -> dict[str, dict]:
+    never = {"policy": "OnFailure", "backoffLimit": 30, "maxRestartsWithoutProgress": 30}
+    run_policy = {"progressDeadlineSeconds": 3600}  # the stall below must stay a stall, not a restart
+    training = {"maxSteps": UNTIL_STOPPED, "batchSize": 32, "seed": 0,
+                "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}}
+    common = {"model": {"name": "mlp", "args": {"hidden": 64}}, "dataset": {"name": "digits"},
+              "training": training, "restartPolicy": never, "runPolicy": run_policy}
+    return {
+        # Checkpoints often: its restarts (one by --fault, more by the test) make progress.
+        SINGLE: job_doc(SINGLE, "Single", checkpoint={"intervalSteps": 200, "keepLast": 2}, **common),
+        # Async with TopK: staleness and compressed bytes; never checkpoints while the test runs.
+        PS: job_doc(PS, "ParameterServer", checkpoint={"intervalSteps": UNTIL_STOPPED, "keepLast": 1},
+                    parameterServer={"replicas": 1, "workers": 2, "aggregation": "Async", "maxStaleness": 4,
+                                     "syncTimeoutSeconds": 3600,
+                                     "compression": {"algorithm": "TopK", "ratio": 0.1, "minTensorBytes": 1024}},
+                    **common),
+    }
+
+
+def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list[str], nice: int = 0) -> LiveRun:
+    """`kubetrain run` in the background; `nice` lowers the priority of it and its replicas."""
+    manifest = root / f"{name}.yaml"
+    manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run_dir = root / "runs" / name
+    log = root / f"{name}.log"
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kubetrain_operator.cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
+         *extra],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
+    )
+    return LiveRun(name, replicas, run_dir, popen, log)
+
+
+def run_scrape_config(name: str, run_dir: Path) -> dict:
+    """Scrape one run through its targets.json.
+
+    The file labels every target with namespace, job, role and replica, so the
+    process collectors' series get them too; honor_labels keeps the trainer's
+    own (identical) labels.
+    """
+    return {
+        "job_name": name,
+        "honor_labels": True,
+        "file_sd_configs": [{"files": [str(run_dir / "targets.json")], "refresh_interval": "1s"}],
+    }
+
+
+def prometheus_config(root: Path, runs: dict[str, Path], operator_target: str) -> Path:
+    rules = root / "alerts.yaml"
+    rules.write_text(yaml.safe_dump(scaled_rules(yaml.safe_load(ALERTS.read_text())), sort_keys=False))
+    config = {
+        "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "scrape_timeout": f"{SCRAPE_SECONDS}s",
+                   "evaluation_interval": f"{SCRAPE_SECONDS}s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [
+            *(run_scrape_config(name, run_dir) for name, run_dir in runs.items()),
+            # honor_labels: the operator's `namespace` label is the job's, not the scrape target's.
+            {"job_name": "kubetrain-operator", "honor_labels": True,
+             "static_configs": [{"targets": [operator_target]}]},
+        ],
+    }
+    path = root / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def ready(prometheus: Prometheus) -> bool:
+    assert prometheus.popen.poll() is None, f"prometheus exited:\n{prometheus.log_tail()}"
+    try:
+        with urllib.request.urlopen(f"{prometheus.url}/-/ready", timeout=2) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, ConnectionError):
+        return False
