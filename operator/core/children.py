@@ -12,8 +12,10 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from kubetrain_trainer.ddp.launch import RDZV_PORT  # standard library only
+
 from ..api import API_VERSION, KIND, TrainingJob, dump_manifest
-from .plan import GRPC_PORT, RDZV_PORT, Replica, plan_replicas
+from .plan import GRPC_PORT, Replica, plan_replicas
 
 LABEL_JOB = "kubetrain.dev/job-name"
 LABEL_ROLE = "kubetrain.dev/role"
