@@ -73,6 +73,18 @@ def _environment(exports: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
+    external = os.environ.get("KUBETRAIN_TEST_KUBECONFIG")
+    if external:
+        # A cluster someone else started (hack/kind-e2e): used as it is, never taken down.
+        # kubectl and helm come from PATH.
+        import shutil
+
+        kubectl = shutil.which("kubectl")
+        if kubectl is None:
+            pytest.fail("KUBETRAIN_TEST_KUBECONFIG is set but kubectl is not on PATH", pytrace=False)
+        env = {**os.environ, "KUBECONFIG": external}
+        yield Cluster(name="external", kubeconfig=Path(external), bin_dir=Path(kubectl).parent, env=env, nodes=0)
+        return
     built = hack_cluster("build", "--check")
     if built.returncode != 0:
         pytest.fail(

@@ -211,3 +211,28 @@ def test_progress_is_read_from_the_chief_and_a_stall_is_a_hang(operator):
         assert operator.job_status(name)["restarts"] >= 1
     finally:
         server.shutdown()
+
+
+def test_a_pending_volume_is_reported_in_the_status(operator):
+    doc = manifest(mode="Single", checkpoint={"storage": {"storageClassName": "no-such-class"}})
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    status = operator.wait("a VolumePending condition", lambda: (s := operator.job_status(name)) and
+                           (c := condition(s, "Created")) and c["reason"] == "VolumePending" and s)
+    assert f"{name}-ckpt-single-0 is Pending" in condition(status, "Created")["message"]
+    assert [e for e in operator.events(name) if e["reason"] == "VolumePending"]
+
+
+def test_an_image_that_cannot_be_pulled_is_reported_in_the_status(operator):
+    doc = manifest(mode="Single")
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    pod = f"{name}-single-0"
+    operator.wait("the pod", lambda: operator.get("pod", pod))
+    status = {"status": {"phase": "Pending", "containerStatuses": [{
+        "name": "trainer", "image": "kubetrain/trainer:nope", "imageID": "", "ready": False, "restartCount": 0,
+        "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image kubetrain/trainer:nope"}}}]}}
+    operator.kubectl("patch", "pod", pod, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+    got = operator.wait("an ImagePullFailed condition", lambda: (s := operator.job_status(name)) and
+                        (c := condition(s, "Created")) and c["reason"] == "ImagePullFailed" and c)
+    assert "ImagePullBackOff" in got["message"] and "kubetrain/trainer:nope" in got["message"]

@@ -148,5 +148,7 @@ def test_sigterm_checkpoints_the_shard_at_its_step_and_a_restart_loses_nothing(t
     finally:
         job.stop()
     assert codes == {r: 0 for r in job.replicas}, job.logs()
-    assert job.events("ps-0", "resume")[0]["step"] == stopped
+    # A push in flight when SIGTERM landed may still be applied (and checkpointed)
+    # after the stop checkpoint: the restart then resumes past it, never before.
+    assert job.events("ps-0", "resume")[0]["step"] >= stopped
     assert accuracy(job) >= 0.95
