@@ -22,8 +22,13 @@ PS_COMPRESSION = ("None", "FP16", "Int8", "TopK", "PowerSGD")
 DDP_HOOKS = ("None", "FP16", "PowerSGD")
 
 
-def variant(base: dict[str, Any], mode: str, compression: str | None) -> dict[str, Any]:
-    """The manifest `base` turned into `mode` (with `compression` where the mode has it), named for both."""
+def variant(base: dict[str, Any], mode: str, compression: str | None, global_batch: int | None = None) -> dict[str, Any]:
+    """The manifest `base` turned into `mode` (with `compression` where the mode has it), named for both.
+
+    With `global_batch`, each variant's per-replica batchSize is set so that all
+    its replicas together take that many samples a step, as the base job does:
+    the variants then train on the same data in the same order.
+    """
     doc = copy.deepcopy(base)
     spec = doc["spec"]
     spec["mode"] = mode
@@ -43,6 +48,9 @@ def variant(base: dict[str, Any], mode: str, compression: str | None) -> dict[st
             spec["ddp"]["commHook"] = compression
             name += f"-{compression.lower()}"
     doc["metadata"]["name"] = name
+    if global_batch is not None:
+        world = from_object(doc, name).spec.world_size
+        spec.setdefault("training", {})["batchSize"] = max(1, global_batch // world)
     return doc
 
 
@@ -55,6 +63,7 @@ def variants(job: TrainingJob, modes: list[str], compression: list[str] | None) 
     if bad:
         raise ValueError(f"--compression: expected names from {', '.join(PS_COMPRESSION)}, got {', '.join(bad)}")
     base = to_manifest(job)
+    global_batch = job.spec.training.batch_size * job.spec.world_size
     out: list[TrainingJob] = []
     for mode in modes:
         choices: list[str | None] = [None]
@@ -63,7 +72,7 @@ def variants(job: TrainingJob, modes: list[str], compression: list[str] | None) 
         elif compression and mode == "DDP":
             choices = [c for c in compression if c in DDP_HOOKS] or [None]
         for choice in choices:
-            candidate = from_object(variant(base, mode, choice), f"{job.name} as {mode}")
+            candidate = from_object(variant(base, mode, choice, global_batch), f"{job.name} as {mode}")
             if candidate.name not in [j.name for j in out]:
                 out.append(candidate)
     return out

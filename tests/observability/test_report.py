@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from support import job_doc
+from support import ROOT, job_doc
 
 from kubetrain_operator.api import from_object
 from kubetrain_operator.local.backend import LocalBackend
@@ -181,3 +181,14 @@ def test_report_on_bad_run_directories_names_the_problem(tmp_path, setup, messag
     with pytest.raises(ReportError, match=message) as err:
         build_report([run], tmp_path / "out")
     assert str(run) in str(err.value)
+
+
+def test_compare_variants_keep_the_global_batch():
+    from kubetrain_operator.api import load_one
+    from kubetrain_operator.report.compare import variants
+
+    job = load_one(ROOT / "examples" / "quickstart.yaml")  # 2 workers x 32
+    by_mode = {v.spec.mode: v for v in variants(job, ["Single", "ParameterServer", "DDP"], None)}
+    assert by_mode["Single"].spec.training.batch_size == 64
+    assert by_mode["ParameterServer"].spec.training.batch_size == 32
+    assert by_mode["DDP"].spec.training.batch_size == 32  # 2 nodes x 1 rank
