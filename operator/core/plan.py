@@ -98,6 +98,10 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             "KUBETRAIN_CHECKPOINT_DIR": endpoints.checkpoint_dir(name),
             "KUBETRAIN_METRICS_PORT": str(metrics_port),
             "PYTHONUNBUFFERED": "1",
+            # `python -m` must not put the working directory first on sys.path:
+            # run from a kubetrain checkout, its operator/ folder would shadow
+            # the standard library's `operator`.
+            "PYTHONSAFEPATH": "1",
         }
         if spec.mode == "ParameterServer":
             env["KUBETRAIN_PS_ADDRS"] = ps_addrs
