@@ -236,3 +236,36 @@ def test_an_image_that_cannot_be_pulled_is_reported_in_the_status(operator):
     got = operator.wait("an ImagePullFailed condition", lambda: (s := operator.job_status(name)) and
                         (c := condition(s, "Created")) and c["reason"] == "ImagePullFailed" and c)
     assert "ImagePullBackOff" in got["message"] and "kubetrain/trainer:nope" in got["message"]
+
+
+def fail_pod(operator, name: str, replica: str, code: int) -> None:
+    """Fail the replica's current pod and wait until a new one replaced it."""
+    pod = f"{name}-{replica}"
+    old = operator.wait(f"{pod} running", lambda: (p := operator.get("pod", pod)) and p["status"].get("phase") == "Running" and p)
+    operator.set_pod_status(pod, "Failed", exit_code=code)
+    return old["metadata"]["uid"]
+
+
+def test_backoff_limit_fails_the_job(operator):
+    doc = manifest(restartPolicy={"backoffLimit": 1})
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    running_pods(operator, name, 3)
+    old = fail_pod(operator, name, "worker-0", 137)
+    operator.wait("worker-0 replaced", lambda: (p := operator.get("pod", f"{name}-worker-0")) and p["metadata"]["uid"] != old)
+    fail_pod(operator, name, "worker-0", 137)
+    status = operator.wait("state Failed", lambda: (s := operator.job_status(name)).get("state") == "Failed" and s)
+    assert condition(status, "Failed")["reason"] == "BackoffLimitExceeded"
+    assert status["restarts"] == 1
+
+
+def test_restarts_without_a_new_checkpoint_fail_the_job(operator):
+    # No trainer runs on kwok's nodes, so no checkpoint ever appears: the first
+    # restart already made no progress, and the budget of 0 is spent.
+    doc = manifest(restartPolicy={"maxRestartsWithoutProgress": 0})
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    running_pods(operator, name, 3)
+    fail_pod(operator, name, "worker-1", 75)
+    status = operator.wait("state Failed", lambda: (s := operator.job_status(name)).get("state") == "Failed" and s)
+    assert condition(status, "Failed")["reason"] == "NoProgress"
