@@ -2,7 +2,8 @@
 # Builds the test cluster's binaries from the pinned Go modules beside this
 # script, once, into a cache outside the clone, and prints that bin directory.
 #
-# Each tool set is its own module (kubernetes/, etcd/, kwok/, helm/) because
+# Each tool set is its own module (kubernetes/, etcd/, kwok/, helm/, and for
+# the real node coredns/ and local-path/) because
 # their dependency graphs conflict: helm v3.22 wants the v0.37 client
 # libraries, Kubernetes v1.36.3 replaces them with v0.36.3, and etcd and kwok
 # pin other gRPC and OpenTelemetry versions. One module would let Go's minimum
@@ -42,6 +43,10 @@ for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
   helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=37"
 done
 
+# CoreDNS stamps only its commit; local-path-provisioner prints VERSION.
+coredns_ldflags="-s -w -X github.com/coredns/coredns/coremain.GitCommit=v1.14.7"
+local_path_ldflags="-s -w -X main.VERSION=v0.0.30"
+
 # name | module directory | main package | ldflags variable
 targets=(
   "etcd|etcd|go.etcd.io/etcd/server/v3|etcd_ldflags"
@@ -54,6 +59,8 @@ targets=(
   "kubelet|kubernetes|k8s.io/kubernetes/cmd/kubelet|k8s_ldflags"
   "kube-proxy|kubernetes|k8s.io/kubernetes/cmd/kube-proxy|k8s_ldflags"
   "helm|helm|helm.sh/helm/v3/cmd/helm|helm_ldflags"
+  "coredns|coredns|github.com/coredns/coredns|coredns_ldflags"
+  "local-path-provisioner|local-path|github.com/rancher/local-path-provisioner|local_path_ldflags"
 )
 
 say() { echo "hack/tools/build.sh: $*" >&2; }
@@ -106,7 +113,7 @@ mkdir -p "$bin"
 start=$SECONDS
 say "building the test cluster's tools with $go_version into $dir (cold: about 20 minutes)"
 
-for module in etcd kwok kubernetes helm; do
+for module in etcd kwok kubernetes helm coredns local-path; do
   t=$SECONDS
   (cd "$here/$module" && go mod download)
   say "downloaded the $module modules ($((SECONDS - t)) s, total $((SECONDS - start)) s)"

@@ -29,7 +29,7 @@ def run(
     asyncio.run(
         kopf.operator(
             clusterwide=not namespaces,
-            namespaces=namespaces or None,
+            namespaces=namespaces,
             liveness_endpoint=liveness,
             standalone=True,
         )

@@ -1,0 +1,72 @@
+"""The end-to-end cluster: the test cluster with its real node, our images in it, the chart installed.
+
+One session fixture, `e2e`, runs `hack/cluster up --real-node` for a cluster
+of its own name (kt-e2e, never the `cluster` fixture's), loads the images
+into the real node's containerd (`hack/images build --load`), and installs
+the chart with hack/values-e2e.yaml; it takes it all down at the end. It
+builds nothing that takes long: the tools (`hack/cluster build`) and images
+(`hack/images build`) must be built first, or it fails saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clusterlib import ROOT, Cluster, _environment
+from e2elib import CACHE, E2E, E2E_CLUSTER, NAMESPACE, leftovers
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "e2e: needs the test cluster with its real node (hack/cluster up --real-node)")
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def e2e() -> Iterator[E2E]:
+    if os.environ.get("KUBETRAIN_CLUSTER") == E2E_CLUSTER:
+        pytest.fail(f"KUBETRAIN_CLUSTER={E2E_CLUSTER} is the e2e fixture's own name: the `cluster` fixture "
+                    "would share (and take down) its cluster; use another name", pytrace=False)
+    env = dict(os.environ, KUBETRAIN_CLUSTER=E2E_CLUSTER)
+    hack_cluster = str(ROOT / "hack" / "cluster")
+    built = _run([hack_cluster, "build", "--check"], env, 60)
+    if built.returncode != 0:
+        pytest.fail(f"the test cluster's tools are not built: run `hack/cluster build` first. {built.stderr.strip()}",
+                    pytrace=False)
+    images = _run([str(ROOT / "hack" / "images"), "check"], env, 120)
+    if images.returncode != 0:
+        pytest.fail(f"the images are not built from the current sources: run `hack/images build` first. "
+                    f"{images.stderr.strip()}", pytrace=False)
+
+    up = _run([hack_cluster, "up", "--nodes", "1", "--real-node"], env, 900)
+    if up.returncode != 0:
+        pytest.fail(f"hack/cluster up --real-node failed ({up.returncode}):\n{up.stderr[-6000:]}", pytrace=False)
+    try:
+        exports = _run([hack_cluster, "env"], env, 60)
+        assert exports.returncode == 0, exports.stderr
+        env = _environment(exports.stdout) | {"KUBETRAIN_CLUSTER": E2E_CLUSTER}
+        cluster = Cluster(name=E2E_CLUSTER, kubeconfig=Path(env["KUBECONFIG"]),
+                          bin_dir=Path(env["PATH"].split(os.pathsep)[0]), env=env, nodes=1)
+        net = dict(line.split("=", 1) for line in
+                   (CACHE / "realnode" / E2E_CLUSTER / "net.env").read_text().split())
+        containerd = f"/run/kubetrain/{E2E_CLUSTER}/containerd.sock"
+
+        load = _run([str(ROOT / "hack" / "images"), "build", "--load"], env | {"CONTAINERD_ADDRESS": containerd}, 900)
+        assert load.returncode == 0, f"hack/images build --load failed:\n{load.stderr[-4000:]}"
+
+        cluster.run("helm", "install", "kubetrain", str(ROOT / "charts" / "kubetrain"),
+                    "--namespace", NAMESPACE, "--create-namespace",
+                    "-f", str(ROOT / "hack" / "values-e2e.yaml"),
+                    "--set", f"operator.scrapeNetworks={{{net['pod_cidr']}}}",
+                    "--wait", "--timeout", "5m", timeout=400)
+        yield E2E(cluster=cluster, pod_cidr=net["pod_cidr"], containerd=containerd)
+    finally:
+        down = _run([hack_cluster, "down"], env, 300)
+        assert down.returncode == 0, f"hack/cluster down failed: {down.stderr}"
+        assert not leftovers(), f"hack/cluster down left the real node's pieces behind: {leftovers()}"
