@@ -99,10 +99,11 @@ def test_report_shows_the_restart_and_its_recovery(compared):
     assert len(rows) == 1
     row = dict(zip(header, rows[0]))
     assert (row["run"], row["replica"], row["exit code"]) == ("faulted", "single-0", "137")
-    # Killed right after step 30, before its checkpoint: resumed from step 20. The failure's step is the
+    # Killed right after step 30, before its checkpoint: resumed from step 20, or from 0 when the
+    # checkpoint of step 20 was still being persisted in the background. The failure's step is the
     # last one the supervisor saw reported, at most 30.
     failed, resumed = number(row["failed at step"]), number(row["resumed from step"])
-    assert resumed == 20 and 20 <= failed <= 30
+    assert resumed in (0, 20) and resumed <= failed <= 30
     assert number(row["steps lost"]) == failed - resumed
     assert 0 < number(row["recovery seconds"]) < 120
     state = json.loads((runs[-1] / "state.json").read_text())
