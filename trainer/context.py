@@ -51,6 +51,8 @@ class ReplicaContext:
     """Metric label; the job's namespace when empty."""
     job_name: str = ""
     """Metric label; the job's name when empty."""
+    termination_log: Path | None = None
+    """Where the final results also go for the operator (a pod's /dev/termination-log); None: nowhere."""
     stop_requested: bool = False
     """Set by the SIGTERM handler; training loops check it after every step."""
 
@@ -97,6 +99,7 @@ class ReplicaContext:
             fault_step=_fault_step(env.get("KUBETRAIN_FAULT", "")),
             namespace=env.get("KUBETRAIN_NAMESPACE", ""),
             job_name=env.get("KUBETRAIN_JOB_NAME", ""),
+            termination_log=Path(env["KUBETRAIN_TERMINATION_LOG"]) if env.get("KUBETRAIN_TERMINATION_LOG") else None,
         )
 
     def maybe_fault(self, step: int) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def _plain(value: Any) -> Any:
@@ -48,8 +51,26 @@ class EventLog:
             self._file.close()
 
 
-def write_result(run_dir: str | Path, replica: str, result: dict[str, Any]) -> Path:
-    """Write run_dir/results/<replica>.json atomically (temp file, fsync, rename)."""
+# What a pod's termination message carries (the kubelet keeps at most 4 KiB of it).
+TERMINATION_KEYS = ("steps", "global_step", "final_train_loss", "eval_accuracy", "eval_loss",
+                    "checkpoint_step", "checkpoint_time", "samples_per_second", "wall_seconds")
+
+
+def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
+                 termination_log: str | Path | None = None) -> Path:
+    """Write run_dir/results/<replica>.json atomically (temp file, fsync, rename).
+
+    With `termination_log` (in a pod: /dev/termination-log), the headline
+    figures also go there, where the kubelet hands them to the operator in the
+    container's terminated state: the job's final status needs no scrape.
+    """
+    if termination_log is not None:
+        plain = _plain(result)
+        summary = {k: plain[k] for k in TERMINATION_KEYS if plain.get(k) is not None}
+        try:
+            Path(termination_log).write_text(json.dumps(summary, allow_nan=False), encoding="utf-8")
+        except OSError as err:  # only the status's final figures are lost: not worth failing the run
+            log.warning("cannot write the termination message to %s: %s", termination_log, err)
     path = Path(run_dir) / "results" / f"{replica}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

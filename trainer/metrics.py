@@ -113,6 +113,10 @@ class TrainerMetrics:
             "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint became durable."
         )
         self.last_checkpoint_step = self._gauge("last_checkpoint_step", "Step of the last durable checkpoint.")
+        # Not measured yet is NaN, not 0: a reader (the operator, a dashboard) must
+        # not take "no evaluation so far" for an accuracy of 0.
+        for unmeasured in (self.loss, self.eval_accuracy, self.eval_loss):
+            unmeasured.set(float("nan"))
 
     def _bind(self, metric: Any, extra: str | None) -> Any:
         return Labelled(metric, self.labels) if extra else metric.labels(**self.labels)

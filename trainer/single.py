@@ -184,7 +184,9 @@ class SingleTrainer:
             "bytes_received": 0,
             "raw_gradient_bytes": 0,
             "compressed_gradient_bytes": 0,
-        })
+            "checkpoint_step": self.checkpoint_step,
+            "checkpoint_time": time.time(),  # durable by now: the store was waited for
+        }, termination_log=self.ctx.termination_log)
         self.events.write("end", step=self.step, wall_seconds=wall)
 
     def close(self) -> None:

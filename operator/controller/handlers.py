@@ -88,7 +88,10 @@ def supervise(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
                 delay = reconcile_once(body, state) or MAX_SLEEP_SECONDS
             except kube.KubeError as err:
                 metrics.RECONCILE_ERRORS.inc()
-                log.warning("%s/%s: %s; retrying", ns, name, err)
+                if err.status == 403:
+                    _report_forbidden(body, state, err)
+                else:
+                    log.warning("%s/%s: %s; retrying", ns, name, err)
             except Exception:  # a bug must not kill the job's daemon: log it and retry
                 metrics.RECONCILE_ERRORS.inc()
                 log.exception("%s/%s: reconciliation failed; retrying", ns, name)
@@ -100,6 +103,23 @@ def supervise(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
             if JOBS.get((ns, name)) is state:
                 del JOBS[(ns, name)]
         _update_state_gauge()
+
+
+def _report_forbidden(body: kopf.Body, state: JobState, err: kube.KubeError) -> None:
+    """RBAC refused an operation: say which, in the log and (where still allowed) the job's status."""
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    message = (f"{err}. The operator's ServiceAccount lacks this permission: the chart's Role or ClusterRole "
+               "(charts/kubetrain/templates/rbac.yaml) grants it; retrying.")
+    log.error("%s/%s: %s", ns, name, message)
+    old = copy.deepcopy(state.status if state.status is not None else dict(body.get("status") or {}))
+    new = dict(old)
+    new["conditions"] = conditions(old.get("conditions"), Observed(old.get("state") or "Created", "Forbidden", message),
+                                   _iso_now(), meta.get("generation", 0))
+    try:
+        _write_status(ns, name, state, old, new)
+    except kube.KubeError as second:
+        log.error("%s/%s: cannot report that in the status either: %s", ns, name, second)
 
 
 def _sleep(state: JobState, stopped: kopf.DaemonStopped, seconds: float) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import json
+import math
 from typing import Any
 
 from ..core.children import CONTAINER, LABEL_REPLICA
@@ -24,6 +26,7 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
     exit_code = last_exit = None
     waiting_reason = waiting_message = ""
     restarts = 0
+    final = None
     for cs in status.get("containerStatuses") or []:
         if cs.get("name") != CONTAINER:
             continue
@@ -37,6 +40,9 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
         last = (cs.get("lastState") or {}).get("terminated")
         if last:
             last_exit = last.get("exitCode")
+        for ended in (state.get("terminated"), last):
+            if final is None and ended and ended.get("exitCode") == 0:
+                final = termination_results(ended.get("message"))
     return PodObservation(
         replica=replica,
         phase=status.get("phase") or "Pending",
@@ -49,7 +55,20 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
         last_exit_code=last_exit,
         node=(pod.get("spec") or {}).get("nodeName") or "",
         ip=status.get("podIP") or "",
+        uid=meta.get("uid") or "",
+        final=final,
     )
+
+
+def termination_results(message: str | None) -> dict[str, Any] | None:
+    """The final results a trainer wrote as its termination message (a JSON object), else None."""
+    if not message:
+        return None
+    try:
+        found = json.loads(message)
+    except ValueError:
+        return None  # the log's tail (FallbackToLogsOnError), not ours
+    return found if isinstance(found, dict) else None
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -73,7 +92,8 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
         return None
 
     def get(src: dict[str, float], key: str) -> float | None:
-        return src.get(f"kubetrain_{key}")
+        value = src.get(f"kubetrain_{key}")
+        return None if value is None or math.isnan(value) else value  # NaN: not measured yet
 
     ckpt_time = get(head, "checkpoint_last_success_timestamp_seconds")
     ckpt_step = get(head, "last_checkpoint_step")

@@ -27,6 +27,7 @@ DATA_MOUNT = "/kubetrain/data"
 TOKEN_KEY = "token"
 CONTAINER = "trainer"
 RUN_AS_USER = 1000
+TERMINATION_LOG = "/dev/termination-log"
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,7 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
     env = [{"name": k, "value": v} for k, v in replica.env.items()]
     env.append({"name": "KUBETRAIN_JOB_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
     env.append({"name": "HOME", "value": "/tmp"})
+    env.append({"name": "KUBETRAIN_TERMINATION_LOG", "value": TERMINATION_LOG})
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
     role_resources = job.spec.resources.ps if replica.role == "ps" else job.spec.resources.worker
     container: dict[str, Any] = {
@@ -222,6 +224,9 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         "securityContext": _security_context(),
+        # The trainer writes its final results there; the operator reads them back
+        # from the container's terminated state (the log's tail when it wrote none).
+        "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if role_resources:

@@ -9,6 +9,7 @@ handlers only gather the observation and carry out the actions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from ..api import TrainingJob
 from . import policy
 from .children import Settings, children, pod_name
-from .plan import replica_names
+from .plan import chief, replica_names
 from .status import TERMINAL, Observed, conditions
 
 PS_DRAIN_SECONDS = 120.0  # shards exit by themselves once the workers finished
@@ -38,6 +39,8 @@ class PodObservation:
     last_exit_code: int | None = None  # lastState.terminated.exitCode (StatefulSet pods)
     node: str = ""
     ip: str = ""
+    uid: str = ""  # a StatefulSet's replacement pod keeps the name, not the uid
+    final: Mapping[str, Any] | None = None  # the trainer's termination message: its final results
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def _counts(job: TrainingJob, pods: dict[str, PodObservation]) -> dict[str, dict
         p = pods.get(f"{role}-{index}")
         if p is None:
             continue
-        if p.phase == "Succeeded" or (role == "ddp" and p.last_exit_code == 0 and p.exit_code in (None, 0)):
+        if _succeeded(p, role == "ddp"):
             c["succeeded"] += 1
         elif p.phase == "Failed":
             c["failed"] += 1
@@ -161,6 +164,8 @@ def reconcile(
         else:
             act.delete_pods += [pod_name(job, n) for n in doomed]
         act.events.append(("Normal" if state == "Succeeded" else "Warning", reason, message))
+        if state == "Succeeded":
+            _final_progress(st, job, pods, now)
 
     # -- already finished: only the TTL is left --------------------------------
     if state_before in TERMINAL:
@@ -186,6 +191,7 @@ def reconcile(
         observed = Observed("Suspended", "Suspended", "The job is suspended; set spec.runPolicy.suspend to false to resume.")
         st["state"] = "Suspended"
         st.pop("pendingRestarts", None)
+        st.pop("ddpPodUids", None)  # the pods that come back on resume are new, not replacements
         _finish_status(st, job, pods, observed, now, generation)
         act.status = st
         return act
@@ -218,6 +224,17 @@ def reconcile(
             if state_before in ("Running", "Restarting") and not is_ddp:
                 failures.append(policy.Failure(n, reason="Deleted"))
             continue
+        if is_ddp and p.uid:
+            uids = dict(st.get("ddpPodUids") or {})
+            known = uids.get(n)
+            uids[n] = p.uid
+            st["ddpPodUids"] = uids
+            if known and known != p.uid and state_before in ("Running", "Restarting"):
+                # The StatefulSet replaced a rank's pod (deleted, evicted, its node
+                # gone) before this round saw it missing: count it once.
+                st["ddpRestartCounts"] = dict(st.get("ddpRestartCounts") or {}, **{n: p.restart_count})
+                failures.append(policy.Failure(n, reason="Deleted"))
+                continue
         f = _failure(p)
         if f is not None:
             failures.append(f)
@@ -235,8 +252,7 @@ def reconcile(
     limit = spec.run_policy.progress_deadline_seconds
     watched = "lastStep" in st
     if not failures and watched and state_before in ("Running", "Restarting") and now - last_step_time >= limit:
-        chief = {"Single": "single-0", "ParameterServer": "worker-0", "DDP": "ddp-0"}[spec.mode]
-        failures.append(policy.Failure(chief, reason="Hung"))
+        failures.append(policy.Failure(chief(job), reason="Hung"))
         st["lastStepTime"] = iso(now)
     for f in failures:
         progressed = checkpoint_now > int(st.get("checkpointAtLastRestart", 0))
@@ -253,6 +269,8 @@ def reconcile(
                 act.delete_pods.append(pod_name(job, f.replica))
         elif f.reason == "Hung":
             act.delete_pods.append(pod_name(job, f.replica))
+            # Its replacement is this restart, not another one.
+            st["ddpPodUids"] = {k: v for k, v in (st.get("ddpPodUids") or {}).items() if k != f.replica}
     st["restarts"], st["restartsWithoutProgress"] = counters.restarts, counters.restarts_without_progress
     if observed is not None and observed.state == "Failed":
         st.pop("pendingRestarts", None)
@@ -310,6 +328,31 @@ def reconcile(
         act.requeue_after = min(act.requeue_after or 10.0, 10.0)
     act.status = st
     return act
+
+
+def _final_progress(st: dict[str, Any], job: TrainingJob, pods: dict[str, PodObservation], now: float) -> None:
+    """At success, the chief's final results (its termination message) complete the progress
+    that the last read of its metrics, up to a few seconds old, left behind."""
+    final = (pods.get(chief(job)) or PodObservation("", "")).final
+    if not final:
+        return
+    progress = dict(st.get("progress") or {})
+    step = final.get("global_step", final.get("steps"))
+    for key, value in (("step", step), ("loss", final.get("final_train_loss")),
+                       ("evalAccuracy", final.get("eval_accuracy"))):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            progress[key] = value
+    if isinstance(step, int):
+        progress.setdefault("totalSteps", step)
+        progress["updateTime"] = iso(now)
+        st["progress"] = progress
+    # The newest checkpoint: the chief's own (Single, DDP) or the first shard's (ParameterServer).
+    holder = pods.get("ps-0") if job.spec.mode == "ParameterServer" else pods.get(chief(job))
+    ckpt = (holder.final or {}) if holder is not None else {}
+    if isinstance(ckpt.get("checkpoint_step"), int) and ckpt["checkpoint_step"] > 0:
+        when = ckpt.get("checkpoint_time")
+        st["lastCheckpoint"] = {"step": ckpt["checkpoint_step"],
+                                "time": iso(when) if isinstance(when, (int, float)) else iso(now)}
 
 
 def _succeeded(p: PodObservation | None, is_ddp: bool) -> bool:

@@ -13,6 +13,9 @@ from typing import Any
 CONDITION_TYPES = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 STATES = CONDITION_TYPES  # the state is the condition that is True, last one wins
 TERMINAL = ("Succeeded", "Failed")
+# Reasons that hold only while the problem lasts: once the job moves on, the
+# condition they were reported on goes back to its plain reason.
+PROBLEM_REASONS = frozenset({"ImagePullFailed", "VolumePending", "Forbidden"})
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ def conditions(
         status = "True" if is_true else "False"
         if ctype == observed.state:
             reason, message = observed.reason, observed.message
+        elif before is not None and is_true and before.get("reason") in PROBLEM_REASONS:
+            reason, message = ctype, f"The job is {ctype.lower()}."
         elif before is not None and (before.get("status") == status or not is_true):
             # Unchanged, or no longer true: the last reason stays readable
             # (Restarting=False, reason Killed: the last restart and why).

@@ -174,6 +174,7 @@ class LocalBackend:
             self.procs[replica.name] = Proc(replica)
             self.tails[replica.name] = JsonlTail(self.run.metrics_file(replica.name))
         self.run.write_targets(self.job, [p.replica for p in self.procs.values()])
+        self.run.write_plan([p.replica for p in self.procs.values()])
         self.last_checkpoint_at_restart = self._checkpoint_step()
         verb = "resuming" if resumed else "starting"
         self.display.message(

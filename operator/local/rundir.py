@@ -1,7 +1,8 @@
 """The run directory of a local job: its layout, its state across invocations, atomic writes.
 
-Layout (DESIGN.md): job.yaml (the spec with defaults), summary.json (only once
-the job has ended), metrics/<replica>.jsonl, logs/<replica>.log,
+Layout (DESIGN.md): job.yaml (the spec with defaults), plan.json (each
+replica's command and environment, as the operator would give its pod),
+summary.json (only once the job has ended), metrics/<replica>.jsonl, logs/<replica>.log,
 checkpoints/<replica>/, results/<replica>.json, and state.json (what the
 supervisor must remember across invocations: restarts, accumulated wall time).
 """
@@ -140,6 +141,17 @@ class RunDir:
             if r.ports.get("metrics")
         ]
         atomic_write(self.targets_file, json.dumps(groups, indent=2) + "\n")
+
+    @property
+    def plan_file(self) -> Path:
+        return self.path / "plan.json"
+
+    def write_plan(self, replicas: list[Any]) -> None:
+        """The plan this invocation runs: per replica its command and the KUBETRAIN_* environment
+        (the token left out), to read next to a cluster's pod specs."""
+        plan = [{"replica": r.name, "command": list(r.command), "env": dict(r.env), "ports": dict(r.ports)}
+                for r in replicas]
+        atomic_write(self.plan_file, json.dumps(plan, indent=2) + "\n")
 
     def read_summary(self) -> dict[str, Any] | None:
         if not self.summary_file.exists():

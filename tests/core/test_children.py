@@ -41,6 +41,8 @@ def test_parameter_server_children():
     token = next(e for e in worker["env"] if e["name"] == "KUBETRAIN_JOB_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "j-token", "key": "token"}
     assert worker["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # The trainer writes its final results where the kubelet reads the termination message.
+    assert env["KUBETRAIN_TERMINATION_LOG"] == worker["terminationMessagePath"] == "/dev/termination-log"
     assert worker["securityContext"]["runAsNonRoot"] is True
     assert objs[-1]["spec"]["securityContext"]["runAsUser"] == 1000
     # Workers keep nothing; shards keep their checkpoints on their own ReadWriteOnce volume.

@@ -190,3 +190,95 @@ def test_ddp_rank_restart_in_place_is_counted_and_success_scales_down():
     act = reconcile(j, "u", "t", done, act.status, T0 + 3)
     assert act.status["state"] == "Succeeded"
     assert act.scale_statefulset == 0
+
+
+def test_ddp_pod_replaced_by_its_statefulset_is_one_restart_with_reason_deleted():
+    j = job("DDP")
+    st = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
+    act = reconcile(j, "u", "t", pods, st, T0 + 1)
+    assert act.status["restarts"] == 0
+
+    # ddp-1 deleted and recreated under the same name between two rounds.
+    pods["ddp-1"] = Pod("ddp-1", "Pending", uid="ddp-1-b")
+    act = reconcile(j, "u", "t", pods, act.status, T0 + 2)
+    assert act.status["restarts"] == 1
+    assert [e[1] for e in act.events if e[0] == "Warning"] == ["Deleted"]
+    assert "ddp-1 was deleted" in act.status["conditions"][0]["message"] or any(
+        "ddp-1 was deleted" in e[2] for e in act.events)
+    assert act.delete_pods == [] and act.scale_statefulset is None  # the StatefulSet already replaced it
+
+    act = reconcile(j, "u", "t", pods, act.status, T0 + 3)
+    assert act.status["restarts"] == 1  # seen once, counted once
+
+
+def test_ddp_hung_rank_deleted_by_the_operator_is_not_counted_again_when_replaced():
+    j = job("DDP", runPolicy={"progressDeadlineSeconds": 60})
+    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
+    st = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0)}, T0,
+                   progress=Progress(step=5)).status
+    act = reconcile(j, "u", "t", pods, st, T0 + 61)
+    assert act.status["restarts"] == 1 and act.delete_pods == ["j-ddp-0"]
+
+    pods["ddp-0"] = Pod("ddp-0", "Running", uid="ddp-0-b")
+    act = reconcile(j, "u", "t", pods, act.status, T0 + 62)
+    assert act.status["restarts"] == 1
+
+
+def test_ddp_pods_back_after_suspend_are_not_restarts():
+    j = job("DDP")
+    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
+    st = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0)}, T0).status
+    suspended = job("DDP", runPolicy={"suspend": True})
+    st = reconcile(suspended, "u", "t", {}, st, T0 + 1).status
+    back = {n: Pod(n, "Running", uid=f"{n}-b") for n in ("ddp-0", "ddp-1")}
+    act = reconcile(j, "u", "t", back, st, T0 + 2)
+    assert act.status["restarts"] == 0 and act.status["state"] == "Running"
+
+
+@pytest.mark.parametrize("mode, final_pods, step, checkpoint", [
+    ("Single", {"single-0": {"steps": 230, "final_train_loss": 0.05, "eval_accuracy": 0.97,
+                             "checkpoint_step": 230, "checkpoint_time": T0}}, 230, 230),
+    ("ParameterServer", {"worker-0": {"steps": 115, "global_step": 230, "eval_accuracy": 0.96},
+                         "worker-1": {"steps": 115, "global_step": 230},
+                         "ps-0": {"steps": 230, "checkpoint_step": 230, "checkpoint_time": T0}}, 230, 230),
+    ("DDP", {"ddp-0": {"steps": 115, "eval_accuracy": 0.95, "checkpoint_step": 115, "checkpoint_time": T0},
+             "ddp-1": None}, 115, 115),
+])
+def test_success_takes_the_final_step_accuracy_and_checkpoint_from_the_termination_messages(
+        mode, final_pods, step, checkpoint):
+    j = job(mode)
+    names = list(final_pods)
+    if mode == "ParameterServer":
+        names = list(PS_PODS)
+    pods = {n: Pod(n, "Succeeded", exit_code=0, uid=n, final=final_pods.get(n)) for n in names}
+    # The last read of the chief's metrics, a few seconds before the end: behind, no accuracy yet.
+    old = {"state": "Running", "startTime": iso(T0), "progress": {"step": step - 7, "totalSteps": step, "loss": 0.3},
+           "lastCheckpoint": {"step": checkpoint - 30, "time": iso(T0 - 9)}}
+
+    act = reconcile(j, "u", "t", pods, old, T0 + 1)
+
+    assert act.status["state"] == "Succeeded"
+    progress = act.status["progress"]
+    assert progress["step"] == progress["totalSteps"] == step
+    assert progress["evalAccuracy"] == final_pods[{"Single": "single-0", "ParameterServer": "worker-0",
+                                                   "DDP": "ddp-0"}[mode]]["eval_accuracy"]
+    assert act.status["lastCheckpoint"] == {"step": checkpoint, "time": iso(T0)}
+    counts = act.status["replicaStatuses"]
+    assert all(c["active"] == 0 and c["succeeded"] > 0 for c in counts.values()), counts
+
+
+def test_ddp_ranks_that_exited_zero_count_as_succeeded_not_active():
+    j = job("DDP")
+    # restartPolicy Always: a rank that exited 0 shows phase Running, its container terminated (0).
+    pods = {n: Pod(n, "Running", exit_code=0, uid=n) for n in ("ddp-0", "ddp-1")}
+    act = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0)}, T0 + 1)
+    assert act.status["state"] == "Succeeded"
+    assert act.status["replicaStatuses"] == {"ddp": {"active": 0, "succeeded": 2, "failed": 0}}
+
+
+def test_success_without_termination_messages_keeps_the_last_progress_read():
+    pods = {n: Pod(n, "Succeeded", exit_code=0) for n in ("single-0",)}
+    old = {"state": "Running", "startTime": iso(T0), "progress": {"step": 200, "totalSteps": 230}}
+    act = reconcile(job("Single"), "u", "t", pods, old, T0 + 1)
+    assert act.status["state"] == "Succeeded" and act.status["progress"] == {"step": 200, "totalSteps": 230}

@@ -47,3 +47,11 @@ def test_final_states(final):
 def test_unknown_state_is_refused():
     with pytest.raises(ValueError, match="unknown state 'Done'"):
         conditions([], Observed("Done", "X", "y"), "t", 1)
+
+
+@pytest.mark.parametrize("problem", ["Forbidden", "ImagePullFailed", "VolumePending"])
+def test_a_problem_reported_on_created_is_cleared_once_the_job_runs(problem):
+    c1 = conditions(None, Observed("Created", problem, "create pod ns/j-worker-0: 403 ..."), "t1", 1)
+    c2 = conditions(c1, Observed("Running", "Running", "The job's replicas are running."), "t2", 1)
+    created = next(c for c in c2 if c["type"] == "Created")
+    assert (created["status"], created["reason"], created["lastTransitionTime"]) == ("True", "Created", "t1")

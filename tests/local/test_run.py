@@ -158,3 +158,7 @@ def test_metrics_targets_are_written_for_prometheus(tmp_path, write_job):
     assert [g["labels"] for g in groups] == [{"namespace": "default", "job": "targets", "role": "single", "replica": "single-0"}]
     host, port = groups[0]["targets"][0].split(":")
     assert host == "127.0.0.1" and int(port) > 0
+    (plan,) = json.loads((run / "plan.json").read_text())
+    assert plan["replica"] == "single-0" and plan["command"] == ["python", "-m", "kubetrain_trainer", "single"]
+    assert plan["env"]["KUBETRAIN_METRICS_PORT"] == port and plan["ports"] == {"metrics": int(port)}
+    assert "KUBETRAIN_JOB_TOKEN" not in plan["env"]

@@ -62,3 +62,18 @@ def test_events_are_json_lines_and_nan_becomes_null(tmp_path: Path) -> None:
     path = write_result(tmp_path, "worker-0", {"steps": 3, "eval_loss": float("inf")})
     assert json.loads(path.read_text()) == {"steps": 3, "eval_loss": None}
     assert sorted(p.name for p in path.parent.iterdir()) == ["worker-0.json"]
+
+
+def test_termination_log_gets_the_headline_figures_and_leaves_out_unmeasured_ones(tmp_path: Path) -> None:
+    message = tmp_path / "termination-log"
+    write_result(tmp_path / "run", "worker-0", {"steps": 5, "global_step": 10, "eval_accuracy": float("nan"),
+                                                "bytes_sent": 123, "comm_hook": {"powersgd": 1}},
+                 termination_log=message)
+    assert json.loads(message.read_text()) == {"steps": 5, "global_step": 10}
+
+
+def test_termination_log_comes_from_the_environment(write_job) -> None:
+    env = {"KUBETRAIN_JOB_FILE": str(write_job())}
+    assert ReplicaContext.from_env("single", env).termination_log is None
+    ctx = ReplicaContext.from_env("single", {**env, "KUBETRAIN_TERMINATION_LOG": "/dev/termination-log"})
+    assert ctx.termination_log == Path("/dev/termination-log")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import urllib.request
@@ -103,3 +104,14 @@ def test_serve_exposes_metrics_over_http_and_port_zero_turns_it_off() -> None:
     finally:
         m.close()
     assert 'kubetrain_steps_total{job="digits",namespace="default",replica="worker-1",role="worker"} 1.0' in body
+
+
+def test_loss_and_eval_read_nan_until_measured_then_their_value() -> None:
+    metrics = TrainerMetrics(LABELS)
+
+    def value(name: str) -> float:
+        return kubetrain_families(metrics)[name].samples[0].value
+
+    assert all(math.isnan(value(n)) for n in ("kubetrain_loss", "kubetrain_eval_accuracy", "kubetrain_eval_loss"))
+    metrics.eval_accuracy.set(0.25)
+    assert value("kubetrain_eval_accuracy") == 0.25

@@ -21,6 +21,7 @@ GOLDEN_TOLERANCE = 1e-4
 RESULT_FIELDS = {
     "steps", "epochs", "final_train_loss", "eval_accuracy", "eval_loss", "samples", "samples_per_second",
     "wall_seconds", "bytes_sent", "bytes_received", "raw_gradient_bytes", "compressed_gradient_bytes",
+    "checkpoint_step", "checkpoint_time",
 }
 
 
@@ -38,9 +39,15 @@ def final_parameters(ctx) -> tuple[int, dict[str, torch.Tensor]]:
 
 def test_default_mlp_reaches_95_percent_on_digits(write_job, make_ctx, tmp_path: Path) -> None:
     ctx = make_ctx(write_job())  # the default spec: mlp 128, sgd 0.05/0.9, batch 64, 10 epochs
+    ctx.termination_log = tmp_path / "termination-log"  # a pod's /dev/termination-log
     assert run_single(ctx) == EXIT_OK
     result = json.loads((tmp_path / "run" / "results" / "single-0.json").read_text())
     assert set(result) == RESULT_FIELDS
+    message = json.loads(ctx.termination_log.read_text())
+    assert message == {k: result[k] for k in ("steps", "final_train_loss", "eval_accuracy", "eval_loss",
+                                              "checkpoint_step", "checkpoint_time", "samples_per_second",
+                                              "wall_seconds")}
+    assert message["checkpoint_step"] == 230 and len(ctx.termination_log.read_bytes()) < 4096
     assert result["eval_accuracy"] >= 0.95, result
     assert result["steps"] == 230 and result["epochs"] == 10 and result["samples"] == 230 * 64 - 10 * 34
     assert [e["epoch"] for e in events(ctx.run_dir, "eval")] == list(range(1, 11))

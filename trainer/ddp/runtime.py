@@ -375,8 +375,11 @@ class DDPTrainer:
             "comm_hook": self.hook.stats(),
         }
         if self.chief:
-            result.update(eval_accuracy=self.eval_accuracy, eval_loss=self.eval_loss)
-        write_result(self.ctx.run_dir, self.ctx.replica, result)
+            result.update(eval_accuracy=self.eval_accuracy, eval_loss=self.eval_loss,
+                          checkpoint_step=self.checkpoint_step, checkpoint_time=time.time())
+        # One process per pod speaks in its termination message: the chief (ranks share the file).
+        write_result(self.ctx.run_dir, self.ctx.replica, result,
+                     termination_log=self.ctx.termination_log if self.chief else None)
         self.events.write("end", step=self.step, wall_seconds=wall)
         return EXIT_OK
 

@@ -124,7 +124,9 @@ def run_ps(ctx: ReplicaContext) -> int:
             "compressed_gradient_bytes": shard.compressed_gradient_bytes,
             "sync_dropped_workers": shard.dropped_total,
             "wall_seconds": wall,
-        })
+            "checkpoint_step": shard.checkpoint_step,
+            "checkpoint_time": time.time(),  # durable by now: the store was waited for
+        }, termination_log=ctx.termination_log)
         events.write("end", step=shard.step, wall_seconds=wall)
         log.info("%s: every worker finished; final checkpoint at step %d", ctx.replica, shard.step)
         return EXIT_OK

@@ -246,7 +246,7 @@ class Worker:
             "compressed_gradient_bytes": self.compressor.compressed_bytes,
             "compression_ratio": self.compressor.ratio,
             "wall_seconds": wall,
-        })
+        }, termination_log=ctx.termination_log)
         self.events.write("end", step=self.ps_step[0], worker_step=self.worker_step, wall_seconds=wall)
         return EXIT_OK
 

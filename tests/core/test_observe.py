@@ -1,0 +1,56 @@
+"""The operator's reading of what it observes: pods (the API's JSON) and the chief's /metrics text."""
+
+from __future__ import annotations
+
+import json
+
+from kubetrain_operator.controller.observe import parse_metrics, pod_observation, progress_from, termination_results
+
+
+def pod(container_status: dict, labels: dict | None = None, phase: str = "Running") -> dict:
+    return {
+        "metadata": {"name": "j-ddp-1", "uid": "u-1",
+                     "labels": labels or {"apps.kubernetes.io/pod-index": "1"}},
+        "spec": {"nodeName": "kt-real-0"},
+        "status": {"phase": phase, "podIP": "10.251.3.7",
+                   "containerStatuses": [{"name": "trainer", **container_status}]},
+    }
+
+
+def test_a_statefulset_pod_is_its_rank_with_uid_and_restart_count():
+    obs = pod_observation(pod({"restartCount": 2, "state": {"running": {}},
+                               "lastState": {"terminated": {"exitCode": 1, "message": "Traceback ..."}}}))
+    assert obs is not None
+    assert (obs.replica, obs.uid, obs.restart_count, obs.last_exit_code, obs.final) == ("ddp-1", "u-1", 2, 1, None)
+
+
+def test_the_final_results_come_from_a_zero_exit_termination_message():
+    results = {"steps": 115, "eval_accuracy": 0.97, "checkpoint_step": 115}
+    ended = pod({"state": {"terminated": {"exitCode": 0, "message": json.dumps(results)}}}, phase="Succeeded")
+    assert pod_observation(ended).final == results
+    # A StatefulSet restarts even a container that exited 0: the message is kept in lastState.
+    restarted = pod({"state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                     "lastState": {"terminated": {"exitCode": 0, "message": json.dumps(results)}}})
+    assert pod_observation(restarted).final == results
+
+
+def test_a_failed_container_or_a_log_tail_is_no_final_result():
+    failed = pod({"state": {"terminated": {"exitCode": 1, "message": json.dumps({"steps": 3})}}}, phase="Failed")
+    assert pod_observation(failed).final is None
+    assert termination_results("INFO single-0: step 5\nTraceback (most recent call last):") is None
+    assert termination_results("[1, 2]") is None
+    assert termination_results("") is None
+
+
+def test_unmeasured_gauges_are_nan_and_are_left_out_of_the_progress():
+    text = "\n".join([
+        'kubetrain_training_step{job="j"} 40.0',
+        'kubetrain_total_steps{job="j"} 230.0',
+        'kubetrain_loss{job="j"} 0.25',
+        'kubetrain_eval_accuracy{job="j"} NaN',
+        'kubetrain_last_checkpoint_step{job="j"} 0.0',
+    ])
+    progress = progress_from(parse_metrics(text))
+    assert progress is not None
+    assert (progress.step, progress.total_steps, progress.loss) == (40, 230, 0.25)
+    assert progress.eval_accuracy is None and progress.checkpoint_step is None
