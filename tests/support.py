@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -30,3 +32,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(what: str, check: Callable, timeout: float, every: float = 0.5, explain: Callable[[], str] | None = None):
+    """Poll check() until it returns something truthy and return that; on timeout fail naming `what`,
+    the last value, and what explain() says (a log tail, the cluster's state)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    detail = f"\n{explain()}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}{detail}")

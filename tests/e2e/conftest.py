@@ -1,9 +1,11 @@
 """The end-to-end cluster: the test cluster with its real node, our images in it, the chart installed.
 
 One session fixture, `e2e`, runs `hack/cluster up --real-node` for a cluster
-of its own name (kt-e2e, never the `cluster` fixture's), loads the images
-into the real node's containerd (`hack/images build --load`), and installs
-the chart with hack/values-e2e.yaml; it takes it all down at the end. It
+of its own name (kt-e2e, or KUBETRAIN_E2E_CLUSTER; never the `cluster`
+fixture's), loads the images into the real node's containerd (`hack/images
+build --load`), and installs the chart with hack/values-e2e.yaml; it takes
+it all down at the end. With KUBETRAIN_E2E_KEEP=1 it leaves the cluster up
+and reuses it next time (for working on one test by hand). It
 builds nothing that takes long: the tools (`hack/cluster build`) and images
 (`hack/images build`) must be built first, or it fails saying so.
 """
@@ -12,16 +14,29 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from clusterlib import ROOT, Cluster, _environment
-from e2elib import CACHE, E2E, E2E_CLUSTER, NAMESPACE, leftovers
+from e2elib import CACHE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, leftovers
+
+# The real-Prometheus helpers of the observability tests serve test_e2e_prometheus.py too.
+sys.path.insert(0, str(Path(__file__).parents[1] / "observability"))
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: needs the test cluster with its real node (hack/cluster up --real-node)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The figures the e2e tests measured (timings, accuracies), in one place at the end of the run."""
+    if FIGURES:
+        terminalreporter.section("end-to-end figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -44,8 +59,11 @@ def e2e() -> Iterator[E2E]:
         pytest.fail(f"the images are not built from the current sources: run `hack/images build` first. "
                     f"{images.stderr.strip()}", pytrace=False)
 
+    started = time.monotonic()
     up = _run([hack_cluster, "up", "--nodes", "1", "--real-node"], env, 900)
-    if up.returncode != 0:
+    up_seconds = time.monotonic() - started
+    reused = KEEP and up.returncode == 1 and "is already up" in up.stderr
+    if up.returncode != 0 and not reused:
         pytest.fail(f"hack/cluster up --real-node failed ({up.returncode}):\n{up.stderr[-6000:]}", pytrace=False)
     try:
         exports = _run([hack_cluster, "env"], env, 60)
@@ -57,16 +75,30 @@ def e2e() -> Iterator[E2E]:
                    (CACHE / "realnode" / E2E_CLUSTER / "net.env").read_text().split())
         containerd = f"/run/kubetrain/{E2E_CLUSTER}/containerd.sock"
 
+        started = time.monotonic()
         load = _run([str(ROOT / "hack" / "images"), "build", "--load"], env | {"CONTAINERD_ADDRESS": containerd}, 900)
         assert load.returncode == 0, f"hack/images build --load failed:\n{load.stderr[-4000:]}"
+        load_seconds = time.monotonic() - started
 
-        cluster.run("helm", "install", "kubetrain", str(ROOT / "charts" / "kubetrain"),
+        if reused:  # a kept cluster: last run's jobs go (their names are reused), the operator restarts on new images
+            cluster.run("kubectl", "-n", NAMESPACE, "delete", "trainingjobs", "--all", "--wait=true", timeout=300)
+            cluster.run("kubectl", "-n", NAMESPACE, "delete", "pods", "--all", "--wait=true", timeout=300)
+        cluster.run("helm", "upgrade", "--install", "kubetrain", str(ROOT / "charts" / "kubetrain"),
                     "--namespace", NAMESPACE, "--create-namespace",
                     "-f", str(ROOT / "hack" / "values-e2e.yaml"),
                     "--set", f"operator.scrapeNetworks={{{net['pod_cidr']}}}",
                     "--wait", "--timeout", "5m", timeout=400)
+        if reused:
+            cluster.run("kubectl", "-n", NAMESPACE, "rollout", "restart", "deploy/kubetrain")
+            cluster.run("kubectl", "-n", NAMESPACE, "rollout", "status", "deploy/kubetrain", "--timeout=300s",
+                        timeout=320)
+        FIGURES.append(f"fixture: hack/cluster up --real-node {up_seconds:.0f} s{' (reused)' if reused else ''}; "
+                       f"hack/images build --load {load_seconds:.0f} s; chart installed {time.monotonic() - started - load_seconds:.0f} s")
         yield E2E(cluster=cluster, pod_cidr=net["pod_cidr"], containerd=containerd)
     finally:
-        down = _run([hack_cluster, "down"], env, 300)
-        assert down.returncode == 0, f"hack/cluster down failed: {down.stderr}"
-        assert not leftovers(), f"hack/cluster down left the real node's pieces behind: {leftovers()}"
+        if not KEEP:
+            started = time.monotonic()
+            down = _run([hack_cluster, "down"], env, 300)
+            print(f"hack/cluster down: {time.monotonic() - started:.0f} s")
+            assert down.returncode == 0, f"hack/cluster down failed: {down.stderr}"
+            assert not leftovers(), f"hack/cluster down left the real node's pieces behind: {leftovers()}"

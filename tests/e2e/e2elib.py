@@ -7,19 +7,35 @@ import json
 import os
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from clusterlib import Cluster
+from support import wait_for
 
-E2E_CLUSTER = "kt-e2e"
+from kubetrain_operator.controller.observe import parse_metrics
+
+E2E_CLUSTER = os.environ.get("KUBETRAIN_E2E_CLUSTER", "kt-e2e")
+KEEP = os.environ.get("KUBETRAIN_E2E_KEEP") == "1"  # leave the cluster up, reuse it next time
 REAL_NODE = "kt-real-0"
 REAL_NODE_SELECTOR = {"kubetrain/node": "real"}
 NAMESPACE = "e2e"  # the release's and the jobs' (the operator watches only its own namespace)
 EXAMPLES = Path(__file__).parents[2] / "examples"
 HELPER_IMAGE = "localhost/kubetrain/busybox:static"  # made by hack/realnode/node
 CACHE = Path(os.environ.get("KUBETRAIN_CACHE", Path.home() / ".cache" / "kubetrain"))
+METRICS_PORT = 9090  # the examples' spec.metrics.port (the default)
+# Epochs per example, the same with and without faults so that their accuracies
+# compare. Digits trains in seconds at these sizes: enough epochs that a fault
+# lands after the first checkpoint (step 50) and long before the end.
+EPOCHS = {"single.yaml": 300, "parameter-server.yaml": 60, "ddp.yaml": 80}
+CHIEF = {"single.yaml": "single-0", "parameter-server.yaml": "worker-0", "ddp.yaml": "ddp-0"}
+# The replica that writes the job's checkpoints and its claim.
+HOLDER = {"single.yaml": ("single-0", "{job}-ckpt-single-0"), "parameter-server.yaml": ("ps-0", "{job}-ckpt-ps-0"),
+          "ddp.yaml": ("ddp-0", "data-{job}-ddp-0")}
+FIGURES: list[str] = []  # timings and accuracies, printed at the end of the session (conftest.py)
+FAULT_FREE: dict[str, float] = {}  # manifest -> final accuracy of its fault-free run in this session
 
 
 @dataclass(frozen=True)
@@ -37,15 +53,8 @@ class E2E:
         return json.loads(self.kubectl("get", kind, name, "-o", "json"))
 
     def wait(self, what: str, check, timeout: float, every: float = 1.0):
-        """Polls check() until it returns something truthy; fails naming `what` and the last value."""
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            last = check()
-            if last:
-                return last
-            time.sleep(every)
-        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}\n{self.diagnostics()}")
+        """Polls check() until it returns something truthy; fails naming `what`, the last value, the cluster's state."""
+        return wait_for(what, check, timeout, every, explain=self.diagnostics)
 
     def diagnostics(self) -> str:
         """What explains a stuck test: the namespace's pods and events, the operator's last log lines."""
@@ -125,3 +134,88 @@ def read_claim(e2e, claim: str, script: str) -> str:
     out = e2e.kubectl("logs", pod)
     e2e.kubectl("delete", "pod", pod, "--wait=false")
     return out
+
+
+def figure(line: str) -> None:
+    """A measured figure for the session's summary (and the test's own output)."""
+    FIGURES.append(line)
+    print(line)
+
+
+def apply(e2e, doc: dict) -> float:
+    """kubectl apply the manifest; returns the monotonic time just before."""
+    start = time.monotonic()
+    e2e.cluster.run("kubectl", "-n", NAMESPACE, "apply", "-f", "-", input=yaml.safe_dump(doc))
+    return start
+
+
+def succeeded(e2e, name: str, timeout: float = 600) -> dict:
+    return e2e.wait(f"{name} to succeed", lambda: (s := job_status(e2e, name)).get("state") == "Succeeded" and s,
+                    timeout=timeout, every=1)
+
+
+def samples(ip: str, port: int = METRICS_PORT) -> dict[str, float] | None:
+    """A pod's /metrics, read from the host (which routes to the real node's pod range); None if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=2) as reply:
+            return parse_metrics(reply.read().decode())
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A replica's pod seen training: when (monotonic), which pod (uid), what its /metrics said."""
+
+    at: float
+    uid: str
+    metrics: dict[str, float]
+
+
+def watch_metrics(e2e, pod: str, check, what: str, not_uid: str | None = None, timeout: float = 300) -> Seen:
+    """Poll the /metrics of pod `pod` (a newer one than `not_uid`) every 0.2 s until check(metrics) holds."""
+    deadline = time.monotonic() + timeout
+    ip = uid = None
+    last = None
+    while time.monotonic() < deadline:
+        if ip is None:
+            found = json.loads(e2e.cluster.kubectl("-n", NAMESPACE, "get", "pods", "--field-selector",
+                                                   f"metadata.name={pod}", "-o", "json"))["items"]
+            if found and found[0]["metadata"]["uid"] != not_uid and found[0]["status"].get("podIP") \
+                    and found[0]["status"].get("phase") == "Running":
+                ip, uid = found[0]["status"]["podIP"], found[0]["metadata"]["uid"]
+            else:
+                time.sleep(0.3)
+                continue
+        last = samples(ip)
+        if last is not None and check(last):
+            return Seen(time.monotonic(), uid, last)
+        if last is None and e2e.cluster.kubectl("-n", NAMESPACE, "get", "pod", pod, "-o", "jsonpath={.metadata.uid}",
+                                                timeout=30) != uid:
+            ip = None  # replaced meanwhile
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {pod} {what}; last metrics: {last!r}\n"
+                         f"{e2e.diagnostics()}")
+
+
+def first_step(e2e, pod: str, not_uid: str | None = None, timeout: float = 300) -> Seen:
+    """The moment the pod's trainer has finished a training step (kubetrain_steps_total > 0)."""
+    return watch_metrics(e2e, pod, lambda m: m.get("kubetrain_steps_total", 0) > 0, "to finish a step",
+                         not_uid, timeout)
+
+
+def first_checkpoint(e2e, pod: str, timeout: float = 300) -> Seen:
+    """The moment the pod's trainer has made a checkpoint durable (kubetrain_last_checkpoint_step > 0)."""
+    return watch_metrics(e2e, pod, lambda m: m.get("kubetrain_last_checkpoint_step", 0) > 0,
+                         "to write a checkpoint", None, timeout)
+
+
+def events_of(e2e, claim: str, replica: str) -> list[dict]:
+    """The replica's event log (run/metrics/<replica>.jsonl) on its claim."""
+    return json_objects(read_claim(e2e, claim, f"cat /data/run/metrics/{replica}.jsonl"))
+
+
+def warning_reasons(e2e, name: str) -> set[str]:
+    events = json.loads(e2e.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}",
+                                    "-o", "json"))["items"]
+    return {e["reason"] for e in events if e["type"] == "Warning"}

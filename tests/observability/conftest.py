@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from live import (
     PS, SINGLE, LiveRun, Observed, Prometheus, jobs, prometheus_config, ready, start_run, stop_process, try_scrape,
-    wait_for,
 )
-from support import free_port
+from support import free_port, wait_for
 
 
 @pytest.fixture(scope="module")

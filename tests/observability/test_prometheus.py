@@ -21,7 +21,8 @@ import pytest
 from catalogue import (
     catalogue, check_against_catalogue, dashboards, exposed, merged, queries, variable_queries,
 )
-from live import PS, SINGLE, replica_pids, scrape, wait_for
+from live import PS, SINGLE, replica_pids, scrape
+from support import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from support import free_port
+from support import free_port, wait_for
 
 ROOT = Path(__file__).parents[2]
 CRD = ROOT / "deploy" / "crd" / "trainingjobs.yaml"
@@ -52,15 +51,8 @@ class Operator:
 
     def wait(self, what: str, check, timeout: float = 60, every: float = 0.5):
         """Poll check() until it returns a truthy value; fail naming `what` and the operator's log tail."""
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            last = check()
-            if last:
-                return last
-            time.sleep(every)
-        tail = "\n".join(self.log.read_text().splitlines()[-30:])
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}\noperator log:\n{tail}")
+        return wait_for(what, check, timeout, every,
+                        explain=lambda: "operator log:\n" + "\n".join(self.log.read_text().splitlines()[-30:]))
 
     def job_status(self, name: str) -> dict:
         job = self.get("trainingjob", name)
