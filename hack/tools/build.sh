@@ -2,8 +2,9 @@
 # Builds the test cluster's binaries from the pinned Go modules beside this
 # script, once, into a cache outside the clone, and prints that bin directory.
 #
-# Each tool set is its own module (kubernetes/, etcd/, kwok/, helm/, and for
-# the real node coredns/ and local-path/) because
+# Each tool set is its own module (kubernetes/, etcd/, kwok/, helm/, for
+# the real node coredns/ and local-path/, and prometheus/: Debian's
+# Prometheus has no Kubernetes service discovery) because
 # their dependency graphs conflict: helm v3.22 wants the v0.37 client
 # libraries, Kubernetes v1.36.3 replaces them with v0.36.3, and etcd and kwok
 # pin other gRPC and OpenTelemetry versions. One module would let Go's minimum
@@ -21,7 +22,8 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${KUBETRAIN_CACHE:-$HOME/.cache/kubetrain}
-go_min_minor=26 # every go.mod here says `go 1.26.0`
+go_min_minor=26 # the go.mod files say `go 1.26.0`, prometheus/ `go 1.26.7`
+go_min_patch=7
 
 # Kubernetes stamps its version into two packages; `kubectl version` reads
 # client-go's, the servers read component-base's.
@@ -46,6 +48,9 @@ done
 # CoreDNS stamps only its commit; local-path-provisioner prints VERSION.
 coredns_ldflags="-s -w -X github.com/coredns/coredns/coremain.GitCommit=v1.14.7"
 local_path_ldflags="-s -w -X main.VERSION=v0.0.30"
+# Prometheus v3.16.0 is module version v0.316.0.
+prometheus_ldflags="-s -w -X github.com/prometheus/common/version.Version=3.16.0"
+prometheus_ldflags+=" -X github.com/prometheus/common/version.Branch=v3.16.0"
 
 # name | module directory | main package | ldflags variable
 targets=(
@@ -61,6 +66,7 @@ targets=(
   "helm|helm|helm.sh/helm/v3/cmd/helm|helm_ldflags"
   "coredns|coredns|github.com/coredns/coredns|coredns_ldflags"
   "local-path-provisioner|local-path|github.com/rancher/local-path-provisioner|local_path_ldflags"
+  "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|prometheus_ldflags"
 )
 
 say() { echo "hack/tools/build.sh: $*" >&2; }
@@ -86,8 +92,10 @@ if ! command -v go >/dev/null; then
 fi
 go_version=$(GOTOOLCHAIN=local go env GOVERSION)
 minor=$(echo "$go_version" | sed -nE 's/^go1\.([0-9]+).*/\1/p')
-if [ -z "$minor" ] || [ "$minor" -lt "$go_min_minor" ]; then
-  say "found $go_version; the test cluster's tools need Go 1.$go_min_minor or newer (https://go.dev/dl/)"
+patch=$(echo "$go_version" | sed -nE 's/^go1\.[0-9]+\.([0-9]+).*/\1/p')
+if [ -z "$minor" ] || [ "$minor" -lt "$go_min_minor" ] \
+  || { [ "$minor" -eq "$go_min_minor" ] && [ "${patch:-0}" -lt "$go_min_patch" ]; }; then
+  say "found $go_version; the test cluster's tools need Go 1.$go_min_minor.$go_min_patch or newer (https://go.dev/dl/)"
   exit 1
 fi
 
@@ -113,7 +121,7 @@ mkdir -p "$bin"
 start=$SECONDS
 say "building the test cluster's tools with $go_version into $dir (cold: about 20 minutes)"
 
-for module in etcd kwok kubernetes helm coredns local-path; do
+for module in etcd kwok kubernetes helm coredns local-path prometheus; do
   t=$SECONDS
   (cd "$here/$module" && go mod download)
   say "downloaded the $module modules ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
