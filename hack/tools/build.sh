@@ -48,11 +48,14 @@ done
 # CoreDNS stamps only its commit; local-path-provisioner prints VERSION.
 coredns_ldflags="-s -w -X github.com/coredns/coredns/coremain.GitCommit=v1.14.7"
 local_path_ldflags="-s -w -X main.VERSION=v0.0.30"
-# Prometheus v3.16.0 is module version v0.316.0.
+# Prometheus v3.16.0 is module version v0.316.0. Its build tags leave out
+# every service discovery but Kubernetes' (the cloud SDKs): 3.5 min cold
+# instead of about 9.
 prometheus_ldflags="-s -w -X github.com/prometheus/common/version.Version=3.16.0"
 prometheus_ldflags+=" -X github.com/prometheus/common/version.Branch=v3.16.0"
+prometheus_tags="remove_all_sd,enable_kubernetes_sd"
 
-# name | module directory | main package | ldflags variable
+# name | module directory | main package | ldflags variable [| build tags]
 targets=(
   "etcd|etcd|go.etcd.io/etcd/server/v3|etcd_ldflags"
   "kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|kwok_ldflags"
@@ -66,7 +69,7 @@ targets=(
   "helm|helm|helm.sh/helm/v3/cmd/helm|helm_ldflags"
   "coredns|coredns|github.com/coredns/coredns|coredns_ldflags"
   "local-path-provisioner|local-path|github.com/rancher/local-path-provisioner|local_path_ldflags"
-  "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|prometheus_ldflags"
+  "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|prometheus_ldflags|$prometheus_tags"
 )
 
 say() { echo "hack/tools/build.sh: $*" >&2; }
@@ -129,11 +132,11 @@ done
 
 i=0
 for target in "${targets[@]}"; do
-  IFS='|' read -r name module pkg flags_var <<<"$target"
+  IFS='|' read -r name module pkg flags_var tags <<<"$target"
   i=$((i + 1))
   t=$SECONDS
   say "[$i/${#targets[@]}] $name ..."
-  (cd "$here/$module" && go build -ldflags "${!flags_var}" -o "$bin/$name" "$pkg") &
+  (cd "$here/$module" && go build -tags "${tags:-}" -ldflags "${!flags_var}" -o "$bin/$name" "$pkg") &
   pid=$!
   # A heartbeat: kube-apiserver alone compiles for several silent minutes.
   beat=$((t + 60))
