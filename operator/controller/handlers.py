@@ -112,14 +112,24 @@ def _report_forbidden(body: kopf.Body, state: JobState, err: kube.KubeError) -> 
     message = (f"{err}. The operator's ServiceAccount lacks this permission: the chart's Role or ClusterRole "
                "(charts/kubetrain/templates/rbac.yaml) grants it; retrying.")
     log.error("%s/%s: %s", ns, name, message)
-    old = copy.deepcopy(state.status if state.status is not None else dict(body.get("status") or {}))
-    new = dict(old)
-    new["conditions"] = conditions(old.get("conditions"), Observed(old.get("state") or "Created", "Forbidden", message),
-                                   _iso_now(), meta.get("generation", 0))
+    old = _last_status(body, state)
     try:
-        _write_status(ns, name, state, old, new)
+        _write_condition(body, state, old, Observed(old.get("state") or "Created", "Forbidden", message))
     except kube.KubeError as second:
         log.error("%s/%s: cannot report that in the status either: %s", ns, name, second)
+
+
+def _last_status(body: kopf.Body, state: JobState) -> dict[str, Any]:
+    """The job's status as last written (the API's copy may lag behind), to change freely."""
+    return copy.deepcopy(state.status if state.status is not None else dict(body.get("status") or {}))
+
+
+def _write_condition(body: kopf.Body, state: JobState, old: dict[str, Any], observed: Observed, **fields: Any) -> None:
+    """Write the status with `observed` on its conditions (and `fields` beside them)."""
+    meta = body["metadata"]
+    new = dict(old, **fields)
+    new["conditions"] = conditions(old.get("conditions"), observed, _iso_now(), meta.get("generation", 0))
+    _write_status(meta["namespace"], meta["name"], state, old, new)
 
 
 def _sleep(state: JobState, stopped: kopf.DaemonStopped, seconds: float) -> None:
@@ -155,17 +165,13 @@ def _now() -> float:
 def reconcile_once(body: kopf.Body, state: JobState) -> float | None:
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    old_status = copy.deepcopy(state.status if state.status is not None else dict(body.get("status") or {}))
+    old_status = _last_status(body, state)
     try:
         job = from_spec_dict(name, dict(body["spec"]), ns)
     except InvalidSpec as err:
         # The CRD's schema catches nearly all of this; what is left is reported, not retried.
         message = "; ".join(str(p) for p in err.problems)
-        status = dict(old_status, state="Failed")
-        status["conditions"] = conditions(
-            old_status.get("conditions"), Observed("Failed", "InvalidSpec", message), _iso_now(), meta.get("generation", 0)
-        )
-        _write_status(ns, name, state, old_status, status)
+        _write_condition(body, state, old_status, Observed("Failed", "InvalidSpec", message), state="Failed")
         return None
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = uid

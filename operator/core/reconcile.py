@@ -333,7 +333,8 @@ def reconcile(
 def _final_progress(st: dict[str, Any], job: TrainingJob, pods: dict[str, PodObservation], now: float) -> None:
     """At success, the chief's final results (its termination message) complete the progress
     that the last read of its metrics, up to a few seconds old, left behind."""
-    final = (pods.get(chief(job)) or PodObservation("", "")).final
+    head = pods.get(chief(job))
+    final = head.final if head is not None else None
     if not final:
         return
     progress = dict(st.get("progress") or {})
@@ -347,7 +348,7 @@ def _final_progress(st: dict[str, Any], job: TrainingJob, pods: dict[str, PodObs
         progress["updateTime"] = iso(now)
         st["progress"] = progress
     # The newest checkpoint: the chief's own (Single, DDP) or the first shard's (ParameterServer).
-    holder = pods.get("ps-0") if job.spec.mode == "ParameterServer" else pods.get(chief(job))
+    holder = pods.get("ps-0") if job.spec.mode == "ParameterServer" else head
     ckpt = (holder.final or {}) if holder is not None else {}
     if isinstance(ckpt.get("checkpoint_step"), int) and ckpt["checkpoint_step"] > 0:
         when = ckpt.get("checkpoint_time")
