@@ -4,7 +4,8 @@
 (hence samples) as Single, PS Sync, PS Async and DDP through the local
 backend, one after the other, and compares their training throughput.
 `transport` measures the parameter-server transport against a raw loopback
-socket (in the trainer package: it needs torch).
+socket, `contract` what kubetrain.report and kubetrain.save cost a user's
+script (both in the trainer package: they need torch).
 """
 
 from __future__ import annotations
@@ -102,5 +103,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError as err:
             raise SystemExit(f"kubetrain bench transport needs the trainer's dependencies (torch, grpcio): {err}")
         return bench_transport(parse_bytes(args.bytes))
+    if args.bench == "contract":
+        try:
+            from kubetrain_trainer.bench_contract import bench_contract
+        except ImportError as err:
+            raise SystemExit(f"kubetrain bench contract needs the trainer's dependencies (torch): {err}")
+        if args.rounds < 1 or args.steps < 1 or args.save_mib < 1:
+            raise ValueError("--rounds, --steps and --save-mib must be at least 1")
+        return bench_contract(args.rounds, args.steps, args.save_mib)
     modes = [m for m in args.modes.split(",") if m] if args.modes else None
     return bench_modes(args.epochs, args.model_hidden, args.batch, modes)

@@ -29,6 +29,40 @@ def _print_invalid(err: InvalidSpec) -> None:
         print(f"{source}{problem}", file=sys.stderr)
 
 
+def _module_found(name: str, code_dir: Path) -> bool:
+    """Whether module `name` can be imported from `code_dir` (first, as trainers do) or the installed packages.
+
+    Found, never imported: importlib.util.find_spec("a.b") would import (run)
+    package `a`, so walk the packages' search locations instead; this process
+    runs none of the user's code, and never imports torch.
+    """
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    top, *rest = name.split(".")
+    try:
+        spec = PathFinder.find_spec(top, [str(code_dir)]) or find_spec(top)
+    except (ImportError, ValueError):  # ValueError: a module in sys.modules without __spec__
+        spec = None
+    prefix = top
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            break
+        prefix = f"{prefix}.{part}"
+        spec = PathFinder.find_spec(prefix, list(spec.submodule_search_locations))
+    else:
+        return spec is not None
+    # Not a package on disk (os.path, a module its parent sets up at import): ask
+    # importlib only when the parent is imported already, so asking runs nothing new.
+    parent = name.rpartition(".")[0]
+    if parent in sys.modules:
+        try:
+            return find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+    return False
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
@@ -36,6 +70,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
             jobs = load_file(path)
         except InvalidSpec as err:
             _print_invalid(err)
+            failed = True
+            continue
+        # Entry points' modules must be importable by the trainers: locally from the
+        # manifest's directory (kubetrain run's code directory), else as installed packages.
+        code_dir = Path(path).resolve().parent
+        missing = []
+        for job in jobs if not args.no_code_check else []:
+            spec = job.spec
+            refs = [
+                ("spec.model.entrypoint", spec.model.entrypoint if spec.model is not None else None),
+                ("spec.dataset.entrypoint", spec.dataset.entrypoint if spec.dataset is not None else None),
+                ("spec.training.loss", spec.training.loss if spec.training is not None else None),
+            ]
+            for field_path, ref in refs:
+                module = ref.partition(":")[0] if ref and ":" in ref else None
+                if module is not None and not _module_found(module, code_dir):
+                    missing.append(f"{path}: {field_path}: {ref}: cannot find module {module!r} "
+                                   f"in {code_dir} or the installed packages")
+        if missing:
+            print("\n".join(missing), file=sys.stderr)
             failed = True
             continue
         names = ", ".join(f"{j.name} ({j.spec.mode})" for j in jobs)
@@ -74,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .local.rundir import RunDir, RunDirError
 
     job = load_one(args.file)
-    path = job.spec.dataset.path
+    path = job.spec.dataset.path if job.spec.dataset is not None else None
     if path is not None and not Path(path).is_file():
         print(f"{args.file}: spec.dataset.path: {path}: no such file", file=sys.stderr)
         return EXIT_LOAD
@@ -84,7 +138,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     faults = parse_faults(args.fault, replicas)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name
     try:
-        return LocalBackend(job, RunDir(run_dir), faults, echo_logs=not args.quiet).run_job()
+        # User code (a script, entry points) is found next to the manifest.
+        code_dir = Path(args.file).resolve().parent
+        return LocalBackend(job, RunDir(run_dir), faults, echo_logs=not args.quiet, code_dir=code_dir).run_job()
     except RunDirError as err:
         raise UsageError(str(err)) from None
 
@@ -138,6 +194,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         return verify.main_verify(args.dirs[0], job_file=args.job, as_json=args.json, run_eval=not args.no_eval)
     if args.action == "compare":
         return verify.main_compare(args.dirs, tolerance=args.tolerance, as_json=args.json)
+    if args.action == "export":
+        from kubetrain_trainer import export
+
+        return export.main_export(args.dirs, args.out, job_file=args.job)
     return verify.main_recovery(args.dirs[0], args.fault, args.run_root, as_json=args.json)
 
 
@@ -166,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check TrainingJob manifests; prints every problem with its field path")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--no-code-check", action="store_true",
+                   help="do not look for the entry points' modules (code that exists only in the job's image)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help="run a TrainingJob on this machine as local processes (resumes an unfinished run)")
@@ -193,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="reports/compare", help="output directory (runs, manifests, report)")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("checkpoints", help="validate and compare checkpoints")
+    p = sub.add_parser("checkpoints", help="validate, compare and export checkpoints")
     csub = p.add_subparsers(dest="action", metavar="ACTION")
     csub.required = True
     c = csub.add_parser("verify", help="check every checkpoint of a directory, load it, evaluate the newest")
@@ -210,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fault", required=True, metavar="REPLICA:kill@step=N")
     c.add_argument("--run-root", default="runs/recovery-check")
     c.add_argument("--json", action="store_true")
+    c = csub.add_parser(
+        "export",
+        help="write the model's weights of the newest usable checkpoint as a plain torch.save state_dict",
+        description="SOURCE: a run directory, one replica's checkpoint directory, a directory holding replica "
+        "directories (ps-0/, ps-1/ ...), or several shard directories of a ParameterServer job. Exit 2: bad "
+        "input; 3: no usable checkpoint.",
+    )
+    c.add_argument("dirs", nargs="+", metavar="SOURCE")
+    c.add_argument("--out", required=True, metavar="FILE", help="the file to write (replaced atomically)")
+    c.add_argument("--job", metavar="FILE", help="the job's manifest (default: job.yaml of the run directory)")
     p.set_defaults(func=cmd_checkpoints)
 
     p = sub.add_parser("operator", help="run the TrainingJob operator against the current kubeconfig")
@@ -239,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch", type=int, default=64, help="global batch; 2-replica modes use half per replica")
     b.add_argument("--model-hidden", type=int, default=128)
     b.add_argument("--modes", help="comma-separated subset of Single,PS-Sync,PS-Async,DDP")
+    b.add_argument("--out", help="also write the JSON here")
+    b = bsub.add_parser("contract", help="what kubetrain.report and kubetrain.save cost a script, in one run")
+    b.add_argument("--rounds", type=int, default=3, help="alternating rounds of each variant (medians are compared)")
+    b.add_argument("--steps", type=int, default=400, help="timed steps of the DDP script per round")
+    b.add_argument("--save-mib", type=int, default=100, help="size of the state kubetrain.save writes")
     b.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
     return parser

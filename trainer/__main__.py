@@ -20,12 +20,14 @@ from .errors import TrainerError
 PROG = "python -m kubetrain_trainer"
 
 # Each role is a package-level function `run_*(ctx) -> int`, imported only when
-# chosen, so a Single replica never loads gRPC and a PS replica never loads DDP.
+# chosen, so a Single replica never loads gRPC, a PS replica never loads DDP and
+# a script's supervisor never loads torch.
 ROLES = {
     "single": "kubetrain_trainer.single:run_single",
     "ps": "kubetrain_trainer.ps:run_ps",
     "worker": "kubetrain_trainer.ps:run_worker",
     "ddp": "kubetrain_trainer.ddp:run_ddp",
+    "script": "kubetrain_trainer.script:run_script",  # the user's own command (spec.script)
 }
 
 

@@ -19,7 +19,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,10 @@ NON_MATH_TRAINING = ("epochs", "maxSteps", "device")
 def spec_hash(spec: Spec) -> str:
     """Hash of what decides the math: model, dataset, training, mode and topology."""
     doc = to_dict(spec)
+    if spec.script is not None:
+        # A script's state is its own: kubetrain cannot tell which changes of
+        # the script break it. Only a built-in job's checkpoints are refused.
+        return hashlib.sha256(json.dumps({"mode": doc["mode"], "script": True}).encode()).hexdigest()[:16]
     math_doc: dict[str, Any] = {
         "mode": doc["mode"],
         "model": doc["model"],
@@ -163,11 +167,12 @@ class CheckpointStore:
         failed one is reported (as TransientError) before the next begins.
         """
         self.wait()
-        snapshot = _snapshot(state)
         if not self.background:
-            self._persist(step, snapshot)
+            # Written before returning, so nothing can change it meanwhile: no copy.
+            self._persist(step, state)
             self.wait()
             return
+        snapshot = _snapshot(state)
         self._thread = threading.Thread(target=self._persist, args=(step, snapshot), name=f"checkpoint-{step}")
         self._thread.start()
 
@@ -276,5 +281,37 @@ class CheckpointStore:
         if hashlib.sha256(payload).hexdigest() != digest:
             raise CorruptCheckpoint("sha256 mismatch")
         # weights_only: a checkpoint volume must not be able to run code in the trainer.
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        except Exception as err:  # a payload that hashes right but does not load is no checkpoint either
+            raise CorruptCheckpoint(f"payload does not load: {type(err).__name__}: {str(err)[:200]}") from None
         return step, written_hash, state
+
+
+def read_valid(
+    directory: str | Path, on_skip: Callable[[Path, str], None] | None = None
+) -> Iterator[tuple[CheckpointInfo, dict[str, Any]]]:
+    """Each checkpoint of `directory` that verifies and loads, newest first, with its state; reads only.
+
+    For tools that read a directory they do not own (`kubetrain checkpoints
+    export`, a copy off a PVC): unlike `load_latest` it does not check the
+    spec hash, and it leaves a corrupt file where it is (the copy may be
+    read-only, and the trainer sets files aside itself) and reports it to
+    `on_skip(path, reason)` (default: a warning) before trying the previous one.
+    Lazy: a caller that stops at the first state reads one file.
+    """
+    files = sorted((p for p in Path(directory).iterdir() if FILE_PATTERN.fullmatch(p.name)), reverse=True)
+    for path in files:
+        try:
+            step, _, state = CheckpointStore._read(path)
+        except CorruptCheckpoint as err:
+            reason = f"corrupt: {err}"
+        except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file does not load
+            reason = f"does not load: {type(err).__name__}: {err}"
+        else:
+            yield CheckpointInfo(step, path, path.stat().st_size), state
+            continue
+        if on_skip is None:
+            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, reason)
+        else:
+            on_skip(path, reason)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,12 +14,14 @@ import torch
 
 from kubetrain_operator.api.spec import Dataset
 
-from .errors import ConfigError, LoadError, TrainerError
+from .errors import ConfigError, LoadError
+from .objectives import CROSS_ENTROPY, Objective, build_objective
+from .plugins import call_with_args, load_entrypoint
 
 
 @dataclass
 class Data:
-    """A dataset split into train and eval tensors (float32 inputs, int64 labels), on the CPU."""
+    """A dataset split into train and eval tensors (float32 inputs; targets as `objective` takes them), on the CPU."""
 
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -29,45 +29,13 @@ class Data:
     eval_y: torch.Tensor
     input_shape: tuple[int, ...]
     """Shape of one sample, without the batch dimension."""
-    num_classes: int
-
-
-# --- plug-ins -----------------------------------------------------------------
-
-
-def load_entrypoint(ref: str, path: str) -> Callable[..., Any]:
-    """Import `package.module:function`; LoadError names the field `path` and what went wrong."""
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # a user module may fail with anything at import time
-        raise LoadError(f"{path}: {ref}: cannot import {module_name!r}: {type(err).__name__}: {err}") from None
-    if not hasattr(module, attr):
-        raise LoadError(f"{path}: {ref}: module {module_name!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise LoadError(f"{path}: {ref}: {attr!r} is a {type(fn).__name__}, not callable")
-    return fn
-
-
-def call_with_args(fn: Callable[..., Any], args: Mapping[str, Any], what: str, path: str) -> Any:
-    """Call a factory with keyword arguments from the spec.
-
-    Arguments the factory does not take are a configuration error (exit 2)
-    naming `path`; anything the factory itself raises is a load error (exit 3).
-    """
-    try:
-        inspect.signature(fn).bind(**args)
-    except TypeError as err:
-        raise ConfigError(f"{path}: {what} does not take these arguments: {err}") from None
-    except ValueError:
-        pass  # no introspectable signature (a C function): let the call decide
-    try:
-        return fn(**args)
-    except TrainerError:
-        raise
-    except Exception as err:
-        raise LoadError(f"{path}: {what} failed: {type(err).__name__}: {err}") from None
+    num_classes: int | None
+    """Classification (crossEntropy): max label + 1, the width of the model's output. None otherwise."""
+    target_shape: tuple[int, ...] | None = None
+    """Regression (every other loss): shape of one sample's target, and so of the model's output for it;
+    a 1-D y is taken as one value per sample, (1,). None for classification."""
+    objective: Objective = CROSS_ENTROPY
+    """The loss the targets were prepared for (spec.training.loss)."""
 
 
 # --- built-in datasets --------------------------------------------------------
@@ -156,7 +124,7 @@ def _raw(spec: Dataset, seed: int) -> tuple[Any, Any, str]:
     return x, y, f"spec.dataset.name: {spec.name}"
 
 
-def _tensors(x: Any, y: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(x: Any, y: Any, where: str, objective: Objective) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         x = torch.as_tensor(np.asarray(x, dtype=np.float32))
         y_arr = np.asarray(y)
@@ -164,17 +132,22 @@ def _tensors(x: Any, y: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise LoadError(f"{where}: x must be numeric: {err}") from None
     if x.ndim < 2 or len(x) == 0:
         raise LoadError(f"{where}: x must hold samples along its first axis, got shape {tuple(x.shape)}")
-    if y_arr.ndim != 1 or len(y_arr) != len(x):
-        raise LoadError(f"{where}: y must be 1-D with one label per sample of x ({len(x)}), got shape {y_arr.shape}")
-    if not np.issubdtype(y_arr.dtype, np.integer) or y_arr.min() < 0:
-        raise LoadError(f"{where}: y must hold non-negative integer labels, got dtype {y_arr.dtype}")
-    return x, torch.as_tensor(y_arr.astype(np.int64))
+    if y_arr.ndim < 1 or len(y_arr) != len(x):
+        raise LoadError(
+            f"{where}: y must hold one target per sample of x ({len(x)}) along its first axis, got shape {y_arr.shape}"
+        )
+    return x, objective.targets(y_arr, where)
 
 
-def load_data(spec: Dataset, seed: int) -> Data:
-    """Load the dataset of `spec` and split it, seeded, into train and eval parts."""
+def load_data(spec: Dataset, seed: int, loss: str = "crossEntropy") -> Data:
+    """Load the dataset of `spec` for the objective `loss` (spec.training.loss) and split it, seeded.
+
+    The loss decides what y must be: integer class labels for crossEntropy,
+    float targets of any shape otherwise (see objectives.py).
+    """
+    objective = build_objective(loss)
     x_raw, y_raw, where = _raw(spec, seed)
-    x, y = _tensors(x_raw, y_raw, where)
+    x, y = _tensors(x_raw, y_raw, where, objective)
     n = len(x)
     n_eval = int(round(n * spec.eval_fraction))
     if n - n_eval < 1:
@@ -188,7 +161,9 @@ def load_data(spec: Dataset, seed: int) -> Data:
         eval_x=x[held_out],
         eval_y=y[held_out],
         input_shape=tuple(x.shape[1:]),
-        num_classes=int(y.max()) + 1,
+        num_classes=int(y.max()) + 1 if objective.classification else None,
+        target_shape=None if objective.classification else tuple(y.shape[1:]),
+        objective=objective,
     )
 
 

@@ -51,6 +51,25 @@ class EventLog:
             self._file.close()
 
 
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """Every whole event line of a replica's log; a line cut by a kill, or not JSON, is skipped."""
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # still being written, or cut by a kill
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    out.append(event)
+    except FileNotFoundError:
+        return []
+    return out
+
+
 # What a pod's termination message carries (the kubelet keeps at most 4 KiB of it).
 TERMINATION_KEYS = ("steps", "global_step", "final_train_loss", "eval_accuracy", "eval_loss",
                     "checkpoint_step", "checkpoint_time", "samples_per_second", "wall_seconds")

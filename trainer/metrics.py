@@ -4,7 +4,8 @@ Names start with `kubetrain_`, carry base units (`_seconds`, `_bytes`),
 counters end in `_total` (prometheus-client appends it), durations are
 histograms. Every series carries the replica's labels (namespace, job, role,
 replica); the few with one more label take it from a small fixed set
-(stage: raw|compressed, direction: sent|received, method: an RPC name).
+(stage: raw|compressed, direction: sent|received, method: an RPC name;
+name: one of at most MAX_REPORTED_METRICS names a script reports).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+
+from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
 
 from .context import ReplicaContext
 from .errors import ConfigError, TransientError
@@ -80,9 +83,16 @@ class TrainerMetrics:
         self.training_step = self._gauge("training_step", "The step the job has reached, as this replica sees it.")
         self.total_steps = self._gauge("total_steps", "Steps the job runs in all.")
         self.samples_per_second = self._gauge("samples_per_second", "Recent training throughput of this replica.")
+        self.steps_per_second = self._gauge("steps_per_second", "Recent optimizer steps per second of this replica.")
+        self.reported_metric = self._gauge(
+            "reported_metric",
+            "A value a training script reported with kubetrain.report(step, name=value), by name "
+            f"(at most {MAX_REPORTED_METRICS} names per process).",
+            "name",
+        )
         self.loss = self._gauge("loss", "Training loss of the most recent step.")
         self.eval_accuracy = self._gauge("eval_accuracy", "Accuracy on the eval split at the last evaluation (0..1).")
-        self.eval_loss = self._gauge("eval_loss", "Mean cross-entropy on the eval split at the last evaluation.")
+        self.eval_loss = self._gauge("eval_loss", "Mean loss (spec.training.loss) on the eval split at the last evaluation.")
         self.process_starts_total = self._counter(
             "process_starts", "Starts of this replica's process; more than one series reset means restarts."
         )
@@ -125,8 +135,9 @@ class TrainerMetrics:
         names = LABELS + ((extra,) if extra else ())
         return self._bind(Counter(PREFIX + name, doc, names, registry=self.registry), extra)
 
-    def _gauge(self, name: str, doc: str) -> Any:
-        return self._bind(Gauge(PREFIX + name, doc, LABELS, registry=self.registry), None)
+    def _gauge(self, name: str, doc: str, extra: str | None = None) -> Any:
+        names = LABELS + ((extra,) if extra else ())
+        return self._bind(Gauge(PREFIX + name, doc, names, registry=self.registry), extra)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], extra: str | None = None) -> Any:
         names = LABELS + ((extra,) if extra else ())

@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from kubetrain_operator.api.spec import Model, Optimizer
+from kubetrain_operator.api.spec import Model, Optimizer, Spec
 
-from .data import call_with_args, load_entrypoint
 from .errors import ConfigError, LoadError
 
+if TYPE_CHECKING:
+    from .data import Data
+from .objectives import CROSS_ENTROPY, Objective
+from .plugins import call_with_args, load_entrypoint
 
-def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128, layers: int = 1) -> nn.Module:
-    """Flatten, then `layers` ReLU layers of width `hidden`, then the class scores."""
+
+def _head(width: int, num_classes: int | None, output_shape: tuple[int, ...] | None) -> list[nn.Module]:
+    """The last layer: one score per class, or one value per target element, shaped as the target."""
+    if output_shape is None:
+        assert num_classes is not None
+        return [nn.Linear(width, num_classes)]
+    out: list[nn.Module] = [nn.Linear(width, math.prod(output_shape))]
+    if len(output_shape) > 1:
+        out.append(nn.Unflatten(1, output_shape))
+    return out
+
+
+def mlp(
+    input_shape: tuple[int, ...],
+    num_classes: int | None = None,
+    hidden: int = 128,
+    layers: int = 1,
+    output_shape: tuple[int, ...] | None = None,
+) -> nn.Module:
+    """Flatten, then `layers` ReLU layers of width `hidden`, then the class scores (or the regression output)."""
     if hidden < 1 or layers < 0:
         raise ConfigError(
             f"spec.model.args: mlp needs hidden >= 1 and layers >= 0, got hidden={hidden}, layers={layers}"
@@ -26,7 +48,7 @@ def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 128, layer
     for _ in range(layers):
         modules += [nn.Linear(width, hidden), nn.ReLU()]
         width = hidden
-    modules.append(nn.Linear(width, num_classes))
+    modules += _head(width, num_classes, output_shape)
     return nn.Sequential(*modules)
 
 
@@ -45,8 +67,14 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return (1, side, side)
 
 
-def cnn(input_shape: tuple[int, ...], num_classes: int, channels: int = 16, hidden: int = 64) -> nn.Module:
-    """Two 3x3 convolutions (same padding), then a ReLU layer of width `hidden`, then the class scores."""
+def cnn(
+    input_shape: tuple[int, ...],
+    num_classes: int | None = None,
+    channels: int = 16,
+    hidden: int = 64,
+    output_shape: tuple[int, ...] | None = None,
+) -> nn.Module:
+    """Two 3x3 convolutions (same padding), a ReLU layer of width `hidden`, then the class scores (or the output)."""
     if channels < 1 or hidden < 1:
         raise ConfigError(f"spec.model.args: cnn needs channels >= 1 and hidden >= 1, got {channels}, {hidden}")
     c, h, w = _image_shape(input_shape)
@@ -60,15 +88,41 @@ def cnn(input_shape: tuple[int, ...], num_classes: int, channels: int = 16, hidd
         nn.Flatten(),
         nn.Linear(channels * h * w, hidden),
         nn.ReLU(),
-        nn.Linear(hidden, num_classes),
+        *_head(hidden, num_classes, output_shape),
     )
 
 
 BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn}
 
 
-def build_model(spec: Model, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Module:
-    """The model of `spec`, its weights drawn after torch.manual_seed(seed): equal on every replica."""
+def _takes(fn: Callable[..., object], name: str, instead_of: str) -> bool:
+    """Whether `fn` declares a parameter `name` but none `instead_of` (and no **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return False
+    return name in params and instead_of not in params
+
+
+def build_model(
+    spec: Model,
+    input_shape: tuple[int, ...],
+    num_classes: int | None,
+    seed: int,
+    output_shape: tuple[int, ...] | None = None,
+) -> nn.Module:
+    """The model of `spec`, its weights drawn after torch.manual_seed(seed): equal on every replica.
+
+    Exactly one of `num_classes` (classification: the model outputs (N,
+    num_classes)) and `output_shape` (regression: it outputs (N,
+    *output_shape)) is given, as Data's num_classes and target_shape are.
+    A factory receives whichever is given, so classification factories
+    written before regression existed keep working.
+    """
+    if (num_classes is None) == (output_shape is None):
+        raise ValueError(f"build_model: give num_classes or output_shape, got {num_classes} and {output_shape}")
     torch.manual_seed(seed)
     if spec.entrypoint is not None:
         fn = load_entrypoint(spec.entrypoint, "spec.model.entrypoint")
@@ -78,7 +132,14 @@ def build_model(spec: Model, input_shape: tuple[int, ...], num_classes: int, see
     else:
         raise LoadError(f"spec.model.name: unknown model {spec.name!r}; expected one of {', '.join(BUILTIN_MODELS)}")
     # Flat-sample models see (N, features); the built-ins reshape what they need themselves.
-    args = {**spec.args, "input_shape": tuple(input_shape), "num_classes": num_classes}
+    head = {"num_classes": num_classes} if output_shape is None else {"output_shape": tuple(output_shape)}
+    args = {**spec.args, "input_shape": tuple(input_shape), **head}
+    if output_shape is not None and spec.entrypoint is not None and _takes(fn, "num_classes", "output_shape"):
+        raise ConfigError(
+            f"spec.model.entrypoint: {what} takes num_classes, but with spec.training.loss other than "
+            "crossEntropy the targets are real values: a model factory then gets output_shape (the shape of "
+            "one sample's target) instead"
+        )
     model = call_with_args(fn, args, what, path)
     if not isinstance(model, nn.Module):
         raise LoadError(f"spec.model.entrypoint: {what} returned {type(model).__name__}; expected a torch.nn.Module")
@@ -95,8 +156,15 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], spec: Optimizer) -> to
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of `model` on (x, y); (nan, nan) for an empty set."""
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024, objective: Objective | None = None
+) -> tuple[float, float]:
+    """Mean loss of `objective` (crossEntropy by default) and accuracy of `model` on (x, y).
+
+    The accuracy is NaN, "not measured", where the objective has none (every
+    loss but crossEntropy); both are NaN for an empty set.
+    """
+    objective = objective or CROSS_ENTROPY
     if len(x) == 0:
         return math.nan, math.nan
     device = next(model.parameters()).device
@@ -106,8 +174,27 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     for start in range(0, len(x), batch_size):
         xb = x[start : start + batch_size].to(device)
         yb = y[start : start + batch_size].to(device)
-        logits = model(xb)
-        loss_sum += F.cross_entropy(logits, yb, reduction="sum").item()
-        correct += int((logits.argmax(dim=1) == yb).sum())
+        output = model(xb)
+        loss_sum += objective.batch_sum(output, yb)
+        if objective.measures_accuracy:
+            correct += int((output.argmax(dim=1) == yb).sum())
     model.train(was_training)
-    return loss_sum / len(x), correct / len(x)
+    return loss_sum / len(x), correct / len(x) if objective.measures_accuracy else math.nan
+
+
+def model_and_data(spec: Spec, data: "Data | None" = None) -> tuple[nn.Module, "Data"]:
+    """The job's model and data, its targets prepared for spec.training.loss (Data.objective).
+
+    Every replica and tool that rebuilds the job's model (the loops, the
+    shards, verify, export) calls this one function, so they all build the
+    same model with the same initial weights (seeded after the data is read).
+    `data`: the job's data, already loaded (a tool that builds several models).
+    """
+    from .data import load_data
+
+    assert spec.dataset is not None and spec.training is not None and spec.model is not None
+    if data is None:
+        data = load_data(spec.dataset, spec.training.seed, spec.training.loss)
+    model = build_model(spec.model, data.input_shape, data.num_classes, spec.training.seed,
+                        output_shape=data.target_shape)
+    return model, data

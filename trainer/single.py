@@ -7,15 +7,16 @@ import logging
 import time
 from typing import Any
 
-from .checkpoint import CheckpointInfo, CheckpointStore, capture_rng_state, restore_rng_state, spec_hash
+from .checkpoint import capture_rng_state, restore_rng_state
 from .context import ReplicaContext
-from .data import ShardCursor, load_data
+from .contract import JobCheckpoints, ProgressReporter
+from .data import ShardCursor
 from .device import make_deterministic, select_device
 from .errors import EXIT_OK, EXIT_TERMINATED, TransientError
 from .events import EventLog, write_result
 from .metrics import TrainerMetrics
-from .models import build_model, build_optimizer, evaluate
-from .training import log_interval, planned_steps, train_step
+from .models import build_optimizer, evaluate, model_and_data
+from .training import planned_steps, train_step
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +30,17 @@ class SingleTrainer:
         self.ctx = ctx
         self.threads = make_deterministic()
         self.device = select_device(spec.training.device)
-        self.data = load_data(spec.dataset, spec.training.seed)
+        self.model, self.data = model_and_data(spec)
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
-        self.model = build_model(spec.model, self.data.input_shape, self.data.num_classes, spec.training.seed)
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
         self.cursor = ShardCursor(len(self.train_x), 0, 1, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
         self.metrics = TrainerMetrics(ctx)
         self.events = EventLog(ctx.run_dir, ctx.replica)
-        self.store = CheckpointStore(
-            ctx.checkpoint_dir, spec.checkpoint.keep_last, spec_hash(spec), on_persisted=self._persisted
-        )
+        self.checkpoints = JobCheckpoints(ctx, self.metrics, self.events)
+        self.reporter = ProgressReporter(ctx, self.metrics, self.events, self.total_steps)
         self.step = 0
         self.samples = 0
         self.loss = float("nan")
@@ -49,9 +48,8 @@ class SingleTrainer:
         self.eval_accuracy = float("nan")
         self.eval_step = -1
         self.checkpoint_step = -1
-        # Throughput of this process: in all, and since the last `train` event.
+        # Throughput of this process, for its results.
         self.run_samples, self.train_seconds = 0, 0.0
-        self.window_samples, self.window_start = 0, time.perf_counter()
 
     # --- state -------------------------------------------------------------
 
@@ -68,10 +66,10 @@ class SingleTrainer:
 
     def restore(self) -> bool:
         """Continue from the newest valid checkpoint, if there is one; True when resumed."""
-        found = self.store.load_latest()
+        found = self.checkpoints.restore()
         if found is None:
             return False
-        self.step, state = found
+        self.step, state, _ = found
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.cursor.load_state_dict(state["cursor"])
@@ -82,18 +80,12 @@ class SingleTrainer:
         return True
 
     def checkpoint(self) -> None:
-        self.store.save(self.step, self.state())
+        self.checkpoints.save(self.step, self.state())
         self.checkpoint_step = self.step
 
-    def _persisted(self, info: CheckpointInfo, seconds: float) -> None:
-        self.metrics.checkpoint_duration_seconds.observe(seconds)
-        self.metrics.checkpoint_size_bytes.set(info.bytes)
-        self.metrics.checkpoint_last_success_timestamp_seconds.set_to_current_time()
-        self.metrics.last_checkpoint_step.set(info.step)
-        self.events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes)
-
     def evaluate(self) -> None:
-        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y)
+        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y,
+                                                      objective=self.data.objective)
         self.eval_step = self.step
         self.metrics.eval_loss.set(self.eval_loss)
         self.metrics.eval_accuracy.set(self.eval_accuracy)
@@ -107,60 +99,46 @@ class SingleTrainer:
 
     def run(self) -> int:
         self.metrics.process_starts_total.inc()
-        self.metrics.total_steps.set(self.total_steps)
         self.metrics.serve(self.ctx.metrics_port)
         resumed = self.restore()
         self.events.write("start", step=self.step, total_steps=self.total_steps, device=str(self.device),
                           threads=self.threads)
         if resumed:
-            self.events.write("resume", step=self.step)
             log.info("%s: resumed from step %d of %d", self.ctx.replica, self.step, self.total_steps)
-        interval = log_interval(self.total_steps)
         every = self.ctx.spec.checkpoint.interval_steps
-        self.window_start = time.perf_counter()
+        self.reporter.start_window(self.step)
         while self.step < self.total_steps:
-            self.train_one()
-            # After the update, before this step's checkpoint: a crash here loses the step.
-            self.ctx.maybe_fault(self.step)
-            if self.step % interval == 0 or self.step == self.total_steps:
-                self.report_progress()
+            samples = self.train_one()
+            epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
+            # After the update, before this step's checkpoint: a fault here loses the step.
+            self.reporter.report(self.step, samples=samples, loss=self.loss,
+                                 event_fields={"samples": self.samples, "epoch": round(epoch, 4)})
             if self.cursor.position == 0:  # an epoch just ended
                 self.evaluate()
             stopping = self.ctx.stop_requested and self.step < self.total_steps
             if self.step % every == 0 or self.step == self.total_steps or stopping:
                 self.checkpoint()
             if stopping:
-                self.store.wait()
+                self.checkpoints.wait()
                 self.events.write("stop", step=self.step)
                 log.info("%s: stopped by SIGTERM at step %d, checkpoint written", self.ctx.replica, self.step)
                 return EXIT_TERMINATED
         self.finish()
         return EXIT_OK
 
-    def train_one(self) -> None:
+    def train_one(self) -> int:
+        """One optimizer step; returns the batch's samples."""
         started = time.perf_counter()
         batch = self.cursor.next_batch().to(self.device)
-        self.loss = train_step(self.model, self.optimizer, self.train_x[batch], self.train_y[batch])
+        self.loss = train_step(self.model, self.optimizer, self.train_x[batch], self.train_y[batch],
+                               self.data.objective)
         seconds = time.perf_counter() - started
         self.step += 1
         self.samples += len(batch)
         self.run_samples += len(batch)
-        self.window_samples += len(batch)
         self.train_seconds += seconds
-        self.metrics.steps_total.inc()
-        self.metrics.samples_total.inc(len(batch))
         self.metrics.step_duration_seconds.observe(seconds)
-        self.metrics.training_step.set(self.step)
-        self.metrics.loss.set(self.loss)
-
-    def report_progress(self) -> None:
-        now = time.perf_counter()
-        rate = self.window_samples / max(now - self.window_start, 1e-9)
-        self.window_samples, self.window_start = 0, now
-        self.metrics.samples_per_second.set(rate)
-        epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
-        self.events.write("train", step=self.step, loss=self.loss, samples=self.samples,
-                          samples_per_second=rate, epoch=round(epoch, 4))
+        return len(batch)
 
     def finish(self) -> None:
         """Evaluate and checkpoint the final step unless done already, then write the results."""
@@ -168,7 +146,7 @@ class SingleTrainer:
             self.evaluate()
         if self.checkpoint_step != self.step:
             self.checkpoint()
-        self.store.wait()
+        self.checkpoints.wait()
         wall = time.monotonic() - self.started
         write_result(self.ctx.run_dir, self.ctx.replica, {
             "steps": self.step,
@@ -192,7 +170,7 @@ class SingleTrainer:
     def close(self) -> None:
         # A checkpoint still being written reports to the event log: let it finish first.
         with contextlib.suppress(TransientError):
-            self.store.wait()
+            self.checkpoints.wait()
         self.metrics.close()
         self.events.close()
 

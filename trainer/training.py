@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from kubetrain_operator.api.spec import Training
+
+from .objectives import CROSS_ENTROPY, Objective
 
 # Aim for about this many `train` events per run, whatever its length.
 TRAIN_EVENTS_PER_RUN = 200
@@ -26,16 +27,27 @@ def log_interval(total_steps: int) -> int:
     return max(1, total_steps // TRAIN_EVENTS_PER_RUN)
 
 
-def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Forward and backward on one batch; leaves the gradients in `.grad`, returns the loss."""
+def compute_gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective: Objective | None = None
+) -> float:
+    """Forward and backward on one batch with `objective`'s loss (crossEntropy by default).
+
+    Leaves the gradients in `.grad`; returns the loss.
+    """
     model.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
+    loss = (objective or CROSS_ENTROPY).loss(model(x), y)
     loss.backward()
     return float(loss.item())
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    objective: Objective | None = None,
+) -> float:
     """One local optimizer step on one batch; returns the batch's loss before the update."""
-    loss = compute_gradients(model, x, y)
+    loss = compute_gradients(model, x, y, objective)
     optimizer.step()
     return loss

@@ -29,9 +29,9 @@ import torch
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
 from .checkpoint import FILE_PATTERN, LATEST, CheckpointStore, CorruptCheckpoint, spec_hash
-from .data import Data, load_data
+from .data import Data
 from .errors import TrainerError
-from .models import build_model, evaluate
+from .models import evaluate, model_and_data
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 # What "the resumed run ends where the clean one does" means per mode (the runtime issues' tolerances):
@@ -129,16 +129,15 @@ class Evaluator:
 
     def __init__(self, job: TrainingJob):
         self.job = job
-        self.data: Data = load_data(job.spec.dataset, job.spec.training.seed)
+        _, self.data = model_and_data(job.spec)
 
     def __call__(self, params: dict[str, torch.Tensor]) -> tuple[float, float]:
-        spec = self.job.spec
-        model = build_model(spec.model, self.data.input_shape, self.data.num_classes, spec.training.seed)
+        model, _ = model_and_data(self.job.spec, self.data)
         missing, unexpected = model.load_state_dict(params, strict=False)
         missing = [m for m in missing if m in dict(model.named_parameters())]
         if missing or unexpected:
             raise VerifyError(f"the parameters do not fit the job's model: missing {missing}, unexpected {unexpected}")
-        return evaluate(model, self.data.eval_x, self.data.eval_y)
+        return evaluate(model, self.data.eval_x, self.data.eval_y, objective=self.data.objective)
 
 
 def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None,
@@ -178,6 +177,8 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
         report["replicas"][replica] = {"directory": str(path), "latest": latest, "checkpoints": entries}
     if job is None:
         report["notes"].append("no job file: the spec hash and the eval were not checked (pass the job's manifest)")
+    elif job.spec.script is not None:
+        report["notes"].append("a script job: its state is the script's own, so only the files were checked (no eval)")
     elif run_eval:
         model_replicas = _model_replicas(job, where)
         evaluator = None

@@ -4,19 +4,20 @@
 chart's copy are this output, and a test fails when either drifts. Defaults,
 enums, ranges, patterns and docs come from `spec.py`; the cross-field rules
 (`__rules__`) and immutable fields become CEL rules with the same messages
-the Python validator prints.
+the Python validator prints; so do podTemplate's reserved names (podtemplate.py).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
 import yaml
 
-from . import schema
-from .schema import AtMostOne, ExactlyOne, OnlyWhen, TypeInfo
-from .spec import GROUP, KIND, PLURAL, VERSION, Spec
+from . import podtemplate, schema
+from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, TypeInfo
+from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, VERSION, Spec
 
 SHORT_NAMES = ["tj"]
 CATEGORIES = ["all", "kubetrain"]
@@ -27,6 +28,11 @@ SPEC_CEL = [
         "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.backend) || self.ddp.backend != 'nccl' "
         "|| !has(self.training) || !has(self.training.device) || self.training.device != 'cpu'",
         "message": "ddp.backend: nccl needs GPUs; use gloo with training.device cpu",
+    },
+    {
+        "rule": "!has(self.script) || self.mode != 'ParameterServer'",
+        "message": "script: script jobs run in mode Single or DDP, got ParameterServer (a parameter server "
+        "needs the built-in loop's model, dataset and training)",
     },
 ]
 ROOT_CEL = [
@@ -53,6 +59,10 @@ def _rule_cel(rule: Any, names: dict[str, str]) -> dict[str, str]:
         return {"rule": f"{_has_count(rule.fields, names)} == 1", "message": f"exactly one of {listed} must be set"}
     if isinstance(rule, AtMostOne):
         return {"rule": f"{_has_count(rule.fields, names)} <= 1", "message": f"only one of {listed} may be set"}
+    if isinstance(rule, Excludes):
+        name, others = names[rule.name], " || ".join(f"has(self.{names[f]})" for f in rule.fields)
+        listed = ", ".join(names[f] for f in rule.fields)
+        return {"rule": f"!has(self.{name}) || !({others})", "message": f"{listed} do not apply when {name} is set"}
     if isinstance(rule, OnlyWhen):
         name, when = names[rule.name], names[rule.when]
         return {
@@ -62,12 +72,11 @@ def _rule_cel(rule: Any, names: dict[str, str]) -> dict[str, str]:
     raise TypeError(f"no CEL for {rule!r}")
 
 
-# Objects the API server creates when absent, so their children's defaults apply.
-OBJECT_DEFAULTS: dict[str, Any] = {
-    "model": {"name": "mlp"},
-    "dataset": {"name": "digits"},
-}
-NO_DEFAULT = {"parameterServer", "ddp"}  # present only with their mode
+# Objects the API server does not create when absent. parameterServer and ddp
+# belong to their mode; model, dataset and training to the built-in loops, so
+# a script job must be able to leave them out (the CEL rule of Excludes would
+# refuse a defaulted one). kubetrain fills their defaults when it reads a job.
+NO_DEFAULT = {"parameterServer", "ddp", "script", "model", "dataset", "training"}
 
 
 def _scalar_schema(info: TypeInfo, meta: schema.Meta) -> dict[str, Any]:
@@ -110,12 +119,21 @@ def object_schema(cls: type) -> dict[str, Any]:
         if info.kind == "object":
             assert info.cls is not None
             prop = object_schema(info.cls)
-            if name in OBJECT_DEFAULTS:
-                prop["default"] = OBJECT_DEFAULTS[name]
-            elif name not in NO_DEFAULT:
+            if name not in NO_DEFAULT:
                 prop["default"] = {}
+        elif cls is Spec and name == "podTemplate":
+            prop = pod_template_schema()
         elif info.kind in ("map", "any"):
             prop = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        elif info.kind == "list":
+            assert info.value is not None
+            prop = {"type": "array", "items": _scalar_schema(info.value, meta)}
+            if meta.min_items is not None:
+                prop["minItems"] = meta.min_items
+            if meta.max_items is not None:
+                prop["maxItems"] = meta.max_items
+            if f.default_factory is not schema.MISSING:
+                prop["default"] = f.default_factory()
         else:
             prop = _scalar_schema(info, meta)
             if f.default is not schema.MISSING and f.default is not None:
@@ -141,6 +159,103 @@ def object_schema(cls: type) -> dict[str, Any]:
     if rules:
         out["x-kubernetes-validations"] = rules
     return out
+
+
+# --- spec.podTemplate: kubetrain's own names are refused ----------------------
+#
+# podTemplate is a pod template of any shape, so the schema keeps every level
+# `x-kubernetes-preserve-unknown-fields` (nothing the user wrote is pruned) and
+# declares only what the CEL rules read: CEL sees no field the schema leaves
+# undeclared. The rules and messages are api/podtemplate.py's, which
+# `kubetrain validate` prints too. A rule on a container cannot name the index
+# of the offending item (fieldPath is static), so the API server's path stops
+# at the list (`...containers[0].env`) where the validator's names the item.
+
+
+def _cel_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string of ASCII text is a CEL string literal
+
+
+def _cel_list(items: Any) -> str:
+    return "[" + ", ".join(_cel_string(i) for i in items) + "]"
+
+
+def _preserved(properties: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": properties, **extra}
+
+
+def _named_list(max_items: int, properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "maxItems": max_items, "items": _preserved(properties)}
+
+
+def _container_rules() -> list[dict[str, str]]:
+    # A sidecar may use any name; a container without a name is the trainer
+    # (the merge sends it there).
+    other = f"(has(self.name) && self.name != {_cel_string(podtemplate.CONTAINER)})"
+    reserved_env = (f"e.name.startsWith({_cel_string(podtemplate.ENV_PREFIX)}) || "
+                    f"e.name in {_cel_list(podtemplate.ENV_NAMES)}")
+    # env_message(name), naming the first reserved variable.
+    first = f"self.env.filter(e, has(e.name) && ({reserved_env}))[0].name"
+    opening, rest = _cel_string("'"), _cel_string("' " + podtemplate.ENV_REASON)
+    rules = [
+        {
+            "rule": f"{other} || !has(self.env) || self.env.all(e, !has(e.name) || !({reserved_env}))",
+            "messageExpression": f"{opening} + {first} + {rest}",
+            "message": f"a variable in env {podtemplate.ENV_REASON}",
+            "fieldPath": ".env",
+        }
+    ]
+    for name in podtemplate.VOLUMES:
+        rules.append({
+            "rule": f"{other} || !has(self.volumeMounts) || "
+            f"!self.volumeMounts.exists(m, has(m.name) && m.name == {_cel_string(name)})",
+            "message": podtemplate.mount_name_message(name),
+            "fieldPath": ".volumeMounts",
+        })
+    for path in podtemplate.MOUNTS:
+        rules.append({
+            "rule": f"{other} || !has(self.volumeMounts) || !self.volumeMounts.exists(m, has(m.mountPath) && "
+            f"m.mountPath in {_cel_list(podtemplate.mount_path_spellings(path))})",
+            "message": podtemplate.mount_path_message(path),
+            "fieldPath": ".volumeMounts",
+        })
+    for name in podtemplate.PORTS:
+        rules.append({
+            "rule": f"{other} || !has(self.ports) || !self.ports.exists(p, has(p.name) && p.name == {_cel_string(name)})",
+            "message": podtemplate.port_message(name),
+            "fieldPath": ".ports",
+        })
+    return rules
+
+
+def pod_template_schema() -> dict[str, Any]:
+    volume_name = {
+        "type": "string",
+        "x-kubernetes-validations": [
+            {"rule": f"self != {_cel_string(name)}", "message": podtemplate.volume_message(name)}
+            for name in podtemplate.VOLUMES
+        ],
+    }
+    container = _preserved(
+        {
+            "name": {"type": "string"},
+            "env": _named_list(
+                podtemplate.MAX_ENV, {"name": {"type": "string", "maxLength": podtemplate.MAX_ENV_NAME_LENGTH}}
+            ),
+            "volumeMounts": _named_list(
+                podtemplate.MAX_VOLUME_MOUNTS, {"name": {"type": "string"}, "mountPath": {"type": "string"}}
+            ),
+            "ports": _named_list(podtemplate.MAX_PORTS, {"name": {"type": "string"}}),
+        },
+        **{"x-kubernetes-validations": _container_rules()},
+    )
+    spec = _preserved(
+        {
+            "volumes": _named_list(podtemplate.MAX_VOLUMES, {"name": volume_name}),
+            "containers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": container},
+        }
+    )
+    return _preserved({"spec": spec})
 
 
 def _key_order(key: str) -> tuple[int, str]:
@@ -194,6 +309,12 @@ def _status_schema() -> dict[str, Any]:
                     "loss": {"type": "number"},
                     "evalAccuracy": {"type": "number"},
                     "samplesPerSecond": {"type": "number"},
+                    "metrics": {
+                        "type": "object",
+                        "description": "What a script reported with kubetrain.report(step, name=value), by name.",
+                        "maxProperties": MAX_REPORTED_METRICS,
+                        "additionalProperties": {"type": "number"},
+                    },
                     "updateTime": {"type": "string", "format": "date-time"},
                 },
             },

@@ -19,6 +19,9 @@ def _type(info: schema.TypeInfo) -> str:
         return "object"
     if info.kind in ("map", "any"):
         return "object (free-form)"
+    if info.kind == "list":
+        assert info.value is not None
+        return f"list of {_type(info.value)}"
     return {"int": "integer", "float": "number", "bool": "boolean", "str": "string"}[info.kind]
 
 
@@ -29,6 +32,10 @@ def _constraints(f, info: schema.TypeInfo) -> str:
         parts.append((">" if meta.exclusive_minimum else "≥") + f" {schema._num(meta.minimum)}")
     if meta.maximum is not None:
         parts.append(("<" if meta.exclusive_maximum else "≤") + f" {schema._num(meta.maximum)}")
+    if meta.min_items is not None:
+        parts.append(f"≥ {meta.min_items} items")
+    if meta.max_items is not None:
+        parts.append(f"≤ {meta.max_items} items")
     if meta.pattern_hint:
         parts.append(meta.pattern_hint)
     if meta.immutable:
@@ -86,6 +93,8 @@ def _rule_text(rule, names: dict[str, str]) -> str:
         return "exactly one of " + ", ".join(f"`{names[f]}`" for f in rule.fields)
     if isinstance(rule, schema.AtMostOne):
         return "at most one of " + ", ".join(f"`{names[f]}`" for f in rule.fields)
+    if isinstance(rule, schema.Excludes):
+        return f"with `{names[rule.name]}`, none of " + ", ".join(f"`{names[f]}`" for f in rule.fields)
     return f"`{names[rule.name]}` only when `{names[rule.when]}` is `{rule.value}`"
 
 

@@ -31,6 +31,8 @@ class Meta:
     pattern: str | None = None
     pattern_hint: str = ""
     max_length: int | None = None
+    min_items: int | None = None  # lists
+    max_items: int | None = None  # lists
     yaml_name: str | None = None
     immutable: bool = False
     free_form: bool = False  # any JSON object (preserved unknown fields)
@@ -48,6 +50,8 @@ def field(
     pattern: str | None = None,
     pattern_hint: str = "",
     max_length: int | None = None,
+    min_items: int | None = None,
+    max_items: int | None = None,
     name: str | None = None,
     immutable: bool = False,
 ) -> Any:
@@ -60,6 +64,8 @@ def field(
         pattern=pattern,
         pattern_hint=pattern_hint,
         max_length=max_length,
+        min_items=min_items,
+        max_items=max_items,
         yaml_name=name,
         immutable=immutable,
     )
@@ -108,6 +114,20 @@ class OnlyWhen:
     def check(self, present: set[str], values: dict[str, Any], names: dict[str, str]) -> str | None:
         if self.name in present and self.when in values and values[self.when] != self.value:
             return f"{names[self.name]} may be set only when {names[self.when]} is {self.value}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Excludes:
+    """When field ``name`` is set, none of ``fields`` may be set."""
+
+    name: str
+    fields: tuple[str, ...]
+
+    def check(self, present: set[str], values: dict[str, Any], names: dict[str, str]) -> str | None:
+        clash = [names[f] for f in self.fields if f in present]
+        if self.name in present and clash:
+            return f"{', '.join(clash)} {'does' if len(clash) == 1 else 'do'} not apply when {names[self.name]} is set"
         return None
 
 
@@ -160,11 +180,11 @@ def meta_of(f: dataclasses.Field) -> Meta:
 
 @dataclasses.dataclass(frozen=True)
 class TypeInfo:
-    kind: str  # int | float | bool | str | enum | object | map | any
+    kind: str  # int | float | bool | str | enum | object | map | list | any
     nullable: bool = False
     choices: tuple[str, ...] = ()
     cls: type | None = None  # for object
-    value: "TypeInfo | None" = None  # for map
+    value: "TypeInfo | None" = None  # for map and list: the type of each value or item
 
 
 def type_info(tp: Any) -> TypeInfo:
@@ -179,6 +199,9 @@ def type_info(tp: Any) -> TypeInfo:
     if origin is dict:
         _, value = typing.get_args(tp)
         return TypeInfo("map", value=type_info(value))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return TypeInfo("list", value=type_info(item))
     if tp is Any:
         return TypeInfo("any")
     if dataclasses.is_dataclass(tp):
@@ -304,9 +327,29 @@ def _parse_value(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Pr
             if parsed is not MISSING:
                 result[str(k)] = parsed
         return result
+    if info.kind == "list":
+        return _parse_list(value, info, meta, path, out)
     if info.kind == "any":
         return value
     return _check_scalar(value, info, meta, path, out)
+
+
+def _parse_list(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Problem]) -> Any:
+    """A list of scalars: its length within min_items..max_items, each item checked (pattern, length)."""
+    if not isinstance(value, list):
+        out.append(Problem(path, f"must be a list, got {_type_name(value)}"))
+        return MISSING
+    if meta.min_items is not None and len(value) < meta.min_items:
+        out.append(Problem(path, f"must have at least {meta.min_items} item{'s' if meta.min_items > 1 else ''}, "
+                                 f"got {len(value)}"))
+        return MISSING
+    if meta.max_items is not None and len(value) > meta.max_items:
+        out.append(Problem(path, f"must have at most {meta.max_items} items, got {len(value)}"))
+        return MISSING
+    assert info.value is not None
+    before = len(out)
+    items = [_parse_value(v, info.value, meta, f"{path}[{i}]", out) for i, v in enumerate(value)]
+    return MISSING if len(out) > before else items
 
 
 def parse(cls: type, data: Any, path: str, out: list[Problem]) -> Any:

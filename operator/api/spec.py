@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .schema import AtMostOne, ExactlyOne, OnlyWhen, field
+from .podtemplate import pod_template_problems
+from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, field
 
 GROUP = "kubetrain.dev"
 VERSION = "v1alpha1"
@@ -24,6 +25,14 @@ ENTRYPOINT_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z
 ENTRYPOINT_HINT = "expected 'package.module:function'"
 QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
 DNS1123_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+BUILTIN_LOSSES: tuple[str, ...] = ("crossEntropy", "mse", "l1", "smoothL1", "bceWithLogits")
+LOSS_PATTERN = "(" + "|".join(BUILTIN_LOSSES) + ")|" + ENTRYPOINT_PATTERN
+# Script jobs: a command line is short; these bound what a manifest may carry.
+MAX_SCRIPT_ARGS = 256
+# Names a script may report with kubetrain.report(step, name=value) as labelled
+# series and in status.progress.metrics: a bound on the series (and the status
+# size) an untrusted script can create. Further names stay in its event log only.
+MAX_REPORTED_METRICS = 32
 
 
 @dataclass
@@ -35,7 +44,12 @@ class Model:
     name: Literal["mlp", "cnn"] | None = field("Built-in model: mlp or cnn.", None)
     entrypoint: str | None = field(
         "User model factory 'package.module:function'; it is called with `args` as keyword "
-        "arguments plus `input_shape` and `num_classes`, and returns a torch.nn.Module.",
+        "arguments plus `input_shape` (one sample's shape) and, with training.loss crossEntropy, "
+        "`num_classes`: it returns a torch.nn.Module mapping (N, *input_shape) to (N, num_classes). "
+        "With any other loss it gets `output_shape` instead of `num_classes`, the shape of one "
+        "sample's target ((1,) when y is 1-D), and the module maps (N, *input_shape) to "
+        "(N, *output_shape). Imported from the manifest's directory by `kubetrain run`, from the "
+        "image's working directory or installed packages in a cluster.",
         None,
         pattern=ENTRYPOINT_PATTERN,
         pattern_hint=ENTRYPOINT_HINT,
@@ -104,6 +118,14 @@ class Training:
     seed: int = field("Seed of every random choice: initial weights, shuffling, data.", 0, minimum=0)
     device: Literal["auto", "cpu", "cuda"] = field(
         "auto uses a visible GPU when there is one; cuda fails when none is visible.", "auto"
+    )
+    loss: str = field(
+        "The loss: crossEntropy (integer class labels; accuracy is reported too), mse, l1, smoothL1, "
+        "bceWithLogits (float targets of the model's output shape), or a user entry point "
+        "'package.module:function' returning a callable loss(output, target) -> scalar tensor.",
+        "crossEntropy",
+        pattern=LOSS_PATTERN,
+        pattern_hint="expected " + ", ".join(BUILTIN_LOSSES) + " or 'package.module:function'",
     )
 
     @property
@@ -213,6 +235,12 @@ class Storage:
         pattern_hint="expected a DNS-1123 name",
         max_length=253,
     )
+    when_deleted: Literal["Delete", "Retain"] = field(
+        "What happens to the checkpoint claims the operator created when the job is deleted: Delete "
+        "them with the job, or Retain them (no owner reference) so the checkpoints can be copied off "
+        "or exported afterwards (as a StatefulSet's persistentVolumeClaimRetentionPolicy.whenDeleted).",
+        "Delete",
+    )
 
 
 @dataclass
@@ -266,19 +294,59 @@ class Metrics:
 
 
 @dataclass
+class Script:
+    """The user's own training command, run instead of the built-in loop (modes Single and DDP)."""
+
+    command: list[str] = field(
+        "The command, as a list (no shell): for example [python, train.py]. `python` is the trainer's "
+        "interpreter. In mode DDP it runs once per rank with torchrun's environment.",
+        min_items=1,
+        max_items=MAX_SCRIPT_ARGS,
+        max_length=4096,
+    )
+    args: list[str] = field(
+        "Arguments appended to the command.", default_factory=list, max_items=MAX_SCRIPT_ARGS, max_length=4096
+    )
+    working_dir: str = field(
+        "Directory the command runs in, and that a relative path in the command resolves against. "
+        "Locally it defaults to the directory holding the manifest (a relative workingDir is taken "
+        "from there too); in a cluster to the image's working directory.",
+        "",
+        max_length=4096,
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for name, values in (("command", self.command), ("args", self.args)):
+            for i, value in enumerate(values):
+                if not value:
+                    problems.append((f"{name}[{i}]", "must not be empty"))
+                elif "\x00" in value:
+                    problems.append((f"{name}[{i}]", "must not contain a NUL character"))
+        return problems
+
+
+@dataclass
 class Spec:
     """The desired state of a TrainingJob."""
 
     __rules__ = (
         OnlyWhen("parameter_server", "mode", "ParameterServer"),
         OnlyWhen("ddp", "mode", "DDP"),
+        Excludes("script", ("model", "dataset", "training")),
     )
 
     mode: Mode = field("Single, ParameterServer or DDP.", immutable=True)
     image: str = field("Trainer image (cluster only); empty uses the operator's default.", "")
-    model: Model = field("The model.", default_factory=lambda: Model(name="mlp"))
-    dataset: Dataset = field("The data.", default_factory=lambda: Dataset(name="digits"))
-    training: Training = field("Training settings.", default_factory=Training)
+    script: Script | None = field(
+        "The user's own training command instead of the built-in loop (modes Single and DDP); "
+        "model, dataset and training do not apply then. See docs/custom-code.md.",
+        None,
+    )
+    # None only in script jobs: `complete()` fills the built-in loop's defaults otherwise.
+    model: Model | None = field("The model (built-in loops).", default_factory=lambda: Model(name="mlp"))
+    dataset: Dataset | None = field("The data (built-in loops).", default_factory=lambda: Dataset(name="digits"))
+    training: Training | None = field("Training settings (built-in loops).", default_factory=Training)
     parameter_server: ParameterServer | None = field(
         "Parameter-server settings (mode ParameterServer).", None
     )
@@ -290,15 +358,22 @@ class Spec:
     metrics: Metrics = field("Metrics endpoint.", default_factory=Metrics)
     pod_template: dict[str, Any] = field(
         "Merged into every pod (cluster only): metadata labels and annotations, and spec fields "
-        "such as nodeSelector, tolerations, affinity, or env for every container.",
+        "such as nodeSelector, tolerations, affinity, initContainers. Lists merge with kubetrain's "
+        "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
+        "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
+        "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
+        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous.",
         default_factory=dict,
     )
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
+        if self.script is not None and self.mode == "ParameterServer":
+            problems.append(("script", "script jobs run in mode Single or DDP, got ParameterServer "
+                                       "(a parameter server needs the built-in loop's model, dataset and training)"))
         if self.mode == "DDP":
             ddp = self.ddp or DDP()
-            if ddp.backend == "nccl" and self.training.device == "cpu":
+            if ddp.backend == "nccl" and self.training is not None and self.training.device == "cpu":
                 problems.append(("ddp.backend", "nccl needs GPUs; use gloo with training.device cpu"))
             storage = self.checkpoint.storage
             # Rank 0 reads and writes the checkpoints and broadcasts them to the
@@ -312,6 +387,7 @@ class Spec:
                         "ReadWriteMany; or leave existingClaim empty so each node gets its own volume",
                     )
                 )
+        problems += pod_template_problems(self.pod_template)
         return problems
 
     def complete(self) -> "Spec":
@@ -320,6 +396,13 @@ class Spec:
             self.parameter_server = ParameterServer()
         if self.mode == "DDP" and self.ddp is None:
             self.ddp = DDP()
+        if self.script is not None:
+            # The user's script owns its model, data and loop: none of the built-in defaults apply.
+            self.model = self.dataset = self.training = None
+            return self
+        self.model = self.model or Model(name="mlp")
+        self.dataset = self.dataset or Dataset(name="digits")
+        self.training = self.training or Training()
         if self.training.epochs is None and self.training.max_steps is None:
             self.training.epochs = 10
         return self

@@ -99,6 +99,11 @@ def create(obj: dict[str, Any]) -> bool:
             raise ValueError(f"cannot create a {kind}")
     except ApiException as err:
         if err.status == 409:
+            # Ours already: created by an earlier round, or, for a checkpoint
+            # claim, kept from an earlier job of the same name by whenDeleted:
+            # Retain (labelled, no owner). Mounting that one is the point of
+            # keeping it: it holds this job name's checkpoints, and training
+            # resumes from them.
             return False
         raise KubeError("create", f"{kind.lower()} {ns}/{name}", err) from None
     return True

@@ -5,12 +5,17 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import re
 from typing import Any
+
+from ..api.spec import MAX_REPORTED_METRICS
 
 from ..core.children import CONTAINER, LABEL_REPLICA
 from ..core.reconcile import PodObservation, Progress
 
 STS_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+REPORTED = "kubetrain_reported_metric"
+NAME_LABEL = re.compile(r'[{,]name="([A-Za-z_][A-Za-z0-9_]{0,63})"')
 
 
 def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
@@ -72,14 +77,26 @@ def termination_results(message: str | None) -> dict[str, Any] | None:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name -> value for the unlabelled-by-extra-dimension kubetrain_ gauges we need."""
+    """Sample name -> value for the unlabelled-by-extra-dimension kubetrain_ gauges we need.
+
+    A script's reported values (`kubetrain_reported_metric{name="x"}`) come as
+    `kubetrain_reported_metric/x`, for at most MAX_REPORTED_METRICS names.
+    """
     out: dict[str, float] = {}
+    reported = 0
     for line in text.splitlines():
         if not line.startswith("kubetrain_"):
             continue
         try:
             name_labels, value = line.rsplit(" ", 1)
-            out[name_labels.split("{", 1)[0]] = float(value)
+            name = name_labels.split("{", 1)[0]
+            if name == REPORTED:
+                match = NAME_LABEL.search(name_labels)
+                if match is None or reported >= MAX_REPORTED_METRICS:
+                    continue
+                name = f"{REPORTED}/{match.group(1)}"
+                reported += 1
+            out[name] = float(value)
         except ValueError:
             continue
     return out
@@ -93,11 +110,14 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
 
     def get(src: dict[str, float], key: str) -> float | None:
         value = src.get(f"kubetrain_{key}")
-        return None if value is None or math.isnan(value) else value  # NaN: not measured yet
+        # NaN: not measured yet; an infinity is no JSON number and cannot go into the status.
+        return None if value is None or not math.isfinite(value) else value
 
     ckpt_time = get(head, "checkpoint_last_success_timestamp_seconds")
     ckpt_step = get(head, "last_checkpoint_step")
     total = get(head, "total_steps") or get(samples, "total_steps")
+    prefix = f"{REPORTED}/"
+    reported = {k[len(prefix):]: v for k, v in samples.items() if k.startswith(prefix) and math.isfinite(v)}
     return Progress(
         step=int(get(head, "training_step") or 0),
         total_steps=int(total) if total else None,
@@ -106,6 +126,7 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
         samples_per_second=get(samples, "samples_per_second"),
         checkpoint_step=int(ckpt_step) if ckpt_step else None,
         checkpoint_time=ckpt_time if ckpt_time else None,
+        metrics=reported or None,
     )
 
 

@@ -2,8 +2,10 @@
 
 Pure: the job, its uid and the operator's settings in; ConfigMap, Secret,
 Services, PVCs, Pods and (DDP) a StatefulSet out, each owned by the job so
-deleting the job garbage-collects them. The replicas, commands and environment
-come from `plan.plan_replicas`, the same plan the local backend executes.
+deleting the job garbage-collects them (checkpoint claims too, unless
+`checkpoint.storage.whenDeleted` is Retain). The replicas, commands and
+environment come from `plan.plan_replicas`, the same plan the local backend
+executes; `spec.podTemplate` is merged over each pod.
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ from typing import Any
 from kubetrain_trainer.ddp.launch import RDZV_PORT  # standard library only
 
 from ..api import API_VERSION, KIND, TrainingJob, dump_manifest
+from ..api.podtemplate import (
+    CONFIG_MOUNT,
+    CONFIG_VOLUME,
+    CONTAINER,
+    DATA_MOUNT,
+    DATA_VOLUME,
+    TMP_MOUNT,
+    TMP_VOLUME,
+)
 from .plan import GRPC_PORT, Replica, plan_replicas
 
 LABEL_JOB = "kubetrain.dev/job-name"
@@ -22,10 +33,7 @@ LABEL_ROLE = "kubetrain.dev/role"
 LABEL_REPLICA = "kubetrain.dev/replica"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
 MANAGER = "kubetrain"
-CONFIG_MOUNT = "/etc/kubetrain"
-DATA_MOUNT = "/kubetrain/data"
 TOKEN_KEY = "token"
-CONTAINER = "trainer"
 RUN_AS_USER = 1000
 TERMINATION_LOG = "/dev/termination-log"
 
@@ -69,6 +77,9 @@ class ClusterEndpoints:
     def local_addr(self) -> str | None:
         return None
 
+    def code_dir(self) -> str | None:
+        return None  # the container's working directory: the image's, or spec.script.workingDir
+
 
 def config_name(job: TrainingJob) -> str:
     return f"{job.name}-config"
@@ -97,13 +108,17 @@ def owner_reference(job: TrainingJob, uid: str) -> dict[str, Any]:
     }
 
 
-def _meta(job: TrainingJob, uid: str, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    return {
+def _meta(
+    job: TrainingJob, uid: str, name: str, labels: dict[str, str] | None = None, owned: bool = True
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
         "name": name,
         "namespace": job.metadata.namespace,
         "labels": {LABEL_JOB: job.name, LABEL_MANAGED: MANAGER, **(labels or {})},
-        "ownerReferences": [owner_reference(job, uid)],
     }
+    if owned:
+        meta["ownerReferences"] = [owner_reference(job, uid)]
+    return meta
 
 
 def config_map(job: TrainingJob, uid: str) -> dict[str, Any]:
@@ -179,15 +194,24 @@ def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     One ReadWriteOnce volume per shard works on any default StorageClass;
     workers keep nothing (their cursors live in ps-0's checkpoints). DDP's
     volumes come from the StatefulSet's claim template.
+
+    With `whenDeleted: Retain` a claim has no owner, so the garbage collector
+    leaves it when the job is deleted; its labels stay, so `kubectl get pvc -l
+    kubetrain.dev/job-name=<job>` finds it. A job created again under the same
+    name asks for the same claim names, gets 409 Conflict, and mounts the kept
+    claims (kube.create): they hold that job name's checkpoints, and training
+    resumes from them. They stay unowned, even if the new job says Delete.
     """
-    if job.spec.checkpoint.storage.existing_claim or job.spec.mode == "DDP":
+    storage = job.spec.checkpoint.storage
+    if storage.existing_claim or job.spec.mode == "DDP":
         return []
     replicas = ["single-0"] if job.spec.mode == "Single" else [f"ps-{i}" for i in range(job.spec.parameter_server.replicas)]
+    owned = storage.when_deleted == "Delete"
     return [
         {
             "apiVersion": "v1",
             "kind": "PersistentVolumeClaim",
-            "metadata": _meta(job, uid, claim_name(job, r), {LABEL_REPLICA: r}),
+            "metadata": _meta(job, uid, claim_name(job, r), {LABEL_REPLICA: r}, owned=owned),
             "spec": _claim_spec(job),
         }
         for r in replicas
@@ -207,7 +231,7 @@ def _security_context() -> dict[str, Any]:
 def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[str, Any]:
     env = [{"name": k, "value": v} for k, v in replica.env.items()]
     env.append({"name": "KUBETRAIN_JOB_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
-    env.append({"name": "HOME", "value": "/tmp"})
+    env.append({"name": "HOME", "value": TMP_MOUNT})
     env.append({"name": "KUBETRAIN_TERMINATION_LOG", "value": TERMINATION_LOG})
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
     role_resources = job.spec.resources.ps if replica.role == "ps" else job.spec.resources.worker
@@ -219,9 +243,9 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
         "env": env,
         "ports": ports,
         "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-            {"name": "data", "mountPath": DATA_MOUNT},
-            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": DATA_VOLUME, "mountPath": DATA_MOUNT},
+            {"name": TMP_VOLUME, "mountPath": TMP_MOUNT},
         ],
         "securityContext": _security_context(),
         # The trainer writes its final results there; the operator reads them back
@@ -231,13 +255,16 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
     }
     if role_resources:
         container["resources"] = copy.deepcopy(role_resources)
+    script = job.spec.script
+    if script is not None and script.working_dir:
+        container["workingDir"] = script.working_dir
     return container
 
 
 def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volume: dict[str, Any] | None) -> dict[str, Any]:
     volumes = [
-        {"name": "config", "configMap": {"name": config_name(job)}},
-        {"name": "tmp", "emptyDir": {}},
+        {"name": CONFIG_VOLUME, "configMap": {"name": config_name(job)}},
+        {"name": TMP_VOLUME, "emptyDir": {}},
     ]
     if data_volume is not None:
         volumes.insert(1, data_volume)
@@ -254,17 +281,31 @@ def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volum
 def _data_volume(job: TrainingJob, replica: Replica) -> dict[str, Any]:
     storage = job.spec.checkpoint.storage
     if not replica.stateful:
-        return {"name": "data", "emptyDir": {}}
+        return {"name": DATA_VOLUME, "emptyDir": {}}
     if storage.existing_claim:
-        return {"name": "data", "persistentVolumeClaim": {"claimName": storage.existing_claim}}
-    return {"name": "data", "persistentVolumeClaim": {"claimName": claim_name(job, replica.name)}}
+        return {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": storage.existing_claim}}
+    return {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": claim_name(job, replica.name)}}
+
+
+# Lists of the pod spec that merge item by item, and the key that names an item:
+# a template's item with a new key is appended, one with the key of an item
+# kubetrain put there replaces it (the validator refuses kubetrain's own names,
+# see api/podtemplate.py, so that happens only to a caller of this function
+# that skipped validation). Replacing a list whole would drop kubetrain's own
+# items: a template's `volumes: [dataset]` used to remove `config`, `data` and
+# `tmp`, and the API server refused the pod (its mounts named volumes that were
+# gone); a template's `volumeMounts` unmounted the checkpoints. volumeMounts are
+# keyed by mountPath, as in Kubernetes' strategic merge patch: one volume may be
+# mounted at several paths (subPath), never two volumes at one path.
+MERGE_KEYS = {"volumes": "name", "env": "name", "ports": "name", "volumeMounts": "mountPath"}
 
 
 def merge_pod_template(pod: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
     """`spec.podTemplate` over a pod: metadata labels/annotations and spec fields.
 
     Dicts merge recursively; `containers` merge by name (the trainer container is
-    `trainer`), and their `env` by variable name; other lists are replaced.
+    `trainer`; a container without a name is the trainer), the lists of MERGE_KEYS
+    item by item; other lists (initContainers, tolerations, ...) are replaced.
     """
     pod = copy.deepcopy(pod)
     meta = template.get("metadata", {})
@@ -285,17 +326,25 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> None:
                     base.setdefault("containers", []).append(copy.deepcopy(c))
                 else:
                     _merge(target, c)
-        elif key == "env" and isinstance(value, list):
-            names = {e["name"]: i for i, e in enumerate(base.get("env", []))}
-            for e in value:
-                if e.get("name") in names:
-                    base["env"][names[e["name"]]] = copy.deepcopy(e)
-                else:
-                    base.setdefault("env", []).append(copy.deepcopy(e))
+        elif key in MERGE_KEYS and isinstance(value, list) and isinstance(base.get(key, []), list):
+            _merge_keyed(base.setdefault(key, []), value, MERGE_KEYS[key])
         elif isinstance(value, dict) and isinstance(base.get(key), dict):
             _merge(base[key], value)
         else:
             base[key] = copy.deepcopy(value)
+
+
+def _merge_keyed(base: list[Any], over: list[Any], key: str) -> None:
+    # Only kubetrain's items are looked up: two template items with one key both
+    # go through, and the API server reports the duplicate rather than this
+    # merge silently keeping one.
+    index = {item[key]: i for i, item in enumerate(base) if isinstance(item, dict) and item.get(key) is not None}
+    for item in over:
+        k = item.get(key) if isinstance(item, dict) else None
+        if k is not None and k in index:
+            base[index[k]] = copy.deepcopy(item)
+        else:
+            base.append(copy.deepcopy(item))
 
 
 def pod(job: TrainingJob, uid: str, replica: Replica, settings: Settings) -> dict[str, Any]:
@@ -324,7 +373,11 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     del command[i : i + 2]
     env = {k: v for k, v in first.env.items() if k != "KUBETRAIN_REPLICA"}
     template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
-    pod_spec = _pod_spec(job, template_replica, settings, None)
+    storage = job.spec.checkpoint.storage
+    # Without existingClaim the StatefulSet adds each pod's `data` volume from
+    # its claim template; with one, every node mounts that claim.
+    shared = {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": storage.existing_claim}}
+    pod_spec = _pod_spec(job, template_replica, settings, shared if storage.existing_claim else None)
     pod_spec["restartPolicy"] = "Always"  # the only policy a StatefulSet allows; the operator counts restarts
     container = pod_spec["containers"][0]
     container["env"][:0] = [
@@ -332,7 +385,6 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
         {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     container["env"].append({"name": "KUBETRAIN_REPLICA", "value": "ddp-$(KUBETRAIN_NODE_RANK)"})
-    storage = job.spec.checkpoint.storage
     labels = {LABEL_JOB: job.name, LABEL_ROLE: "ddp", LABEL_MANAGED: MANAGER}
     template = merge_pod_template(
         {
@@ -354,14 +406,15 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": {LABEL_JOB: job.name, LABEL_ROLE: "ddp"}},
             "template": template,
-            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
+            # whenDeleted Retain: the StatefulSet controller gives the claims no
+            # owner, so they outlive the job, and a job created again under the
+            # same name (same StatefulSet, same claim names) mounts them again.
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": storage.when_deleted, "whenScaled": "Retain"},
         },
     }
-    if storage.existing_claim:
-        template["spec"]["volumes"].insert(1, {"name": "data", "persistentVolumeClaim": {"claimName": storage.existing_claim}})
-    else:
+    if not storage.existing_claim:
         sts["spec"]["volumeClaimTemplates"] = [
-            {"metadata": {"name": "data", "labels": {LABEL_JOB: job.name}}, "spec": _claim_spec(job)}
+            {"metadata": {"name": DATA_VOLUME, "labels": {LABEL_JOB: job.name}}, "spec": _claim_spec(job)}
         ]
     return sts
 

@@ -44,6 +44,10 @@ class Endpoints(Protocol):
     def local_addr(self) -> str | None:
         """Address a DDP node's agent advertises (None: the host's name)."""
 
+    def code_dir(self) -> str | None:
+        """Where user code (a script, entry points) is found: locally the manifest's directory;
+        None in a cluster, where it is the container's working directory."""
+
 
 @dataclass(frozen=True)
 class Replica:
@@ -103,6 +107,9 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             # the standard library's `operator`.
             "PYTHONSAFEPATH": "1",
         }
+        code_dir = endpoints.code_dir()
+        if code_dir is not None:
+            env["KUBETRAIN_CODE_DIR"] = code_dir
         if spec.mode == "ParameterServer":
             env["KUBETRAIN_PS_ADDRS"] = ps_addrs
         if role == "ps":
@@ -112,14 +119,20 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             assert spec.ddp is not None
             rdzv_id = f"{job.metadata.namespace}-{job.name}"
             command = tuple(
-                torchrun_command(spec, index, endpoints.rendezvous(), rdzv_id, python=PYTHON, local_addr=endpoints.local_addr())
+                torchrun_command(spec, index, endpoints.rendezvous(), rdzv_id, python=PYTHON,
+                                 local_addr=endpoints.local_addr(), role=entry_role(job, role))
             )
             if index == 0:
                 ports["rendezvous"] = int(endpoints.rendezvous().rsplit(":", 1)[1])
         else:
-            command = (PYTHON, "-m", TRAINER_MODULE, role)
+            command = (PYTHON, "-m", TRAINER_MODULE, entry_role(job, role))
         replicas.append(Replica(role=role, index=index, command=command, env=env, ports=ports))
     return replicas
+
+
+def entry_role(job: TrainingJob, role: str) -> str:
+    """What `python -m kubetrain_trainer` runs for a replica: its role, or `script` for the user's command."""
+    return "script" if job.spec.script is not None else role
 
 
 def chief(job: TrainingJob) -> str:

@@ -54,6 +54,7 @@ class Progress:
     samples_per_second: float | None = None
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None  # unix seconds
+    metrics: Mapping[str, float] | None = None  # what a script reported by name (kubetrain.report)
 
 
 @dataclass
@@ -138,6 +139,7 @@ def reconcile(
                 "loss": progress.loss,
                 "evalAccuracy": progress.eval_accuracy,
                 "samplesPerSecond": progress.samples_per_second,
+                "metrics": dict(progress.metrics) if progress.metrics else None,
                 "updateTime": iso(now),
             }.items()
             if v is not None

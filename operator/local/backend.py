@@ -53,6 +53,7 @@ class LocalEndpoints:
     run: RunDir
     ports: dict[str, int]
     metrics_enabled: bool
+    code: Path | None = None
 
     def ps_address(self, index: int) -> str:
         return f"127.0.0.1:{self.ps_port(index)}"
@@ -80,13 +81,16 @@ class LocalEndpoints:
     def local_addr(self) -> str | None:
         return "127.0.0.1"  # every byte stays on loopback
 
+    def code_dir(self) -> str | None:
+        return str(self.code) if self.code is not None else None
 
-def local_endpoints(job: TrainingJob, run: RunDir) -> LocalEndpoints:
+
+def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None) -> LocalEndpoints:
     from ..core.plan import replica_names
 
     names = [f"{r}-{i}" for r, i in replica_names(job)]
     keys = [f"{n}/metrics" for n in names] + [f"{n}/grpc" for n in names if n.startswith("ps-")] + ["rendezvous"]
-    return LocalEndpoints(run, dict(zip(keys, free_ports(len(keys)))), job.spec.metrics.port != 0)
+    return LocalEndpoints(run, dict(zip(keys, free_ports(len(keys)))), job.spec.metrics.port != 0, code_dir)
 
 
 @dataclass
@@ -131,13 +135,16 @@ class LocalBackend:
         out: TextIO = sys.stderr,
         echo_logs: bool = True,
         python: str = sys.executable,
+        code_dir: Path | None = None,
     ):
+        """`code_dir`: where the job's own code lives (a script, entry points): the manifest's directory."""
         self.job = job
         self.run = run
         self.faults = dict(faults or {})
         self.out = out
         self.echo_logs = echo_logs
         self.python = python
+        self.code_dir = code_dir
         self.procs: dict[str, Proc] = {}
         self.progress = JobProgress()
         self.tails: dict[str, JsonlTail] = {}
@@ -169,7 +176,7 @@ class LocalBackend:
         self.state.state = "Running"
         self.state.restart_log = self.state.restart_log or []
         self.run.save_state(self.state)
-        endpoints = local_endpoints(self.job, self.run)
+        endpoints = local_endpoints(self.job, self.run, self.code_dir)
         for replica in plan_replicas(self.job, endpoints):
             self.procs[replica.name] = Proc(replica)
             self.tails[replica.name] = JsonlTail(self.run.metrics_file(replica.name))

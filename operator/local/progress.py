@@ -51,6 +51,7 @@ class JobProgress:
     eval_accuracy: float | None = None
     checkpoint_step: int | None = None
     samples_per_second: dict[str, float] = field(default_factory=dict)
+    steps_per_second: float | None = None  # a script's, when it reports no samples
     last_step_time: float = field(default_factory=time.monotonic)
 
     def fold(self, replica: str, event: dict[str, Any]) -> None:
@@ -66,6 +67,8 @@ class JobProgress:
                 self.loss = float(event["loss"])
             if event.get("samples_per_second") is not None:
                 self.samples_per_second[replica] = float(event["samples_per_second"])
+            if event.get("steps_per_second") is not None:
+                self.steps_per_second = float(event["steps_per_second"])
         elif kind == "eval" and event.get("eval_accuracy") is not None:
             self.eval_accuracy = float(event["eval_accuracy"])
         elif kind == "checkpoint" and event.get("step") is not None:
@@ -109,7 +112,9 @@ class ProgressDisplay:
         rate = done / elapsed if elapsed > 0 and done > 0 else None
         eta = (total - p.step) / rate if (total and rate) else None
         loss = f"{p.loss:.4f}" if p.loss is not None else "-"
-        parts = [f"step {p.step}/{total if total else '?'}", f"loss {loss}", f"{p.throughput:,.0f} samples/s", f"ETA {_eta(eta)}"]
+        speed = (f"{p.steps_per_second:,.1f} steps/s" if not p.throughput and p.steps_per_second
+                 else f"{p.throughput:,.0f} samples/s")
+        parts = [f"step {p.step}/{total if total else '?'}", f"loss {loss}", speed, f"ETA {_eta(eta)}"]
         if p.eval_accuracy is not None:
             parts.insert(2, f"acc {p.eval_accuracy:.3f}")
         if self.tty and total:

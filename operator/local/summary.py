@@ -46,6 +46,8 @@ def build_summary(
         "bytes_received": sum(r.get("bytes_received", 0) or 0 for r in results.values()),
         "compression_ratio": round(raw / compressed, 4) if compressed else 1.0,
     }
+    if head.get("metrics"):
+        summary["metrics"] = head["metrics"]  # what a script reported beyond loss and eval figures
     if state != "Succeeded":
         summary["reason"] = reason
         summary["message"] = message

@@ -62,6 +62,8 @@ def variants(job: TrainingJob, modes: list[str], compression: list[str] | None) 
     bad = [c for c in compression or [] if c not in PS_COMPRESSION]
     if bad:
         raise ValueError(f"--compression: expected names from {', '.join(PS_COMPRESSION)}, got {', '.join(bad)}")
+    if job.spec.script is not None:
+        raise ValueError(f"{job.name}: a script job trains its own way; compare runs variants of the built-in loop only")
     base = to_manifest(job)
     global_batch = job.spec.training.batch_size * job.spec.world_size
     out: list[TrainingJob] = []

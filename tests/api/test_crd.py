@@ -1,5 +1,6 @@
 """The CRD is generated from the API model; the committed copies must not drift."""
 
+import json
 from pathlib import Path
 
 from kubetrain_operator.api import crd, schema
@@ -51,3 +52,44 @@ def test_reference_docs_are_generated_from_the_api_model():
 
 def test_chart_crd_is_the_generated_crd():
     assert (ROOT / "charts/kubetrain/crds/trainingjobs.yaml").read_text() == crd.render()
+
+
+def _pod_template_schema():
+    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return spec["properties"]["podTemplate"]
+
+
+def _nodes(node, path="podTemplate"):
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from _nodes(child, f"{path}.{name}")
+    if "items" in node:
+        yield from _nodes(node["items"], f"{path}[]")
+
+
+def test_pod_template_keeps_every_unknown_field_and_bounds_every_list():
+    # Declared only for the CEL rules: nothing a user writes may be pruned, and
+    # the API server refuses a rule over a list without maxItems.
+    for path, node in _nodes(_pod_template_schema()):
+        if node["type"] == "object":
+            assert node.get("x-kubernetes-preserve-unknown-fields") is True, path
+        if node["type"] == "array":
+            assert isinstance(node.get("maxItems"), int), path
+
+
+def test_pod_template_cel_rules_speak_the_validator_messages():
+    from kubetrain_operator.api import podtemplate
+
+    pt = _pod_template_schema()["properties"]["spec"]["properties"]
+    volume_rules = pt["volumes"]["items"]["properties"]["name"]["x-kubernetes-validations"]
+    assert [r["message"] for r in volume_rules] == [podtemplate.volume_message(n) for n in podtemplate.VOLUMES]
+    container_rules = pt["containers"]["items"]["x-kubernetes-validations"]
+    messages = {r.get("message") for r in container_rules}
+    expected = ({podtemplate.mount_name_message(n) for n in podtemplate.VOLUMES}
+                | {podtemplate.mount_path_message(p) for p in podtemplate.MOUNTS}
+                | {podtemplate.port_message(n) for n in podtemplate.PORTS})
+    assert expected <= messages
+    # The env rule builds env_message(name) in CEL, around the offending name.
+    (env_rule,) = [r for r in container_rules if r["fieldPath"] == ".env"]
+    assert env_rule["messageExpression"].endswith(json.dumps("' " + podtemplate.ENV_REASON))
+    assert podtemplate.env_message("X") == "'X' " + podtemplate.ENV_REASON

@@ -83,6 +83,56 @@ CASES = [
 ]
 
 
+def with_pod(spec: dict, mode: str = "Single") -> dict:
+    return with_spec(mode, podTemplate={"spec": spec})
+
+
+def with_trainer(name: str | None = "trainer", **container) -> dict:
+    """A podTemplate whose first container is the trainer (or, without a name, merges into it)."""
+    return with_pod({"containers": [{**({"name": name} if name else {}), **container}]})
+
+
+PT = "spec.podTemplate.spec"
+# spec.podTemplate may not take kubetrain's own names (api/podtemplate.py); the CRD's CEL says the same.
+CASES += [
+    Case("podTemplate volume data", with_pod({"volumes": [{"name": "data", "emptyDir": {}}]}), f"{PT}.volumes[0].name",
+         "'data' is kubetrain's own volume (the checkpoint volume); choose another name"),
+    Case("podTemplate volume config", with_pod({"volumes": [{"name": "ok", "emptyDir": {}}, {"name": "config", "emptyDir": {}}]}),
+         f"{PT}.volumes[1].name", "'config' is kubetrain's own volume"),
+    Case("podTemplate volume tmp in DDP", with_pod({"volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory"}}]}, "DDP"),
+         f"{PT}.volumes[0].name", "'tmp' is kubetrain's own volume"),
+    Case("trainer mount name", with_trainer(volumeMounts=[{"name": "data", "mountPath": "/ckpt"}]),
+         f"{PT}.containers[0].volumeMounts[0].name", "'data' is kubetrain's own volume (the checkpoint volume), which it mounts at /kubetrain/data"),
+    Case("trainer mount path", with_trainer(volumeMounts=[{"name": "scratch", "mountPath": "/kubetrain/data"}]),
+         f"{PT}.containers[0].volumeMounts[0].mountPath", "'/kubetrain/data' is where kubetrain mounts its own volume 'data'"),
+    Case("trainer mount path with slash", with_trainer(volumeMounts=[{"name": "scratch", "mountPath": "/tmp/"}]),
+         f"{PT}.containers[0].volumeMounts[0].mountPath", "'/tmp' is where kubetrain mounts its own volume 'tmp'"),
+    Case("trainer mount config path", with_trainer(volumeMounts=[{"name": "cfg", "mountPath": "/etc/kubetrain"}]),
+         f"{PT}.containers[0].volumeMounts[0].mountPath", "choose another mountPath"),
+    Case("trainer env prefix", with_trainer(env=[{"name": "OK", "value": "1"}, {"name": "KUBETRAIN_RUN_DIR", "value": "/x"}]),
+         f"{PT}.containers[0].env[1].name", "'KUBETRAIN_RUN_DIR' is set by kubetrain in the trainer container"),
+    Case("trainer env HOME", with_trainer(env=[{"name": "HOME", "value": "/home/me"}]),
+         f"{PT}.containers[0].env[0].name", "'HOME' is set by kubetrain"),
+    Case("trainer env PYTHONSAFEPATH", with_trainer(env=[{"name": "PYTHONSAFEPATH", "value": ""}]),
+         f"{PT}.containers[0].env[0].name", "'PYTHONSAFEPATH' is set by kubetrain"),
+    Case("nameless container is the trainer", with_trainer(None, env=[{"name": "PYTHONUNBUFFERED", "value": "0"}]),
+         f"{PT}.containers[0].env[0].name", "'PYTHONUNBUFFERED' is set by kubetrain"),
+    Case("trainer second in the list", with_pod({"containers": [{"name": "side"}, {"name": "trainer", "env": [{"name": "KUBETRAIN_X"}]}]}),
+         f"{PT}.containers[1].env[0].name", "'KUBETRAIN_X' is set by kubetrain"),
+    Case("trainer port metrics", with_trainer(ports=[{"name": "metrics", "containerPort": 8000}]),
+         f"{PT}.containers[0].ports[0].name", "'metrics' is the name of kubetrain's own port"),
+    Case("trainer port grpc", with_trainer(ports=[{"name": "grpc", "containerPort": 8000}]),
+         f"{PT}.containers[0].ports[0].name", "'grpc' is the name of kubetrain's own port"),
+    Case("trainer port rendezvous", with_trainer(ports=[{"name": "rendezvous", "containerPort": 8000}]),
+         f"{PT}.containers[0].ports[0].name", "'rendezvous' is the name of kubetrain's own port"),
+    Case("podTemplate volumes not a list", with_pod({"volumes": {"name": "x"}}), f"{PT}.volumes", "must be a list, got object"),
+    Case("podTemplate spec not an object", with_spec(podTemplate={"spec": ["x"]}), PT, "must be an object, got list"),
+    Case("podTemplate too many volumes", with_pod({"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(257)]}),
+         f"{PT}.volumes", "at most 256 items, got 257"),
+    Case("podTemplate env name not a string", with_trainer(env=[{"name": 5}]), f"{PT}.containers[0].env[0].name", "must be a string"),
+]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_invalid_manifest_is_rejected_with_its_field_path(case, tmp_path, capsys):
     path = tmp_path / "job.yaml"
@@ -133,3 +183,34 @@ def test_defaults_are_filled():
     assert job.spec.training.epochs == 10
     assert job.spec.ddp is None
     assert from_object(with_spec(mode="DDP")).spec.ddp.nodes == 2
+
+
+def test_a_pod_template_may_add_volumes_init_containers_and_sidecars(tmp_path, capsys):
+    """Only the trainer's mounts, variables and ports can collide; a sidecar and an init container use any names."""
+    doc = with_pod({
+        "initContainers": [{"name": "fetch", "image": "busybox", "env": [{"name": "HOME", "value": "/x"}],
+                            "volumeMounts": [{"name": "dataset", "mountPath": "/tmp"}]}],
+        "volumes": [{"name": "dataset", "emptyDir": {}}],
+        "containers": [
+            {"name": "trainer", "env": [{"name": "DATASET_DIR", "value": "/dataset"}],
+             "volumeMounts": [{"name": "dataset", "mountPath": "/dataset"}, {"name": "dataset", "mountPath": "/tmp/cache"}],
+             "ports": [{"name": "profiler", "containerPort": 6006}, {"containerPort": 7000}]},
+            {"name": "uploader", "env": [{"name": "KUBETRAIN_JOB_NAME", "value": "x"}],
+             "volumeMounts": [{"name": "data", "mountPath": "/kubetrain/data", "readOnly": True}],
+             "ports": [{"name": "metrics", "containerPort": 9100}]},
+        ],
+    })
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_every_pod_template_collision_is_reported_at_once(tmp_path, capsys):
+    doc = with_pod({"volumes": [{"name": "data"}, {"name": "tmp"}],
+                    "containers": [{"name": "trainer", "env": [{"name": "HOME"}], "ports": [{"name": "grpc"}]}]})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(path)]) == 2
+    paths = {line.split(": ")[1] for line in capsys.readouterr().err.splitlines()}
+    assert paths == {f"{PT}.volumes[0].name", f"{PT}.volumes[1].name", f"{PT}.containers[0].env[0].name",
+                     f"{PT}.containers[0].ports[0].name"}

@@ -9,6 +9,7 @@ import uuid
 import pytest
 import yaml
 
+from kubetrain_operator.api import podtemplate
 from support import EXAMPLES, ROOT
 
 pytestmark = pytest.mark.cluster
@@ -40,15 +41,33 @@ def test_every_example_is_accepted_by_the_api_server(cluster, ns, example):
 
 def test_the_api_server_fills_the_defaults(cluster, ns):
     doc = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "defaults"},
-           "spec": {"mode": "ParameterServer", "parameterServer": {}}}
+           "spec": {"mode": "ParameterServer", "parameterServer": {}, "training": {}}}
     done = apply(cluster, ns, doc)
     assert done.returncode == 0, done.stderr
     spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", "defaults", "-o", "json"))["spec"]
     assert spec["parameterServer"]["workers"] == 2
     assert spec["parameterServer"]["compression"]["algorithm"] == "None"
-    assert spec["training"]["optimizer"]["learningRate"] == 0.05
-    assert spec["model"] == {"name": "mlp"}
+    assert spec["training"]["optimizer"]["learningRate"] == 0.05  # a block that is there gets its defaults
     assert spec["checkpoint"]["storage"]["accessMode"] == "ReadWriteOnce"
+    # model, dataset and training belong to the built-in loops: the API server leaves an
+    # absent one absent (a script job must be able to leave them out); kubetrain fills them.
+    assert "model" not in spec and "dataset" not in spec
+
+
+def test_a_script_job_is_accepted_and_refused_with_the_validators_messages(cluster, ns):
+    script = {"command": ["python", "train.py"], "args": ["--steps", "5"]}
+    ok = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "script"},
+          "spec": {"mode": "DDP", "script": script}}
+    done = apply(cluster, ns, ok)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", "script", "-o", "json"))["spec"]
+    assert spec["script"] == {**script, "workingDir": ""} and "model" not in spec
+    for extra, words in ((dict(model={"name": "cnn"}), "model, dataset, training do not apply when script is set"),
+                         (dict(mode="ParameterServer"), "script jobs run in mode Single or DDP"),
+                         (dict(script={"command": []}), "spec.script.command")):
+        bad = {**ok, "metadata": {"name": "script-bad"}, "spec": {**ok["spec"], **extra}}
+        done = apply(cluster, ns, bad)
+        assert done.returncode != 0 and words in done.stderr, done.stderr
 
 
 def base(**spec):
@@ -82,6 +101,76 @@ def test_invalid_manifests_are_rejected_by_the_api_server(cluster, ns, name, doc
     done = apply(cluster, ns, doc, dry_run=True)
     assert done.returncode != 0, f"{name}: accepted"
     assert words in done.stderr, done.stderr
+
+
+def pod_template(spec: dict) -> dict:
+    return base(podTemplate={"spec": spec})
+
+
+def trainer(name: str | None = "trainer", **container) -> dict:
+    return pod_template({"containers": [{**({"name": name} if name else {}), **container}]})
+
+
+PT = "spec.podTemplate.spec"
+# kubetrain's own names in spec.podTemplate, refused by the CRD's CEL with the
+# validator's messages (api/podtemplate.py); the API server's path stops at the
+# list for the rules on a container (a CEL fieldPath cannot name the item).
+COLLISIONS = [
+    ("volume data", pod_template({"volumes": [{"name": "data", "emptyDir": {}}]}),
+     f"{PT}.volumes[0].name", podtemplate.volume_message("data")),
+    ("volume tmp second", pod_template({"volumes": [{"name": "dataset", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]}),
+     f"{PT}.volumes[1].name", podtemplate.volume_message("tmp")),
+    ("env KUBETRAIN_", trainer(env=[{"name": "OK", "value": "1"}, {"name": "KUBETRAIN_RUN_DIR", "value": "/x"}]),
+     f"{PT}.containers[0].env", podtemplate.env_message("KUBETRAIN_RUN_DIR")),
+    ("env HOME in a nameless container", trainer(None, env=[{"name": "HOME", "value": "/home/me"}]),
+     f"{PT}.containers[0].env", podtemplate.env_message("HOME")),
+    ("mount name", trainer(volumeMounts=[{"name": "data", "mountPath": "/ckpt"}]),
+     f"{PT}.containers[0].volumeMounts", podtemplate.mount_name_message("data")),
+    ("mount path", trainer(volumeMounts=[{"name": "scratch", "mountPath": "/tmp/"}]),
+     f"{PT}.containers[0].volumeMounts", podtemplate.mount_path_message("/tmp")),
+    ("port", trainer(ports=[{"name": "metrics", "containerPort": 8000}]),
+     f"{PT}.containers[0].ports", podtemplate.port_message("metrics")),
+    ("too many volumes", pod_template({"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(podtemplate.MAX_VOLUMES + 1)]}),
+     f"{PT}.volumes", "Too many"),
+]
+
+
+@pytest.mark.parametrize("name, doc, path, message", COLLISIONS, ids=[c[0] for c in COLLISIONS])
+def test_kubetrains_own_names_in_the_pod_template_are_refused(cluster, ns, name, doc, path, message):
+    done = apply(cluster, ns, doc, dry_run=True)
+    assert done.returncode != 0, f"{name}: accepted"
+    assert path in done.stderr and message in done.stderr, done.stderr
+
+
+def test_a_pod_template_with_its_own_volumes_is_accepted_and_kept_whole(cluster, ns):
+    """A dataset volume filled by an init container, mounted by the trainer; a sidecar with any names.
+
+    Nothing the schema leaves undeclared is pruned: every field comes back as written.
+    """
+    template = {
+        "metadata": {"labels": {"team": "vision"}},
+        "spec": {
+            "nodeSelector": {"disk": "ssd"},
+            "initContainers": [{"name": "fetch", "image": "busybox:1.36", "command": ["sh", "-c", "echo > /dataset/x"],
+                                "volumeMounts": [{"name": "dataset", "mountPath": "/dataset"}]}],
+            "volumes": [{"name": "dataset", "emptyDir": {"sizeLimit": "1Gi"}}],
+            "containers": [
+                {"name": "trainer", "env": [{"name": "DATASET_DIR", "value": "/dataset"}],
+                 "volumeMounts": [{"name": "dataset", "mountPath": "/dataset", "readOnly": True}],
+                 "ports": [{"name": "profiler", "containerPort": 6006}]},
+                {"name": "uploader", "image": "busybox:1.36",
+                 "env": [{"name": "HOME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                 "volumeMounts": [{"name": "data", "mountPath": "/kubetrain/data", "readOnly": True}],
+                 "ports": [{"name": "metrics", "containerPort": 9100}]},
+            ],
+        },
+    }
+    doc = base(podTemplate=template)
+    doc["metadata"]["name"] = "own-volumes"
+    done = apply(cluster, ns, doc)
+    assert done.returncode == 0, done.stderr
+    stored = json.loads(cluster.kubectl("-n", ns, "get", "tj", "own-volumes", "-o", "json"))["spec"]["podTemplate"]
+    assert stored == template
 
 
 def test_immutable_mode(cluster, ns):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_operator.api import from_object, load_one
+from kubetrain_operator.api import from_object, load_one, podtemplate
 from kubetrain_operator.core.children import ClusterEndpoints, children, merge_pod_template
 from kubetrain_operator.core.plan import plan_replicas
 from kubetrain_operator.local.backend import local_endpoints
@@ -122,3 +122,153 @@ def test_local_backend_and_operator_plan_the_same_replicas(example, tmp_path):
     cluster = plan_replicas(j, ClusterEndpoints(j))
     assert _normalised(local) == _normalised(cluster)
     assert [r.name for r in local]
+
+
+# --- spec.podTemplate: lists merge with kubetrain's by name ---------------------------
+
+DATASET_TEMPLATE = {
+    "spec": {
+        "initContainers": [{"name": "fetch", "image": "busybox", "command": ["sh", "-c", "cp -r /src/. /dataset"],
+                            "volumeMounts": [{"name": "dataset", "mountPath": "/dataset"}]}],
+        "volumes": [{"name": "dataset", "emptyDir": {}}],
+        "containers": [{"name": "trainer",
+                        "env": [{"name": "DATASET_DIR", "value": "/dataset"}],
+                        "ports": [{"name": "profiler", "containerPort": 6006}],
+                        "volumeMounts": [{"name": "dataset", "mountPath": "/dataset", "readOnly": True}]}],
+    }
+}
+
+
+def pod_spec_of(obj):
+    """The pod spec of a Pod, or of a StatefulSet's pod template."""
+    return obj["spec"]["template"]["spec"] if obj["kind"] == "StatefulSet" else obj["spec"]
+
+
+def trainer_of(obj):
+    return next(c for c in pod_spec_of(obj)["containers"] if c["name"] == "trainer")
+
+
+@pytest.mark.parametrize("mode, storage", [("Single", {}), ("DDP", {}), ("DDP", {"existingClaim": "shared", "accessMode": "ReadWriteMany"})],
+                         ids=["pod", "statefulset", "statefulset-existing-claim"])
+def test_pod_template_lists_merge_with_kubetrains_by_name(mode, storage):
+    plain = children(job(mode, checkpoint={"storage": storage}), "u", "t")[-1]
+    merged = children(job(mode, checkpoint={"storage": storage}, podTemplate=DATASET_TEMPLATE), "u", "t")[-1]
+    spec, trainer, before = pod_spec_of(merged), trainer_of(merged), trainer_of(plain)
+    # kubetrain's own items stay, in their order; the template's are appended.
+    assert spec["volumes"] == pod_spec_of(plain)["volumes"] + [{"name": "dataset", "emptyDir": {}}]
+    assert trainer["volumeMounts"] == before["volumeMounts"] + [{"name": "dataset", "mountPath": "/dataset", "readOnly": True}]
+    assert trainer["env"] == before["env"] + [{"name": "DATASET_DIR", "value": "/dataset"}]
+    assert trainer["ports"] == before["ports"] + [{"name": "profiler", "containerPort": 6006}]
+    # The init container that fills the user's volume comes whole.
+    assert spec["initContainers"] == DATASET_TEMPLATE["spec"]["initContainers"]
+    assert [c["name"] for c in spec["containers"]] == ["trainer"]
+
+
+def test_the_checkpoint_volume_survives_a_template_volume():
+    for mode, storage, source in [
+        ("Single", {}, {"persistentVolumeClaim": {"claimName": "j-ckpt-single-0"}}),
+        ("Single", {"existingClaim": "mine"}, {"persistentVolumeClaim": {"claimName": "mine"}}),
+        ("DDP", {"existingClaim": "shared", "accessMode": "ReadWriteMany"}, {"persistentVolumeClaim": {"claimName": "shared"}}),
+    ]:
+        obj = children(job(mode, checkpoint={"storage": storage}, podTemplate=DATASET_TEMPLATE), "u", "t")[-1]
+        volumes = {v["name"]: v for v in pod_spec_of(obj)["volumes"]}
+        assert volumes["data"] == {"name": "data", **source}, mode
+        assert {"config", "tmp", "dataset"} <= set(volumes)
+        mounts = {m["mountPath"]: m["name"] for m in trainer_of(obj)["volumeMounts"]}
+        assert mounts == {"/etc/kubetrain": "config", "/kubetrain/data": "data", "/tmp": "tmp", "/dataset": "dataset"}
+    # DDP without existingClaim: the claim template provides `data`, the pod spec does not name it twice.
+    sts = children(job("DDP", podTemplate=DATASET_TEMPLATE), "u", "t")[-1]
+    assert [v["name"] for v in pod_spec_of(sts)["volumes"]] == ["config", "tmp", "dataset"]
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def test_a_sidecar_is_appended_and_may_mount_kubetrains_volumes():
+    template = {"spec": {"containers": [{"name": "uploader", "image": "me/up:1",
+                                         "env": [{"name": "HOME", "value": "/home/up"}],
+                                         "volumeMounts": [{"name": "data", "mountPath": "/ckpt", "readOnly": True}]}]}}
+    j = job("Single", podTemplate=template)  # valid: only the trainer's names are kubetrain's
+    spec = children(j, "u", "t")[-1]["spec"]
+    assert [c["name"] for c in spec["containers"]] == ["trainer", "uploader"]
+    assert spec["containers"][1] == template["spec"]["containers"][0]
+
+
+def test_one_volume_mounted_at_two_paths_keeps_both_mounts():
+    # volumeMounts merge by mountPath (as Kubernetes' strategic merge patch does):
+    # two subPath mounts of one volume are two mounts.
+    template = {"spec": {"volumes": [{"name": "shared", "emptyDir": {}}],
+                         "containers": [{"name": "trainer", "volumeMounts": [
+                             {"name": "shared", "mountPath": "/in", "subPath": "in"},
+                             {"name": "shared", "mountPath": "/out", "subPath": "out"}]}]}}
+    mounts = children(job("Single", podTemplate=template), "u", "t")[-1]["spec"]["containers"][0]["volumeMounts"]
+    assert [m["mountPath"] for m in mounts] == ["/etc/kubetrain", "/kubetrain/data", "/tmp", "/in", "/out"]
+
+
+@pytest.mark.parametrize("key, base_item, over_item", [
+    ("volumes", {"name": "v", "emptyDir": {}}, {"name": "v", "hostPath": {"path": "/x"}}),
+    ("env", {"name": "A", "value": "1"}, {"name": "A", "value": "2"}),
+    ("ports", {"name": "p", "containerPort": 1}, {"name": "p", "containerPort": 2}),
+    ("volumeMounts", {"name": "v", "mountPath": "/m"}, {"name": "w", "mountPath": "/m"}),
+])
+def test_a_template_item_with_the_key_of_an_existing_item_replaces_it(key, base_item, over_item):
+    # Unvalidated input only: the validator refuses kubetrain's own names.
+    where = "spec" if key == "volumes" else "container"
+    pod = {"metadata": {}, "spec": {"containers": [{"name": "trainer"}]}}
+    target = pod["spec"] if where == "spec" else pod["spec"]["containers"][0]
+    target[key] = [{"name": "keep", "mountPath": "/keep"} if key == "volumeMounts" else {"name": "keep"}, base_item]
+    over = {key: [over_item, {"name": "new", "mountPath": "/new"}]}
+    merged = merge_pod_template(pod, {"spec": over if where == "spec" else {"containers": [{"name": "trainer", **over}]}})
+    got = merged["spec"][key] if where == "spec" else merged["spec"]["containers"][0][key]
+    assert got == [target[key][0], over_item, {"name": "new", "mountPath": "/new"}]
+
+
+def test_other_pod_template_lists_are_replaced_whole():
+    base = {"metadata": {}, "spec": {"containers": [{"name": "trainer"}], "tolerations": [{"key": "a"}]}}
+    merged = merge_pod_template(base, {"spec": {"tolerations": [{"key": "b"}]}})
+    assert merged["spec"]["tolerations"] == [{"key": "b"}]
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_name_kubetrain_gives_a_pod_is_reserved(example):
+    """The plan's variables and ports (core/plan.py) must stay within what api/podtemplate.py refuses."""
+    j = load_one(example)
+    pods = [o for o in children(j, "u", "t") if o["kind"] in ("Pod", "StatefulSet")]
+    assert pods
+    for obj in pods:
+        spec, trainer = pod_spec_of(obj), trainer_of(obj)
+        assert {v["name"] for v in spec["volumes"]} <= set(podtemplate.VOLUMES)
+        for m in trainer["volumeMounts"]:
+            assert podtemplate.MOUNTS[m["mountPath"]] == m["name"]
+        for e in trainer["env"]:
+            assert podtemplate.reserved_env(e["name"]), f"{e['name']} is set by kubetrain but not reserved"
+        for p in trainer.get("ports", []):
+            assert p["name"] in podtemplate.PORTS, f"port {p['name']} is kubetrain's but not reserved"
+
+
+# --- checkpoint.storage.whenDeleted ----------------------------------------------------
+
+@pytest.mark.parametrize("mode, spec", [("Single", {}), ("ParameterServer", {"parameterServer": {"replicas": 2}})])
+def test_retained_claims_have_no_owner_and_keep_their_labels(mode, spec):
+    retained = [o for o in children(job(mode, checkpoint={"storage": {"whenDeleted": "Retain"}}, **spec), "u", "t")
+                if o["kind"] == "PersistentVolumeClaim"]
+    assert retained
+    for claim in retained:
+        assert "ownerReferences" not in claim["metadata"]
+        labels = claim["metadata"]["labels"]
+        assert labels["kubetrain.dev/job-name"] == "j" and labels["app.kubernetes.io/managed-by"] == "kubetrain"
+        assert labels["kubetrain.dev/replica"] == claim["metadata"]["name"].removeprefix("j-ckpt-")
+    # Everything else is still owned: only the checkpoints outlive the job.
+    others = [o for o in children(job(mode, checkpoint={"storage": {"whenDeleted": "Retain"}}, **spec), "u", "t")
+              if o["kind"] != "PersistentVolumeClaim"]
+    assert all(o["metadata"]["ownerReferences"][0]["uid"] == "u" for o in others)
+
+
+def test_claims_are_deleted_with_the_job_by_default():
+    claims = [o for o in children(job("Single"), "u", "t") if o["kind"] == "PersistentVolumeClaim"]
+    assert [c["metadata"]["ownerReferences"][0]["uid"] for c in claims] == ["u"]
+
+
+@pytest.mark.parametrize("when", ["Delete", "Retain"])
+def test_ddp_claim_retention_follows_when_deleted(when):
+    sts = children(job("DDP", checkpoint={"storage": {"whenDeleted": when}}), "u", "t")[-1]
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": when, "whenScaled": "Retain"}
+    assert sts["metadata"]["ownerReferences"][0]["uid"] == "u"

@@ -54,3 +54,26 @@ def test_unmeasured_gauges_are_nan_and_are_left_out_of_the_progress():
     assert progress is not None
     assert (progress.step, progress.total_steps, progress.loss) == (40, 230, 0.25)
     assert progress.eval_accuracy is None and progress.checkpoint_step is None
+
+
+def test_a_scripts_reported_values_come_by_name_and_stay_bounded():
+    from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
+
+    lines = ['kubetrain_training_step{job="j"} 12.0', 'kubetrain_loss{job="j"} +Inf']
+    lines += [f'kubetrain_reported_metric{{job="j",name="m{i}",replica="single-0"}} {i}.5'
+              for i in range(MAX_REPORTED_METRICS + 5)]
+    lines.append('kubetrain_reported_metric{job="j",name="not a name"} 1.0')
+    progress = progress_from(parse_metrics("\n".join(lines)))
+    assert progress is not None and progress.step == 12
+    assert progress.loss is None  # an infinity is no JSON number: not in the status
+    assert progress.metrics is not None and len(progress.metrics) == MAX_REPORTED_METRICS
+    assert progress.metrics["m0"] == 0.5 and progress.metrics["m3"] == 3.5
+    assert "not a name" not in progress.metrics
+
+
+def test_a_nan_or_infinite_reported_value_is_left_out():
+    text = "\n".join(['kubetrain_training_step{job="j"} 3.0',
+                      'kubetrain_reported_metric{job="j",name="acc"} 0.75',
+                      'kubetrain_reported_metric{job="j",name="bad"} NaN',
+                      'kubetrain_reported_metric{job="j",name="worse"} -Inf'])
+    assert progress_from(parse_metrics(text)).metrics == {"acc": 0.75}

@@ -282,3 +282,29 @@ def test_success_without_termination_messages_keeps_the_last_progress_read():
     old = {"state": "Running", "startTime": iso(T0), "progress": {"step": 200, "totalSteps": 230}}
     act = reconcile(job("Single"), "u", "t", pods, old, T0 + 1)
     assert act.status["state"] == "Succeeded" and act.status["progress"] == {"step": 200, "totalSteps": 230}
+
+
+def test_a_scripts_reported_values_become_status_progress_metrics():
+    j = job("Single", script={"command": ["python", "train.py"]})
+    status = {"state": "Running", "startTime": iso(T0)}
+    act = reconcile(j, "u", "t", running("single-0"), status, T0 + 10,
+                    Progress(step=7, total_steps=10, loss=0.5, metrics={"acc": 0.9, "lr": 0.01}))
+    assert act.status["progress"]["metrics"] == {"acc": 0.9, "lr": 0.01}
+    assert act.status["progress"]["loss"] == 0.5
+    act2 = reconcile(j, "u", "t", running("single-0"), act.status, T0 + 11, Progress(step=8))
+    assert "metrics" not in act2.status["progress"]
+
+
+def test_a_script_job_runs_the_script_role_in_every_replica():
+    from kubetrain_operator.core.children import children
+
+    single = children(job("Single", script={"command": ["python", "train.py"], "workingDir": "/workspace"}), "u", "t")
+    [pod] = [o for o in single if o["kind"] == "Pod"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "kubetrain_trainer", "script"]
+    assert container["workingDir"] == "/workspace"
+    ddp = children(job("DDP", script={"command": ["python", "train.py"]}), "u", "t")
+    [sts] = [o for o in ddp if o["kind"] == "StatefulSet"]
+    command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-3:] == ["-m", "kubetrain_trainer", "script"]
+    assert "workingDir" not in sts["spec"]["template"]["spec"]["containers"][0]  # the image's own

@@ -123,6 +123,18 @@ def test_entrypoint_dataset_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     sys.modules.pop("userdata", None)
 
 
+def test_regression_targets_load_as_float32_one_target_per_sample(tmp_path: Path) -> None:
+    path = tmp_path / "r.npz"
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    np.savez(path, x=x, y=x[:, 0] * 2.5)
+    data = load_data(Dataset(path=str(path), eval_fraction=0.2), seed=0, loss="mse")
+    assert data.num_classes is None and data.target_shape == (1,)  # a 1-D y is one value per sample
+    assert data.train_y.dtype == torch.float32 and data.train_y.shape == (8, 1)
+    assert torch.equal(data.train_y[:, 0], data.train_x[:, 0] * 2.5)  # the split keeps x and y together
+    np.savez(path, x=x, y=np.ones((10, 2, 3)))
+    assert load_data(Dataset(path=str(path)), seed=0, loss="l1").target_shape == (2, 3)
+
+
 @dataclass
 class BadInput:
     name: str
@@ -140,6 +152,9 @@ BAD_INPUTS = [
     BadInput("entrypoint not callable", {"entrypoint": "math:pi"}, LoadError, "'pi' is a float, not callable"),
     BadInput("entrypoint attribute missing", {"entrypoint": "math:nothing"}, LoadError, "has no attribute 'nothing'"),
     BadInput("unknown name", {"name": "imagenet"}, LoadError, "spec.dataset.name: unknown dataset 'imagenet'"),
+    BadInput("float labels for crossEntropy", {"path": "{tmp}/floats.npz"}, LoadError,
+             "spec.dataset.path: {tmp}/floats.npz: y holds float64 values, but spec.training.loss crossEntropy "
+             "needs integer class labels"),
     BadInput("unknown argument", {"name": "synthetic", "args": {"colour": 1}}, ConfigError,
              "spec.dataset.args: synthetic does not take these arguments"),
 ]
@@ -149,6 +164,7 @@ BAD_INPUTS = [
 def test_bad_dataset_input_names_the_field(case: BadInput, tmp_path: Path) -> None:
     np.savez(tmp_path / "no_y.npz", x=np.zeros((4, 2)))
     (tmp_path / "text.npz").write_text("not a zip")
+    np.savez(tmp_path / "floats.npz", x=np.zeros((4, 2)), y=np.linspace(0, 1, 4))
     fields = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in case.spec.items()}
     with pytest.raises(case.error) as err:
         load_data(Dataset(**fields), seed=0)

@@ -14,7 +14,7 @@ from kubetrain_trainer.errors import ConfigError
 from kubetrain_trainer.metrics import TrainerMetrics
 
 LABELS = {"namespace": "default", "job": "digits", "role": "worker", "replica": "worker-1"}
-ALLOWED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "le"}
+ALLOWED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "name", "le"}
 NAME = re.compile(r"kubetrain_[a-z][a-z0-9_]*")
 # Unit words that must appear as the suffix (before _total), never in the middle or in another form.
 UNIT_SUFFIXES = ("_seconds", "_bytes")
@@ -40,6 +40,8 @@ CONTRACT = {
     "kubetrain_training_step": "gauge",
     "kubetrain_total_steps": "gauge",
     "kubetrain_samples_per_second": "gauge",
+    "kubetrain_steps_per_second": "gauge",
+    "kubetrain_reported_metric": "gauge",
     "kubetrain_process_starts": "counter",
 }
 
@@ -53,6 +55,7 @@ def touched() -> TrainerMetrics:
     m.rpc_duration_seconds.labels(method="PushPull").observe(0.01)
     m.rpc_retries_total.labels(method="PushPull").inc()
     m.staleness_steps.observe(2)
+    m.reported_metric.labels(name="accuracy").set(0.5)
     return m
 
 

@@ -12,6 +12,7 @@ import torch
 from kubetrain_operator.api.spec import Model, Optimizer
 from kubetrain_trainer.errors import ConfigError, LoadError
 from kubetrain_trainer.models import build_model, build_optimizer, evaluate
+from kubetrain_trainer.objectives import build_objective
 
 
 @pytest.mark.parametrize(
@@ -58,6 +59,19 @@ def test_user_entrypoint_gets_args_input_shape_and_num_classes(tmp_path: Path, m
     sys.modules.pop("usermodel", None)
 
 
+def test_user_entrypoint_for_regression_gets_output_shape_instead_of_num_classes(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "userregressor.py").write_text(
+        "import math, torch\n"
+        "def make(input_shape, output_shape):\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), 6),\n"
+        "                               torch.nn.Unflatten(1, output_shape))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = build_model(Model(entrypoint="userregressor:make"), (4,), None, seed=0, output_shape=(2, 3))
+    assert model(torch.zeros(5, 4)).shape == (5, 2, 3)
+    sys.modules.pop("userregressor", None)
+
+
 @pytest.mark.parametrize(
     "spec, kind",
     [
@@ -80,3 +94,12 @@ def test_evaluate_reports_loss_and_accuracy_and_nan_when_empty() -> None:
     loss, accuracy = evaluate(model, x, torch.tensor([0, 1, 1]), batch_size=2)
     assert accuracy == pytest.approx(2 / 3) and loss > 0 and model.training
     assert all(math.isnan(v) for v in evaluate(model, x[:0], torch.tensor([], dtype=torch.long)))
+
+
+def test_evaluate_with_a_regression_loss_reports_its_mean_and_no_accuracy() -> None:
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    x, y = torch.tensor([[1.0], [2.0], [3.0]]), torch.tensor([[1.0], [4.0], [3.0]])
+    loss, accuracy = evaluate(model, x, y, batch_size=2, objective=build_objective("mse"))
+    assert loss == pytest.approx(4 / 3) and math.isnan(accuracy)  # batches of 2 and 1, weighted by samples

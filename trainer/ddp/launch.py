@@ -11,15 +11,26 @@ and exits with the failed rank's own exit code (see agent.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 RDZV_PORT = 29400
 """The rendezvous port node 0's agent listens on (torchrun's own default)."""
 
 
+# Local fault injection names a rank: every node's torchrun gets the same
+# environment, so KUBETRAIN_FAULT alone would fire on every rank that sees it.
+FAULT_REPLICA_VAR = "KUBETRAIN_FAULT_REPLICA"
+
+
 def rank_replica(rank: int) -> str:
     """The replica name of a global rank: its metric label, event log and results file."""
     return f"ddp-{rank}"
+
+
+def fault_armed(env: Mapping[str, str], replica: str) -> bool:
+    """KUBETRAIN_FAULT fires on the group's first attempt only, and only on the rank it names (if any)."""
+    return env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and env.get(FAULT_REPLICA_VAR, replica) == replica
 
 
 def torchrun_command(
@@ -30,6 +41,7 @@ def torchrun_command(
     *,
     python: str = "python",
     local_addr: str | None = None,
+    role: str = "ddp",
 ) -> list[str]:
     """argv of the torchrun agent of node `node_rank` (0-based) of a DDP job.
 
@@ -49,6 +61,9 @@ def torchrun_command(
     the agents by address), so `--node-rank` is not passed: it would be
     ignored, and suggest an order that does not hold. The ranks of one node
     are `GROUP_RANK * procsPerNode + LOCAL_RANK`.
+
+    `role` is what each rank runs: `ddp` (the built-in loop) or `script` (the
+    user's command, through `kubetrain_trainer.script`).
     """
     ddp = spec.ddp
     if spec.mode != "DDP" or ddp is None:
@@ -70,4 +85,4 @@ def torchrun_command(
     ]
     if local_addr:
         argv += ["--local-addr", local_addr]
-    return argv + ["-m", "kubetrain_trainer", "ddp"]
+    return argv + ["-m", "kubetrain_trainer", role]

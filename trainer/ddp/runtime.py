@@ -32,23 +32,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoint import CheckpointInfo, CheckpointStore, capture_rng_state, restore_rng_state, spec_hash
+from ..checkpoint import capture_rng_state, restore_rng_state
 from ..context import ReplicaContext
-from ..data import ShardCursor, load_data
+from ..contract import JobCheckpoints, ProgressReporter
+from ..data import ShardCursor
 from ..device import make_deterministic, select_device
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
 from ..events import EventLog, write_result
 from ..metrics import TrainerMetrics
-from ..models import build_model, build_optimizer, evaluate
-from ..training import log_interval, planned_steps, train_step
+from ..models import build_optimizer, evaluate, model_and_data
+from ..training import planned_steps, train_step
 from .hooks import CommHook
-from .launch import rank_replica
+from .launch import fault_armed, rank_replica
 
 log = logging.getLogger(__name__)
-
-# Local fault injection names a rank: every node's torchrun gets the same
-# environment, so KUBETRAIN_FAULT alone would fire on every rank that sees it.
-FAULT_REPLICA_VAR = "KUBETRAIN_FAULT_REPLICA"
 
 
 @dataclass(frozen=True)
@@ -108,11 +105,6 @@ def select_ddp_device(spec: Any, local_rank: int) -> torch.device:
     return device
 
 
-def fault_armed(env: Mapping[str, str], replica: str) -> bool:
-    """KUBETRAIN_FAULT fires on the group's first attempt only, and only on the rank it names (if any)."""
-    return env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and env.get(FAULT_REPLICA_VAR, replica) == replica
-
-
 class DDPTrainer:
     """Owns the model, optimizer, cursor, hook and (on rank 0) checkpoints of one rank."""
 
@@ -139,10 +131,9 @@ class DDPTrainer:
         self.chief = topo.rank == 0
         self.threads = make_deterministic()
         self.device = select_ddp_device(spec, topo.local_rank)
-        self.data = load_data(spec.dataset, spec.training.seed)
+        self.model, self.data = model_and_data(spec)
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
-        self.model = build_model(spec.model, self.data.input_shape, self.data.num_classes, spec.training.seed)
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
         self.cursor = ShardCursor(
@@ -152,14 +143,12 @@ class DDPTrainer:
         self.metrics = TrainerMetrics(self.ctx)
         self.events = EventLog(ctx.run_dir, replica)
         # The first rank of each node reads its node's volume; only rank 0 writes.
-        self.store = (
-            CheckpointStore(ctx.checkpoint_dir, spec.checkpoint.keep_last, spec_hash(spec),
-                            on_persisted=self._persisted)
-            if topo.local_rank == 0 else None
-        )
+        self.checkpoints = JobCheckpoints(self.ctx, self.metrics, self.events,
+                                          reader=topo.local_rank == 0, writer=self.chief)
+        self.reporter = ProgressReporter(self.ctx, self.metrics, self.events, self.total_steps)
         # Read before joining the group: a bad checkpoint (another spec) fails
         # this rank at once, and torchrun then stops the others.
-        self.found = self.store.load_latest() if self.store is not None else None
+        self.found = self.checkpoints.load_local()
         self.ddp: DistributedDataParallel | None = None
         self.hook: CommHook | None = None
         self.step = 0
@@ -221,16 +210,11 @@ class DDPTrainer:
 
     def restore(self) -> None:
         """Agree on the newest checkpoint any node holds; its holder broadcasts it to all."""
-        offers: list[int | None] = [None] * self.topo.world_size
-        dist.all_gather_object(offers, self.found[0] if self.found is not None else None)
-        held = [(step, rank) for rank, step in enumerate(offers) if step is not None]
-        if not held:
-            return
-        step, source = max(held, key=lambda sr: (sr[0], -sr[1]))
-        box = [self.found[1] if self.topo.rank == source else None]
-        dist.broadcast_object_list(box, src=source)
-        state = box[0]
+        found = self.checkpoints.restore(dist.group.WORLD, self.topo.world_size, self.topo.rank, self.found)
         self.found = None
+        if found is None:
+            return
+        step, state, source = found
         self.step = step
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -242,36 +226,26 @@ class DDPTrainer:
         self.bytes_sent = state["bytes_sent"]
         self.raw_gradient_bytes = state["raw_gradient_bytes"]
         self.checkpoint_step = step
-        self.events.write("resume", step=step, source_rank=source)
         log.info("%s: resumed from step %d of %d (checkpoint of rank %d)", self.ctx.replica, step,
                  self.total_steps, source)
 
     def checkpoint(self) -> None:
-        if self.chief:
-            assert self.store is not None
-            self.store.save(self.step, self.state())
+        # Every rank calls it; rank 0 alone writes (the state is the same on all).
+        self.checkpoints.save(self.step, self.state() if self.chief else {})
         self.checkpoint_step = self.step
 
     def wait_checkpoint(self) -> None:
         """Rank 0's last checkpoint is durable on return, on every rank."""
-        if self.chief:
-            assert self.store is not None
-            self.store.wait()
+        self.checkpoints.wait()
         dist.barrier()
-
-    def _persisted(self, info: CheckpointInfo, seconds: float) -> None:
-        self.metrics.checkpoint_duration_seconds.observe(seconds)
-        self.metrics.checkpoint_size_bytes.set(info.bytes)
-        self.metrics.checkpoint_last_success_timestamp_seconds.set_to_current_time()
-        self.metrics.last_checkpoint_step.set(info.step)
-        self.events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes)
 
     def evaluate(self) -> None:
         """The chief evaluates; the others only note that the step was evaluated."""
         self.eval_step = self.step
         if not self.chief:
             return
-        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y)
+        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y,
+                                                      objective=self.data.objective)
         self.metrics.eval_loss.set(self.eval_loss)
         self.metrics.eval_accuracy.set(self.eval_accuracy)
         self.events.write(
@@ -294,7 +268,6 @@ class DDPTrainer:
 
     def run(self) -> int:
         self.metrics.process_starts_total.inc()
-        self.metrics.total_steps.set(self.total_steps)
         port = self.ctx.metrics_port
         self.metrics.serve(port + self.topo.local_rank if port else 0)
         self.join()
@@ -307,13 +280,13 @@ class DDPTrainer:
             node_replica=self.node_replica, agent_restart_count=self.topo.restart_count,
             backend=spec.ddp.backend, comm_hook=spec.ddp.comm_hook,
         )
-        interval = log_interval(self.total_steps)
         run_samples, train_seconds = 0, 0.0
-        window_samples, window_start = 0, time.perf_counter()
+        self.reporter.start_window(self.step)
         while self.step < self.total_steps:
             step_start = time.perf_counter()
             batch = self.cursor.next_batch().to(self.device)
-            local_loss = train_step(self.ddp, self.optimizer, self.train_x[batch], self.train_y[batch])
+            local_loss = train_step(self.ddp, self.optimizer, self.train_x[batch], self.train_y[batch],
+                                    self.data.objective)
             raw, sent = self.hook.end_step()
             self.loss, stop = self.sync_step(local_loss, len(batch))
             self.step += 1
@@ -321,27 +294,17 @@ class DDPTrainer:
             self.raw_gradient_bytes += raw
             self.bytes_sent += sent
             run_samples += len(batch)
-            window_samples += len(batch)
             now = time.perf_counter()
             train_seconds += now - step_start
-            self.metrics.steps_total.inc()
-            self.metrics.samples_total.inc(len(batch))
             self.metrics.step_duration_seconds.observe(now - step_start)
-            self.metrics.training_step.set(self.step)
-            self.metrics.loss.set(self.loss)
             self.metrics.gradient_bytes_total.labels(stage="raw").inc(raw)
             self.metrics.gradient_bytes_total.labels(stage="compressed").inc(sent)
             self.metrics.network_bytes_total.labels(direction="sent").inc(sent)
             self.metrics.network_bytes_total.labels(direction="received").inc(sent)
-            # After the update, before this step's checkpoint: a crash here loses the step.
-            self.ctx.maybe_fault(self.step)
-            if self.step % interval == 0 or self.step == self.total_steps:
-                rate = window_samples / max(now - window_start, 1e-9)
-                self.metrics.samples_per_second.set(rate)
-                epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
-                self.events.write("train", step=self.step, loss=self.loss, local_loss=local_loss,
-                                  samples=self.samples, samples_per_second=rate, epoch=round(epoch, 4))
-                window_samples, window_start = 0, now
+            epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
+            # After the update, before this step's checkpoint: a fault here loses the step.
+            self.reporter.report(self.step, samples=len(batch), loss=self.loss, event_fields={
+                "local_loss": local_loss, "samples": self.samples, "epoch": round(epoch, 4)})
             if self.cursor.position == 0:  # an epoch just ended
                 self.evaluate()
             if self.step % spec.checkpoint.interval_steps == 0 or self.step == self.total_steps or stop:
@@ -385,9 +348,8 @@ class DDPTrainer:
 
     def close(self) -> None:
         # A checkpoint still being written reports to the event log: let it finish first.
-        if self.store is not None:
-            with contextlib.suppress(TransientError):
-                self.store.wait()
+        with contextlib.suppress(TransientError):
+            self.checkpoints.wait()
         self.leave()
         self.metrics.close()
         self.events.close()

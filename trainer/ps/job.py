@@ -14,9 +14,9 @@ from kubetrain_operator.api.spec import ParameterServer
 from torch import nn
 
 from ..context import ReplicaContext
-from ..data import Data, load_data
+from .. import models
+from ..data import Data
 from ..errors import ConfigError
-from ..models import build_model
 from .sharding import assign_shards
 from .transport import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
@@ -45,10 +45,10 @@ def chunk_bytes(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def model_and_data(ctx: ReplicaContext) -> tuple[nn.Module, Data]:
-    spec = ctx.spec
-    data = load_data(spec.dataset, spec.training.seed)
-    model = build_model(spec.model, data.input_shape, data.num_classes, spec.training.seed)
-    return model, data
+    """The job's model and data (models.model_and_data). Shards load the data too: the
+    model's output width comes from it (the classes, or the target shape), and a bad
+    loss or dataset fails every replica alike, at start."""
+    return models.model_and_data(ctx.spec)
 
 
 def shards_of(model: nn.Module, shards: int) -> list[list[str]]:

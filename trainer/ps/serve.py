@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from ..checkpoint import CheckpointInfo, CheckpointStore, spec_hash
 from ..context import ReplicaContext
+from ..contract import JobCheckpoints
 from ..data import ShardCursor
 from ..device import make_deterministic
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
@@ -50,13 +50,6 @@ def run_ps(ctx: ReplicaContext) -> int:
     metrics = TrainerMetrics(ctx)
     events = EventLog(ctx.run_dir, ctx.replica)
 
-    def persisted(info: CheckpointInfo, seconds: float) -> None:
-        metrics.checkpoint_duration_seconds.observe(seconds)
-        metrics.checkpoint_size_bytes.set(info.bytes)
-        metrics.checkpoint_last_success_timestamp_seconds.set_to_current_time()
-        metrics.last_checkpoint_step.set(info.step)
-        events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes)
-
     first_step_logged = False
 
     def after_step(step: int) -> None:
@@ -66,7 +59,10 @@ def run_ps(ctx: ReplicaContext) -> int:
             events.write("step", step=step, dropped_total=shard.dropped_total)
             first_step_logged = True
 
-    store = CheckpointStore(ctx.checkpoint_dir, spec.checkpoint.keep_last, spec_hash(spec), on_persisted=persisted)
+    # The shard keeps the store's own interface (it saves under its lock and
+    # restores its parameters in place); the store is the one every replica uses.
+    store = JobCheckpoints(ctx, metrics, events).store
+    assert store is not None
     config = ShardConfig(
         replica=ctx.replica,
         workers=ps.workers,

@@ -1,0 +1,81 @@
+"""kubetrain's contract for your own training code: four calls, and the job does the rest.
+
+A script run by a TrainingJob with `spec.script` (locally with `kubetrain run
+job.yaml`, in a cluster with `kubectl apply`) calls::
+
+    import kubetrain
+
+    state, step = kubetrain.restore()          # (None, 0) on the first start
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    for step in range(step + 1, total + 1):
+        loss = train_one_batch(step)
+        kubetrain.report(step, total_steps=total, loss=loss)   # progress, metrics, status
+        if step % 100 == 0 or step == total:
+            kubetrain.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
+
+kubetrain restarts the process when it fails (the job's restartPolicy), and
+`restore()` hands it the newest valid checkpoint. In mode DDP the script runs
+once per rank with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): call `restore()` after
+`torch.distributed.init_process_group()` so that every rank gets the same
+checkpoint; every rank may call `save()`, rank 0 writes. See docs/custom-code.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["restore", "save", "report", "checkpoint_dir"]
+
+
+def restore() -> tuple[Any, int]:
+    """(state, step) of the newest valid checkpoint of this job; (None, 0) when there is none.
+
+    Checkpoints are verified (length and sha256); a damaged newest one is set
+    aside and the previous one returned. In a DDP job every rank gets the same one.
+    """
+    from kubetrain_trainer.userapi import session
+
+    return session().restore()
+
+
+def save(state: dict[str, Any], step: int) -> None:
+    """Write `state` as the checkpoint of `step`: atomic, verified, durable when this returns.
+
+    `state` is a dict of tensors and plain values (numbers, strings, lists and
+    dicts of them), what `torch.load(weights_only=True)` reads back: save a
+    model's or an optimizer's `state_dict()`, not the object. The job's
+    `checkpoint.keepLast` newest checkpoints are kept. In a DDP job every rank
+    may call it and rank 0 alone writes.
+    """
+    from kubetrain_trainer.userapi import session
+
+    session().save(state, step)
+
+
+def report(step: int, total_steps: int | None = None, **metrics: float) -> None:
+    """This process reached `step` (of `total_steps`); `metrics` are its numbers at that step.
+
+    They become the job's progress (the local progress line and summary.json,
+    `status.progress` in a cluster), Prometheus metrics (`kubetrain_training_step`,
+    `kubetrain_steps_per_second`, `kubetrain_loss` for `loss`, and
+    `kubetrain_reported_metric{name=...}` for the others) and the final results.
+    Values are numbers or one-element tensors. Cheap enough to call every step.
+    """
+    from kubetrain_trainer.userapi import session
+
+    session().report(step, total_steps, metrics)
+
+
+def checkpoint_dir() -> Path:
+    """The job's durable directory (on the checkpoint volume in a cluster, in the run directory locally).
+
+    For files of your own beside kubetrain's checkpoints; the environment
+    variable KUBETRAIN_CHECKPOINT_DIR holds the same path.
+    """
+    from kubetrain_trainer.userapi import checkpoint_dir as _checkpoint_dir
+
+    return _checkpoint_dir()

@@ -1,0 +1,161 @@
+"""`import kubetrain`: restore, save, report and checkpoint_dir in a script's own process."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import kubetrain
+from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
+from kubetrain_trainer import userapi
+from kubetrain_trainer.events import read_events
+from support import free_port
+
+
+@pytest.fixture
+def script_env(tmp_path, monkeypatch):
+    """The environment the plan gives a script's replica, and a fresh session for each test."""
+    job = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "s"},
+           "spec": {"mode": "Single", "script": {"command": ["python", "train.py"]}, "checkpoint": {"keepLast": 2}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    port = free_port()
+    env = {"KUBETRAIN_JOB_FILE": str(tmp_path / "job.yaml"), "KUBETRAIN_REPLICA": "single-0",
+           "KUBETRAIN_RUN_DIR": str(tmp_path), "KUBETRAIN_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "KUBETRAIN_METRICS_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KUBETRAIN_FAULT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(userapi, "_session", None)
+    yield tmp_path, port
+    if userapi._session is not None:
+        userapi._session.close()
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_the_first_start_has_nothing_to_restore(script_env):
+    assert kubetrain.restore() == (None, 0)
+
+
+def test_a_saved_state_is_durable_and_restored_whole(script_env):
+    tmp, _ = script_env
+    model = nn.Linear(3, 2)
+    state = {"model": model.state_dict(), "epoch": 4, "name": "run-a", "history": [0.5, 0.25]}
+    kubetrain.save(state, 10)
+    # Durable on return: the file is there and `latest` names it.
+    assert (tmp / "ckpt" / "latest").read_text().strip() == "ckpt-00000010.pt"
+    userapi._session.close()
+    userapi._session = None  # a new process
+    restored, step = kubetrain.restore()
+    assert step == 10
+    assert restored["epoch"] == 4 and restored["name"] == "run-a" and restored["history"] == [0.5, 0.25]
+    fresh = nn.Linear(3, 2)
+    fresh.load_state_dict(restored["model"])
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def test_keep_last_applies_to_a_scripts_checkpoints(script_env):
+    tmp, _ = script_env
+    for step in (1, 2, 3, 4):
+        kubetrain.save({"w": torch.full((2,), float(step))}, step)
+    assert sorted(p.name for p in (tmp / "ckpt").glob("ckpt-*.pt")) == ["ckpt-00000003.pt", "ckpt-00000004.pt"]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(script_env):
+    tmp, _ = script_env
+    kubetrain.save({"w": torch.ones(4)}, 1)
+    kubetrain.save({"w": torch.ones(4) * 2}, 2)
+    newest = tmp / "ckpt" / "ckpt-00000002.pt"
+    newest.write_bytes(newest.read_bytes()[:-5])  # torn
+    userapi._session.close()
+    userapi._session = None
+    state, step = kubetrain.restore()
+    assert step == 1 and torch.equal(state["w"], torch.ones(4))
+
+
+@pytest.mark.parametrize("state,words", [
+    (nn.Linear(2, 2), "state must be a dict"),
+    ({"model": nn.Linear(2, 2)}, "state['model'] is a Linear"),
+    ({"opt": {"groups": [object()]}}, "state['opt']['groups'][0] is a object"),
+    ({("a", 1): 2}, "has a key of type tuple"),
+])
+def test_a_state_that_would_not_load_back_is_refused_before_writing(script_env, state, words):
+    tmp, _ = script_env
+    with pytest.raises(TypeError, match=words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        kubetrain.save(state, 1)
+    assert not list((tmp / "ckpt").glob("ckpt-*.pt"))
+
+
+def test_reports_become_metrics_and_events(script_env):
+    tmp, port = script_env
+    for step in range(1, 6):
+        kubetrain.report(step, total_steps=5, loss=1.0 / step, accuracy=torch.tensor(0.1 * step), lr=0.01)
+    text = scrape(port)
+    assert 'kubetrain_training_step{job="s",namespace="default",replica="single-0",role="single"} 5.0' in text
+    assert 'kubetrain_total_steps{job="s",namespace="default",replica="single-0",role="single"} 5.0' in text
+    assert 'kubetrain_loss{job="s",namespace="default",replica="single-0",role="single"} 0.2' in text
+    assert 'name="accuracy"' in text and 'name="lr"' in text
+    assert "kubetrain_steps_per_second{" in text
+    assert 'name="loss"' not in text  # loss has a gauge of its own
+    userapi._session.close()
+    trains = [e for e in read_events(tmp / "metrics" / "single-0.jsonl") if e["event"] == "train"]
+    assert trains[-1]["step"] == 5 and trains[-1]["accuracy"] == pytest.approx(0.5)
+
+
+def test_reported_names_past_the_limit_stay_out_of_metrics(script_env, caplog):
+    tmp, port = script_env
+    values = {f"m{i}": float(i) for i in range(MAX_REPORTED_METRICS + 3)}
+    kubetrain.report(1, total_steps=1, **values)
+    text = scrape(port)
+    assert text.count("kubetrain_reported_metric{") == MAX_REPORTED_METRICS
+    assert f'name="m{MAX_REPORTED_METRICS}"' not in text
+    assert "go to the event log only" in caplog.text
+    userapi._session.close()
+    [train] = [e for e in read_events(tmp / "metrics" / "single-0.jsonl") if e["event"] == "train"]
+    assert train[f"m{MAX_REPORTED_METRICS + 2}"] == MAX_REPORTED_METRICS + 2  # kept in the event log
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda: kubetrain.report(-1), "step must be a non-negative integer"),
+    (lambda: kubetrain.report(1.5), "step must be a non-negative integer"),
+    (lambda: kubetrain.report(1, loss="low"), "loss must be a number"),
+    (lambda: kubetrain.report(1, flag=True), "flag=True is a bool"),
+    (lambda: kubetrain.report(1, loss=torch.ones(3)), "loss must be a number or a one-element tensor"),
+    (lambda: kubetrain.save({}, -3), "step must be a non-negative integer"),
+])
+def test_bad_arguments_are_named(script_env, call, words):
+    with pytest.raises(TypeError, match=words):
+        call()
+
+
+def test_checkpoint_dir_is_the_jobs_durable_directory(script_env):
+    tmp, _ = script_env
+    assert kubetrain.checkpoint_dir() == tmp / "ckpt"
+    assert (tmp / "ckpt").is_dir()
+
+
+def test_outside_kubetrain_the_calls_say_how_to_run_the_script(monkeypatch):
+    monkeypatch.delenv("KUBETRAIN_JOB_FILE", raising=False)
+    monkeypatch.delenv("KUBETRAIN_CHECKPOINT_DIR", raising=False)
+    monkeypatch.setattr(userapi, "_session", None)
+    with pytest.raises(userapi.NotUnderKubetrain, match="kubetrain run job.yaml"):
+        kubetrain.restore()
+    with pytest.raises(userapi.NotUnderKubetrain, match="KUBETRAIN_CHECKPOINT_DIR is not set"):
+        kubetrain.checkpoint_dir()
+
+
+def test_the_public_api_is_exactly_the_four_calls():
+    assert kubetrain.__all__ == ["restore", "save", "report", "checkpoint_dir"]
+    assert json.dumps(sorted(n for n in vars(kubetrain) if not n.startswith("_") and callable(getattr(kubetrain, n))
+                             and getattr(kubetrain, n).__module__ == "kubetrain"))  == json.dumps(
+        sorted(kubetrain.__all__))

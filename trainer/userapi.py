@@ -1,0 +1,185 @@
+"""The process side of `import kubetrain`: one session per process, made at the first call.
+
+A script run by kubetrain (`spec.script`) finds its job in the environment
+the plan gives every replica (KUBETRAIN_JOB_FILE, KUBETRAIN_CHECKPOINT_DIR,
+KUBETRAIN_METRICS_PORT, ...) and, in mode DDP, its rank in torchrun's
+(RANK, LOCAL_RANK, WORLD_SIZE). The session holds the same `JobCheckpoints`
+and `ProgressReporter` the built-in loops use, so a script's checkpoints,
+progress, metrics and faults are kubetrain's own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .context import ReplicaContext
+from .contract import JobCheckpoints, ProgressReporter, number
+from .ddp.launch import fault_armed, rank_replica
+from .errors import TrainerError
+from .events import EventLog
+from .metrics import TrainerMetrics
+
+# Types `torch.load(weights_only=True)` reads back; anything else in a saved
+# state would be written fine and then refuse to load at the next start.
+PLAIN = (int, float, bool, str, bytes, type(None))
+# How deep a saved state may nest: a state deeper than this is almost surely a
+# cycle or a mistake, and walking it must not hit Python's recursion limit.
+MAX_STATE_DEPTH = 64
+
+
+class NotUnderKubetrain(RuntimeError):
+    """The process was not started by kubetrain (`kubetrain run` or the operator)."""
+
+
+@dataclasses.dataclass
+class Rank:
+    """This process's place in a DDP group (torchrun's environment); rank 0 of 1 otherwise."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Rank":
+        try:
+            return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), int(env.get("WORLD_SIZE", "1")))
+        except ValueError as err:
+            raise NotUnderKubetrain(f"torchrun environment: {err}") from None
+
+
+class Session:
+    """The job as one process of a script sees it."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        if not environ.get("KUBETRAIN_JOB_FILE"):
+            raise NotUnderKubetrain(
+                "kubetrain: this process was not started by kubetrain (KUBETRAIN_JOB_FILE is not set); run the "
+                "script through a TrainingJob with spec.script: `kubetrain run job.yaml` or `kubectl apply -f job.yaml`"
+            )
+        try:
+            ctx = ReplicaContext.from_env(environ=environ)
+        except TrainerError as err:
+            raise NotUnderKubetrain(f"kubetrain: {err}") from None
+        self.rank = Rank.from_env(environ)
+        if ctx.spec.mode == "DDP" or "RANK" in environ:
+            replica = rank_replica(self.rank.rank)
+            ctx = dataclasses.replace(ctx, replica=replica, role="ddp", index=self.rank.rank,
+                                      fault_step=ctx.fault_step if fault_armed(environ, replica) else None)
+        self.ctx = ctx
+        self.metrics = TrainerMetrics(ctx)
+        self.events = EventLog(ctx.run_dir, ctx.replica)
+        self.checkpoints = JobCheckpoints(ctx, self.metrics, self.events, reader=self.rank.local_rank == 0,
+                                          writer=self.rank.rank == 0, background=False)
+        self.reporter = ProgressReporter(ctx, self.metrics, self.events)
+        self.metrics.process_starts_total.inc()
+        port = ctx.metrics_port
+        self.metrics.serve(port + self.rank.local_rank if port else 0)
+        self.events.write("start", step=0, pid=os.getpid(), rank=self.rank.rank, world_size=self.rank.world_size)
+        atexit.register(self.close)
+
+    def restore(self) -> tuple[Any, int]:
+        if self.rank.world_size > 1:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "kubetrain.restore(): in a DDP job call it after torch.distributed.init_process_group(): "
+                    "the ranks agree on the newest checkpoint any node holds, so that every rank gets the same one"
+                )
+            found = self.checkpoints.restore(None, dist.get_world_size(), dist.get_rank(),
+                                             self.checkpoints.load_local())
+        else:
+            found = self.checkpoints.restore()
+        if found is None:
+            return None, 0
+        step, state, _ = found
+        self.reporter.start_window(step)
+        self.metrics.training_step.set(step)
+        return state, step
+
+    def save(self, state: Any, step: int) -> None:
+        check_state(state)
+        self.checkpoints.save(_step(step, "save"), state)
+
+    def report(self, step: int, total_steps: int | None, values: dict[str, Any]) -> None:
+        step = _step(step, "report")
+        if total_steps is not None:
+            total_steps = _step(total_steps, "report", "total_steps")
+        floats = {name: number(name, value) for name, value in values.items()}
+        self.reporter.report(step, total_steps, **floats)
+
+    def close(self) -> None:
+        """At exit: the last reported step reaches the event log (the progress line, the results)."""
+        self.reporter.flush()
+        self.metrics.close()
+        self.events.close()
+
+
+def _step(value: Any, call: str, name: str = "step") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        item = getattr(value, "item", None)
+        value = item() if callable(item) else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"kubetrain.{call}: {name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def check_state(state: Any) -> None:
+    """Refuse, before writing, a state that `torch.load(weights_only=True)` would not read back."""
+    import torch
+
+    if not isinstance(state, dict):
+        raise TypeError(f"kubetrain.save: state must be a dict (of tensors and plain values), got {type(state).__name__}")
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if depth > MAX_STATE_DEPTH:
+            raise TypeError(f"kubetrain.save: state{path} nests deeper than {MAX_STATE_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, (str, int)):
+                    raise TypeError(f"kubetrain.save: state{path} has a key of type {type(key).__name__}; "
+                                    "use strings or integers")
+                walk(item, f"{path}[{key!r}]", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", depth + 1)
+        elif not isinstance(value, (torch.Tensor, torch.Size, torch.dtype, torch.device) + PLAIN):
+            raise TypeError(
+                f"kubetrain.save: state{path} is a {type(value).__name__}; a checkpoint holds tensors, numbers, "
+                "strings and dicts or lists of them (torch.load(weights_only=True) reads nothing else back); "
+                "for a model or optimizer save its state_dict()"
+            )
+
+    walk(state, "", 0)
+
+
+_lock = threading.Lock()
+_session: Session | None = None
+
+
+def session() -> Session:
+    """This process's session, made at the first call."""
+    global _session
+    with _lock:
+        if _session is None:
+            _session = Session(os.environ)
+        return _session
+
+
+def checkpoint_dir() -> Path:
+    """The job's durable directory for this process (KUBETRAIN_CHECKPOINT_DIR), created if missing."""
+    raw = os.environ.get("KUBETRAIN_CHECKPOINT_DIR")
+    if not raw:
+        raise NotUnderKubetrain(
+            "kubetrain.checkpoint_dir(): KUBETRAIN_CHECKPOINT_DIR is not set; run the script through a "
+            "TrainingJob with spec.script (`kubetrain run job.yaml`)"
+        )
+    path = Path(raw)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
