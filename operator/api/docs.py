@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from . import schema
+from .load import MAX_MANIFEST_BYTES, MAX_NESTING
 from .spec import API_VERSION, Spec
 
 
@@ -69,6 +70,9 @@ def render() -> str:
         f"`apiVersion: {API_VERSION}`, `kind: TrainingJob` (short name `tj`). `metadata.name` is a DNS-1035",
         "label of at most 45 characters. Every problem in a manifest is reported at once with its field path,",
         "by `kubetrain validate` and by the API server (schema and CEL rules generated from the same model).",
+        f"A manifest file is UTF-8 YAML of at most {MAX_MANIFEST_BYTES // 1024} KiB that nests at most "
+        f"{MAX_NESTING} levels and uses",
+        "no YAML aliases; numbers are finite and integers fit in 64 bits.",
         "",
     ]
     sections: list[tuple[str, type]] = [("spec", Spec)]

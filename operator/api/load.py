@@ -99,11 +99,44 @@ def _yaml_error(err: yaml.YAMLError) -> str:
     return f"YAML syntax error: {problem}"
 
 
+# A TrainingJob is a small document; these bound what reading one may cost.
+# The API server refuses objects past about 1.5 MiB (etcd's request limit), so
+# a manifest past 1 MiB is a mistake or an attack, not a job.
+MAX_MANIFEST_BYTES = 1 << 20
+# PyYAML builds nested collections recursively: a few thousand '[' exhaust
+# Python's stack. The deepest real manifest (a podTemplate's affinity) nests
+# about 15 levels.
+MAX_NESTING = 64
+
+
+def _shape_problem(text: str) -> str | None:
+    """Why the YAML must not be built at all: an alias (a 1 KB alias bomb expands past
+    gigabytes once walked), or nesting past MAX_NESTING. Read from the event stream,
+    which PyYAML produces without recursion."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            return (f"YAML aliases (*{event.anchor}) are not allowed in a TrainingJob, at line "
+                    f"{event.start_mark.line + 1}: write the value out")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_NESTING:
+                return f"nests deeper than {MAX_NESTING} levels at line {event.start_mark.line + 1}"
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    return None
+
+
 def documents(text: str, source: str) -> list[Any]:
     try:
+        problem = _shape_problem(text)
+        if problem is not None:
+            raise InvalidSpec([Problem("(file)", problem)], source)
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as err:
         raise InvalidSpec([Problem("(file)", _yaml_error(err))], source) from None
+    except (ValueError, OverflowError) as err:  # an integer of thousands of digits, a date out of range
+        raise InvalidSpec([Problem("(file)", f"a value cannot be read: {str(err)[:200]}")], source) from None
     if not docs:
         raise InvalidSpec([Problem("(file)", "holds no YAML document")], source)
     return docs
@@ -113,11 +146,20 @@ def load_file(path: str | Path) -> list[TrainingJob]:
     """Every TrainingJob of a YAML file; InvalidSpec names the file, document and field."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise InvalidSpec([Problem("(file)", "no such file")], str(path)) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
+    except OSError as err:  # a directory, no permission
         raise InvalidSpec([Problem("(file)", f"cannot be read: {err.strerror or err}")], str(path)) from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise InvalidSpec([Problem("(file)", f"is larger than {MAX_MANIFEST_BYTES} bytes; a TrainingJob is "
+                                             "a small document")], str(path))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidSpec([Problem("(file)", f"is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset "
+                                             f"{err.start}")], str(path)) from None
     docs = documents(text, str(path))
     jobs: list[TrainingJob] = []
     problems: list[Problem] = []

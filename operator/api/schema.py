@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -255,11 +256,21 @@ def _check_scalar(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[P
             else:
                 out.append(Problem(path, f"must be an integer, got {_type_name(value)} {_show(value)}"))
                 return MISSING
+        if not INT64_MIN <= value <= INT64_MAX:
+            # The API server stores int64; a seed past it also overflows torch's generators.
+            out.append(Problem(path, f"must be a 64-bit integer (at most {INT64_MAX}), got {_short(value)}"))
+            return MISSING
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             out.append(Problem(path, f"must be a number, got {_type_name(value)} {_show(value)}"))
             return MISSING
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            out.append(Problem(path, f"must be a finite number, got {_short(value)}"))
+            return MISSING
     elif kind == "str":
         if not isinstance(value, str):
             out.append(Problem(path, f"must be a string, got {_type_name(value)} {_show(value)}"))
@@ -300,6 +311,15 @@ def _check_scalar(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[P
             out.append(Problem(path, f"must be {word} {_num(high)}, got {_num(value)}"))
             return MISSING
     return value
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _short(value: Any) -> str:
+    """A value for a message: a number of hundreds of digits is shown by its size, not in full."""
+    text = str(value)
+    return text if len(text) <= 40 else f"a number of {len(text)} digits"
 
 
 def _num(x: float) -> str:
