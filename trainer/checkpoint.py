@@ -10,6 +10,7 @@ or the new checkpoint whole. A file that still fails its length or checksum
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -17,6 +18,7 @@ import logging
 import os
 import random
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -88,6 +90,22 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file, never following a symlink or blocking on a FIFO.
+
+    OSError (ELOOP for a link, EISDIR-like for anything not regular) for
+    anything else: a checkpoint volume is writable by the job's own code.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read() if max_bytes is None else f.read(max_bytes)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -217,19 +235,32 @@ class CheckpointStore:
                 log.warning("checkpoint %s: could not be deleted: %s", info.path, err)
 
     def list(self) -> list[CheckpointInfo]:
-        """Checkpoint files on disk, oldest first (not verified)."""
+        """Checkpoint files on disk, oldest first (not verified).
+
+        Only regular files count: a symlink (it could point anywhere on the
+        node) or a FIFO (reading it would hang the start) named like a
+        checkpoint is skipped with a warning.
+        """
         found = []
         for path in self.directory.iterdir():
             match = FILE_PATTERN.fullmatch(path.name)
-            if match:
-                found.append(CheckpointInfo(int(match.group(1)), path, path.stat().st_size))
+            if not match:
+                continue
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode):
+                log.warning("checkpoint %s is not a regular file (a link, FIFO or directory); skipped", path)
+                continue
+            found.append(CheckpointInfo(int(match.group(1)), path, info.st_size))
         return sorted(found, key=lambda info: info.step)
 
     def latest_step(self) -> int | None:
         """Step of the last checkpoint known durable (the `latest` pointer), or None."""
         try:
-            name = (self.directory / LATEST).read_text().strip()
+            name = read_regular(self.directory / LATEST, 4096).decode(errors="replace").strip()
         except FileNotFoundError:
+            return None
+        except OSError as err:  # a link or FIFO in its place: the files themselves still count
+            log.warning("checkpoint pointer %s is unusable: %s", self.directory / LATEST, err.strerror or err)
             return None
         match = FILE_PATTERN.fullmatch(name)
         return int(match.group(1)) if match else None
@@ -264,7 +295,10 @@ class CheckpointStore:
 
     @staticmethod
     def _read(path: Path) -> tuple[int, str, dict[str, Any]]:
-        data = path.read_bytes()
+        try:
+            data = read_regular(path)
+        except OSError as err:
+            raise CorruptCheckpoint(f"cannot be read: {err.strerror or err}") from None
         if not data.startswith(MAGIC):
             raise CorruptCheckpoint("not a kubetrain checkpoint (bad magic)")
         end = data.find(b"\n", len(MAGIC))

@@ -132,3 +132,39 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
     restore_rng_state(store.load_latest()[1]["rng"])
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+
+
+def test_a_payload_that_hashes_right_but_does_not_load_is_set_aside(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    from kubetrain_trainer.checkpoint import MAGIC
+
+    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
+    store.save(10, state(10))
+    payload = b"not a torch file at all"
+    header = {"step": 20, "spec_hash": "h", "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (tmp_path / "ckpt-00000020.pt").write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + payload)
+    step, _ = store.load_latest()
+    assert step == 10
+    assert (tmp_path / "ckpt-00000020.pt.corrupt").exists()
+
+
+def test_a_fifo_or_a_symlink_named_like_a_checkpoint_is_skipped(tmp_path: Path, caplog) -> None:
+    import os
+
+    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
+    store.save(10, state(10))
+    os.mkfifo(tmp_path / "ckpt-00000030.pt")  # reading it would block the start for ever
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-outside.pt"
+    CheckpointStore(tmp_path.parent / "other", keep_last=3, spec_hash="h", background=False).save(40, state(40))
+    elsewhere.write_bytes((tmp_path.parent / "other" / "ckpt-00000040.pt").read_bytes())
+    (tmp_path / "ckpt-00000040.pt").symlink_to(elsewhere)
+    (tmp_path / "latest").unlink()
+    os.mkfifo(tmp_path / "latest")
+    with caplog.at_level(logging.WARNING, logger="kubetrain_trainer.checkpoint"):
+        assert [i.step for i in store.list()] == [10]
+        step, _ = store.load_latest()
+        assert store.latest_step() is None
+    assert step == 10
+    assert "not a regular file" in caplog.text and "pointer" in caplog.text
