@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -96,6 +97,47 @@ def bench_modes(epochs: int, hidden: int, batch: int, modes: list[str] | None = 
     }
 
 
+# The script `bench contract` times (trainer/bench_script.py): a plain DDP loop.
+SCRIPT_MODULE = "kubetrain_trainer.bench_script"
+
+
+def _job(name: str, steps: int, report: bool) -> dict[str, Any]:
+    args = ["--steps", str(steps)] + ([] if report else ["--no-report"])
+    return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
+            "spec": {"mode": "DDP", "ddp": {"nodes": 2, "procsPerNode": 1},
+                     "script": {"command": ["python", "-m", SCRIPT_MODULE], "args": args}}}
+
+
+def bench_report(rounds: int, steps: int) -> dict[str, Any]:
+    """Samples/s of one DDP script (2 ranks, gloo, loopback) with kubetrain.report every step and without.
+
+    Alternating rounds (ABAB...), so that a slow spell of a shared machine
+    hits both variants; the ratio of the medians is the figure.
+    """
+    measured: dict[str, list[float]] = {"with_report": [], "without_report": []}
+    with tempfile.TemporaryDirectory(prefix="kubetrain-bench-contract-") as tmp:
+        for i in range(rounds):
+            for label, report in (("with_report", True), ("without_report", False)):
+                run = RunDir(Path(tmp) / f"{label}-{i}")
+                job = from_object(_job(f"bench-{label.replace('_', '-')}-{i}", steps, report))
+                code = LocalBackend(job, run, out=io.StringIO(), echo_logs=False, code_dir=Path(tmp)).run_job()
+                summary = run.read_summary() or {}
+                rate = (summary.get("metrics") or {}).get("loop_samples_per_second")
+                if code != 0 or rate is None:
+                    raise RuntimeError(f"{label} round {i}: the script failed (exit {code}); see {run.path}/logs")
+                measured[label].append(rate)
+    med = {k: statistics.median(v) for k, v in measured.items()}
+    return {
+        "script": f"python -m {SCRIPT_MODULE}: DDP 2 ranks x 1, gloo, MLP 64-256-10, batch 64 per rank, {steps} timed steps",
+        "rounds": rounds,
+        "samples_per_second": {k: [round(x) for x in v] for k, v in measured.items()},
+        "median_with_report": round(med["with_report"]),
+        "median_without_report": round(med["without_report"]),
+        "ratio_with_to_without": round(med["with_report"] / med["without_report"], 4),
+        "aim": "ratio >= 0.98",
+    }
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.bench == "transport":
         try:
@@ -105,11 +147,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         return bench_transport(parse_bytes(args.bytes))
     if args.bench == "contract":
         try:
-            from kubetrain_trainer.bench_contract import bench_contract
+            from kubetrain_trainer.bench_contract import bench_save
         except ImportError as err:
             raise SystemExit(f"kubetrain bench contract needs the trainer's dependencies (torch): {err}")
         if args.rounds < 1 or args.steps < 1 or args.save_mib < 1:
             raise ValueError("--rounds, --steps and --save-mib must be at least 1")
-        return bench_contract(args.rounds, args.steps, args.save_mib)
+        return {"benchmark": "contract", "report": bench_report(args.rounds, args.steps),
+                "save": bench_save(args.save_mib, args.rounds)}
     modes = [m for m in args.modes.split(",") if m] if args.modes else None
     return bench_modes(args.epochs, args.model_hidden, args.batch, modes)

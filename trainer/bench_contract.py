@@ -1,10 +1,7 @@
-"""`kubetrain bench contract`: what the user-code contract costs a script, measured in one run.
+"""`kubetrain bench contract`, its `save` half: how long kubetrain.save blocks, in one run.
 
-- `report`: the samples/s of one DDP script (2 ranks, gloo, on loopback),
-  run through `kubetrain run` with `kubetrain.report` every step and without,
-  in alternating rounds (ABAB...) so that a slow spell of a shared machine
-  hits both; the ratio of the medians is the figure.
-- `save`: how long `kubetrain.save` blocks for a state of N MiB (serialise,
+(The `report` half runs a DDP script through the local backend: it is in
+`kubetrain_operator.benchcli`, which needs no torch.) `save` measures how long `kubetrain.save` blocks for a state of N MiB (serialise,
   sha256, write, fsync, rename, the `latest` pointer) beside a raw
   `torch.save` to a file, and `torch.save` plus fsync (the durability
   kubetrain.save promises), each the median of a few rounds.
@@ -12,7 +9,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import statistics
 import tempfile
@@ -22,45 +18,6 @@ from typing import Any
 
 import torch
 import yaml
-
-from kubetrain_operator.api import from_object
-from kubetrain_operator.local.backend import LocalBackend
-from kubetrain_operator.local.rundir import RunDir
-
-SCRIPT_MODULE = "kubetrain_trainer.bench_script"
-
-
-def _job(name: str, steps: int, report: bool) -> dict[str, Any]:
-    args = ["--steps", str(steps)] + ([] if report else ["--no-report"])
-    return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"mode": "DDP", "ddp": {"nodes": 2, "procsPerNode": 1},
-                     "script": {"command": ["python", "-m", SCRIPT_MODULE], "args": args}}}
-
-
-def bench_report(rounds: int, steps: int) -> dict[str, Any]:
-    measured: dict[str, list[float]] = {"with_report": [], "without_report": []}
-    with tempfile.TemporaryDirectory(prefix="kubetrain-bench-contract-") as tmp:
-        for i in range(rounds):
-            for label, report in (("with_report", True), ("without_report", False)):
-                run = RunDir(Path(tmp) / f"{label}-{i}")
-                job = from_object(_job(f"bench-{label.replace('_', '-')}-{i}", steps, report))
-                code = LocalBackend(job, run, out=io.StringIO(), echo_logs=False, code_dir=Path(tmp)).run_job()
-                summary = run.read_summary() or {}
-                rate = (summary.get("metrics") or {}).get("loop_samples_per_second")
-                if code != 0 or rate is None:
-                    raise RuntimeError(f"{label} round {i}: the script failed (exit {code}); see {run.path}/logs")
-                measured[label].append(rate)
-    med = {k: statistics.median(v) for k, v in measured.items()}
-    return {
-        "script": f"python -m {SCRIPT_MODULE}: DDP 2 ranks x 1, gloo, MLP 64-256-10, batch 64 per rank, {steps} timed steps",
-        "rounds": rounds,
-        "samples_per_second": {k: [round(x) for x in v] for k, v in measured.items()},
-        "median_with_report": round(med["with_report"]),
-        "median_without_report": round(med["without_report"]),
-        "ratio_with_to_without": round(med["with_report"] / med["without_report"], 4),
-        "aim": "ratio >= 0.98",
-    }
-
 
 def _median_seconds(fn, rounds: int) -> float:
     times = []
@@ -110,7 +67,3 @@ def bench_save(mib: int, rounds: int) -> dict[str, Any]:
         "ratio_kubetrain_to_torch_save_fsync": round(seconds["kubetrain_save"] / seconds["torch_save_fsync"], 3),
         "note": "kubetrain.save serialises to memory, hashes (sha256), writes, fsyncs, renames and moves `latest`",
     }
-
-
-def bench_contract(rounds: int, steps: int, save_mib: int) -> dict[str, Any]:
-    return {"benchmark": "contract", "report": bench_report(rounds, steps), "save": bench_save(save_mib, rounds)}

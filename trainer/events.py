@@ -72,7 +72,26 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
 
 # What a pod's termination message carries (the kubelet keeps at most 4 KiB of it).
 TERMINATION_KEYS = ("steps", "global_step", "final_train_loss", "eval_accuracy", "eval_loss",
-                    "checkpoint_step", "checkpoint_time", "samples_per_second", "wall_seconds")
+                    "checkpoint_step", "checkpoint_time", "samples_per_second", "wall_seconds", "metrics")
+# The kubelet keeps at most 4096 bytes of a termination message; a message cut
+# there is no JSON and would lose every figure. A script's reported values go
+# last and are dropped, name by name, until the rest fits.
+TERMINATION_MESSAGE_BYTES = 4096
+
+
+def termination_message(result: dict[str, Any]) -> str:
+    """The headline figures of `result` as JSON of at most TERMINATION_MESSAGE_BYTES bytes."""
+    plain = _plain(result)
+    summary = {k: plain[k] for k in TERMINATION_KEYS if plain.get(k) is not None}
+    metrics = {k: v for k, v in (summary.pop("metrics", None) or {}).items() if isinstance(v, (int, float))}
+    while True:
+        if metrics:
+            summary["metrics"] = metrics
+        text = json.dumps(summary, allow_nan=False, separators=(",", ":"))
+        if len(text.encode()) <= TERMINATION_MESSAGE_BYTES or not metrics:
+            return text
+        metrics = dict(list(metrics.items())[:-1])
+        summary.pop("metrics")
 
 
 def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
@@ -84,10 +103,8 @@ def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
     container's terminated state: the job's final status needs no scrape.
     """
     if termination_log is not None:
-        plain = _plain(result)
-        summary = {k: plain[k] for k in TERMINATION_KEYS if plain.get(k) is not None}
         try:
-            Path(termination_log).write_text(json.dumps(summary, allow_nan=False), encoding="utf-8")
+            Path(termination_log).write_text(termination_message(result), encoding="utf-8")
         except OSError as err:  # only the status's final figures are lost: not worth failing the run
             log.warning("cannot write the termination message to %s: %s", termination_log, err)
     path = Path(run_dir) / "results" / f"{replica}.json"

@@ -125,7 +125,8 @@ class TrainerMetrics:
         self.last_checkpoint_step = self._gauge("last_checkpoint_step", "Step of the last durable checkpoint.")
         # Not measured yet is NaN, not 0: a reader (the operator, a dashboard) must
         # not take "no evaluation so far" for an accuracy of 0.
-        for unmeasured in (self.loss, self.eval_accuracy, self.eval_loss):
+        for unmeasured in (self.loss, self.eval_accuracy, self.eval_loss, self.samples_per_second,
+                           self.steps_per_second):
             unmeasured.set(float("nan"))
 
     def _bind(self, metric: Any, extra: str | None) -> Any:

@@ -9,12 +9,14 @@ handlers only gather the observation and carry out the actions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from ..api import TrainingJob
+from ..api.spec import MAX_REPORTED_METRICS
 from . import policy
 from .children import Settings, children, pod_name
 from .plan import chief, replica_names
@@ -332,6 +334,11 @@ def reconcile(
     return act
 
 
+def _finite(value: Any) -> bool:
+    """A number the status can hold (JSON has no NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _final_progress(st: dict[str, Any], job: TrainingJob, pods: dict[str, PodObservation], now: float) -> None:
     """At success, the chief's final results (its termination message) complete the progress
     that the last read of its metrics, up to a few seconds old, left behind."""
@@ -343,8 +350,14 @@ def _final_progress(st: dict[str, Any], job: TrainingJob, pods: dict[str, PodObs
     step = final.get("global_step", final.get("steps"))
     for key, value in (("step", step), ("loss", final.get("final_train_loss")),
                        ("evalAccuracy", final.get("eval_accuracy"))):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _finite(value):
             progress[key] = value
+    # A script's last reported values (kubetrain.report), often reported just before it exits.
+    reported = final.get("metrics")
+    if isinstance(reported, dict):
+        merged = {**(progress.get("metrics") or {}),
+                  **{str(k): v for k, v in reported.items() if _finite(v)}}
+        progress["metrics"] = dict(list(merged.items())[:MAX_REPORTED_METRICS])
     if isinstance(step, int):
         progress.setdefault("totalSteps", step)
         progress["updateTime"] = iso(now)

@@ -308,3 +308,15 @@ def test_a_script_job_runs_the_script_role_in_every_replica():
     command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[-3:] == ["-m", "kubetrain_trainer", "script"]
     assert "workingDir" not in sts["spec"]["template"]["spec"]["containers"][0]  # the image's own
+
+
+def test_a_scripts_last_reported_values_reach_the_status_from_its_termination_message():
+    j = job("Single", script={"command": ["python", "train.py"]})
+    final = {"steps": 300, "final_train_loss": 0.1, "metrics": {"weight_norm": 5.9, "bad": "x"}}
+    pods = {"single-0": Pod("single-0", "Succeeded", exit_code=0, uid="a", final=final)}
+    old = {"state": "Running", "startTime": iso(T0),
+           "progress": {"step": 290, "totalSteps": 300, "metrics": {"lr": 0.01}}}
+    act = reconcile(j, "u", "t", pods, old, T0 + 1)
+    assert act.status["state"] == "Succeeded"
+    assert act.status["progress"]["step"] == 300
+    assert act.status["progress"]["metrics"] == {"lr": 0.01, "weight_norm": 5.9}

@@ -13,6 +13,7 @@ builds nothing that takes long: the tools (`hack/cluster build`) and images
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from clusterlib import ROOT, Cluster, _environment
-from e2elib import CACHE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, leftovers
+from e2elib import CACHE, CUSTOM_IMAGE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, leftovers
 
 # The real-Prometheus helpers of the observability tests serve test_e2e_prometheus.py too.
 sys.path.insert(0, str(Path(__file__).parents[1] / "observability"))
@@ -102,3 +103,21 @@ def e2e() -> Iterator[E2E]:
             print(f"hack/cluster down: {time.monotonic() - started:.0f} s")
             assert down.returncode == 0, f"hack/cluster down failed: {down.stderr}"
             assert not leftovers(), f"hack/cluster down left the real node's pieces behind: {leftovers()}"
+
+
+@pytest.fixture(scope="session")
+def custom_image(e2e: E2E) -> str:
+    """The example user image (examples/custom/Dockerfile, FROM the trainer image) in the real node's
+    containerd, once per session: `hack/images build --load --examples` builds it unless its inputs are
+    unchanged (seconds: one COPY on the trainer) and imports only the layers the trainer's import did not
+    bring (a few KB), so the tests that need it pay little and the others nothing."""
+    started = time.monotonic()
+    load = _run([str(ROOT / "hack" / "images"), "build", "--load", "--examples"],
+                e2e.cluster.env | {"CONTAINERD_ADDRESS": e2e.containerd}, 900)
+    assert load.returncode == 0, f"hack/images build --load --examples failed:\n{load.stderr[-4000:]}"
+    # hack/images' own lines say what it did (a trainer rebuilt after a source change costs its reload).
+    done = [line.removeprefix("hack/images: ") for line in load.stderr.splitlines()
+            if re.search(r" (built|loaded) in \d+ s", line)]
+    FIGURES.append(f"fixture: example user image {CUSTOM_IMAGE}: hack/images build --load --examples "
+                   f"{time.monotonic() - started:.1f} s ({'; '.join(done) or 'nothing to build or load'})")
+    return CUSTOM_IMAGE

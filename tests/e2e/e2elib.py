@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.request
@@ -219,3 +220,81 @@ def warning_reasons(e2e, name: str) -> set[str]:
     events = json.loads(e2e.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}",
                                     "-o", "json"))["items"]
     return {e["reason"] for e in events if e["type"] == "Warning"}
+
+
+# Script jobs (spec.script): examples/custom and its user image (examples/custom/Dockerfile).
+CUSTOM = EXAMPLES / "custom"
+CUSTOM_IMAGE = "kubetrain/custom-example:0.1.0"  # what examples/custom/*.yaml name; hack/images build --examples
+
+
+def on_real_node(doc: dict) -> dict:
+    """The manifest with its pods sent to the real node (the fake nodes run no containers)."""
+    doc["spec"].setdefault("podTemplate", {}).setdefault("spec", {})["nodeSelector"] = dict(REAL_NODE_SELECTOR)
+    return doc
+
+
+def script_example(name: str, args: list[str] | tuple[str, ...] = ()) -> dict:
+    """An examples/custom manifest on the real node, `args` appended to spec.script.args (train.py's
+    argparse takes the last of a repeated option, so they override the example's)."""
+    doc = yaml.safe_load((CUSTOM / name).read_text())
+    doc["spec"]["script"]["args"] = [*doc["spec"]["script"].get("args", []), *args]
+    return on_real_node(doc)
+
+
+def read_files(e2e, claim: str, paths: list[str]) -> dict[str, str]:
+    """The text of files on the claim (paths relative to its root), read by one busybox pod; '' when missing.
+
+    One pod per claim: read_claim's pod has a fixed name, and a second one
+    applied while the first is still terminating would patch that one."""
+    marker = "=====kubetrain-e2e-file====="
+    script = "; ".join(f"echo {marker}; cat /data/{path} 2>/dev/null" for path in paths)
+    parts = read_claim(e2e, claim, script).split(f"{marker}\n")[1:]
+    assert len(parts) == len(paths), (claim, paths, parts)
+    return dict(zip(paths, parts))
+
+
+def processes(e2e, pod: str) -> list[tuple[int, str]]:
+    """(pid on the host, command line) of each process of the pod's trainer container, from the node's
+    containerd; the host sees the node's processes (the node has a network namespace of its own only)."""
+    statuses = e2e.get("pod", pod)["status"]["containerStatuses"]
+    [container] = [s["containerID"].split("://", 1)[1] for s in statuses if s["name"] == "trainer"]
+    listing = subprocess.run(["ctr", "--address", e2e.containerd, "-n", "k8s.io", "tasks", "ps", container],
+                             check=True, capture_output=True, text=True, timeout=30).stdout
+    found = []
+    for line in listing.splitlines()[1:]:  # PID  INFO
+        pid = int(line.split()[0])
+        try:
+            found.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()))
+        except OSError:
+            continue  # ended meanwhile
+    return found
+
+
+def sigkill_process(e2e, pod: str, needle: str) -> int:
+    """SIGKILL the one process of the pod's trainer container whose command line holds `needle`, from the
+    host, and wait until it is gone (its sockets closed: what answers on its port afterwards is another
+    process). Returns its pid."""
+    matching = [(pid, cmd) for pid, cmd in processes(e2e, pod) if needle in cmd]
+    assert len(matching) == 1, f"not one process with {needle!r} in {pod}: {processes(e2e, pod)}"
+    pid = matching[0][0]
+    os.kill(pid, signal.SIGKILL)
+
+    def gone() -> bool:
+        try:
+            return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()  # a zombie has closed its files
+        except OSError:
+            return True
+
+    e2e.wait(f"pid {pid} ({needle} in {pod}) to end after SIGKILL", gone, timeout=30, every=0.05)
+    return pid
+
+
+def logs(e2e, pod: str) -> str:
+    """The pod's trainer log, the previous container's first (a StatefulSet restarts even a finished one)."""
+    out = []
+    for previous in (True, False):
+        done = subprocess.run(["kubectl", "-n", NAMESPACE, "logs", pod, "-c", "trainer",
+                               *(["--previous"] if previous else [])],
+                              env=e2e.cluster.env, capture_output=True, text=True, timeout=60)
+        out.append(done.stdout if done.returncode == 0 else "")
+    return "".join(out)

@@ -120,3 +120,17 @@ def test_a_scripts_own_exit_code_decides_the_restart(tmp_path, write_job):
     summary = summary_of(tmp_path / "run")
     assert (summary["state"], summary["restarts"]) == ("Failed", 0)
     assert "no data here" in summary["message"]
+
+
+def test_bench_contract_measures_both_variants_and_the_save_in_one_run(tmp_path):
+    out = tmp_path / "contract.json"
+    proc = kubetrain("bench", "contract", "--rounds", "1", "--steps", "20", "--save-mib", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    report, save = result["report"], result["save"]
+    assert len(report["samples_per_second"]["with_report"]) == len(report["samples_per_second"]["without_report"]) == 1
+    assert report["ratio_with_to_without"] == round(report["median_with_report"] / report["median_without_report"], 4)
+    assert set(save["seconds"]) == {"torch_save", "torch_save_fsync", "kubetrain_save"}
+    assert all(s > 0 for s in save["seconds"].values())
+    bad = kubetrain("bench", "contract", "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds, --steps and --save-mib must be at least 1" in bad.stderr

@@ -77,3 +77,17 @@ def test_termination_log_comes_from_the_environment(write_job) -> None:
     assert ReplicaContext.from_env("single", env).termination_log is None
     ctx = ReplicaContext.from_env("single", {**env, "KUBETRAIN_TERMINATION_LOG": "/dev/termination-log"})
     assert ctx.termination_log == Path("/dev/termination-log")
+
+
+def test_a_scripts_reported_values_ride_in_the_termination_message_within_4_kib(tmp_path: Path) -> None:
+    from kubetrain_trainer.events import TERMINATION_MESSAGE_BYTES, termination_message
+
+    small = json.loads(termination_message({"steps": 9, "metrics": {"acc": 0.5, "bad": float("nan")}}))
+    assert small == {"steps": 9, "metrics": {"acc": 0.5}}
+    many = {f"a_rather_long_metric_name_number_{i:02d}": 0.123456789 * i for i in range(32)}
+    text = termination_message({"steps": 9, "final_train_loss": 0.25, "metrics": {**many, "x" * 3000: 1.0}})
+    assert len(text.encode()) <= TERMINATION_MESSAGE_BYTES
+    doc = json.loads(text)
+    # The headline figures always fit; reported values are dropped from the end until the rest does.
+    assert doc["steps"] == 9 and doc["final_train_loss"] == 0.25
+    assert 0 < len(doc["metrics"]) < 33 and "x" * 3000 not in doc["metrics"]
