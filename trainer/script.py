@@ -108,6 +108,19 @@ def run_script(ctx: ReplicaContext) -> int:
     for name in PATH_VARS:
         if env.get(name):
             env[name] = os.path.abspath(env[name])
+    # Handlers first: a SIGTERM that lands while the child starts is passed on
+    # once it runs, not lost (the pod would then wait out its grace period).
+    children: list[subprocess.Popen] = []
+    pending: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if children:
+            children[0].send_signal(signum)
+        else:
+            pending.append(signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
     try:
         child = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
@@ -115,12 +128,9 @@ def run_script(ctx: ReplicaContext) -> int:
                           f"{cwd or os.getcwd()})") from None
     except PermissionError:
         raise ConfigError(f"spec.script.command[0]: {argv[0]!r} is not executable") from None
-
-    def forward(signum: int, frame: object) -> None:
+    children.append(child)
+    for signum in pending:
         child.send_signal(signum)
-
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, forward)
     code = child.wait()
     if code < 0:
         return 128 - code

@@ -134,3 +134,32 @@ def test_bench_contract_measures_both_variants_and_the_save_in_one_run(tmp_path)
     assert all(s > 0 for s in save["seconds"].values())
     bad = kubetrain("bench", "contract", "--rounds", "0")
     assert bad.returncode == 2 and "--rounds, --steps and --save-mib must be at least 1" in bad.stderr
+
+
+def test_sigterm_reaches_the_script_and_its_exit_code_comes_back(tmp_path, write_job):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "graceful.py").write_text(
+        "import signal, sys, time, pathlib\n"
+        "def stop(signum, frame):\n"
+        "    pathlib.Path('stopped').write_text(str(signum))\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "pathlib.Path('ready').write_text('1')\n"
+        "time.sleep(60)\n"
+    )
+    path = write_job(job_doc("term", script={"command": ["python", "graceful.py"]}))
+    env = {**os.environ, "KUBETRAIN_JOB_FILE": str(path), "KUBETRAIN_REPLICA": "single-0",
+           "KUBETRAIN_RUN_DIR": str(tmp_path / "run"), "KUBETRAIN_CODE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "kubetrain_trainer", "script"], env=env)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    assert (tmp_path / "stopped").read_text() == str(int(signal.SIGTERM))
+    assert not (tmp_path / "run" / "results").exists()  # no results for a run that did not finish
