@@ -11,6 +11,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 from .api import InvalidSpec, load_file, load_one
@@ -198,7 +199,35 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         from kubetrain_trainer import export
 
         return export.main_export(args.dirs, args.out, job_file=args.job)
-    return verify.main_recovery(args.dirs[0], args.fault, args.run_root, as_json=args.json)
+    job, faults = recovery_inputs(args.dirs[0], args.fault)
+    return verify.main_recovery(job, args.fault, faults, args.run_root, run_locally, as_json=args.json)
+
+
+def recovery_inputs(manifest: str | Path, fault: str) -> tuple[Any, dict[str, int]]:
+    """The job of `kubetrain checkpoints recovery` and its parsed fault (UsageError names a bad one)."""
+    from .core.plan import replica_names
+
+    job = load_one(manifest)
+    return job, parse_faults([fault], [f"{role}-{i}" for role, i in replica_names(job)])
+
+
+def run_locally(job: Any, run_dir: Path, faults: dict[str, int], stream: Any) -> int:
+    """Run a job to its end with the local backend (the recovery check's runs); its exit code."""
+    from .local.backend import LocalBackend
+    from .local.rundir import RunDir, RunDirError
+
+    try:
+        return LocalBackend(job, RunDir(run_dir), faults, out=stream, echo_logs=False).run_job()
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
+
+
+def recovery_check(manifest: str | Path, fault: str, run_root: str | Path, stream: Any = sys.stderr) -> dict:
+    """The recovery check of a manifest (kubetrain_trainer.verify.recovery_check, run locally)."""
+    from kubetrain_trainer import verify
+
+    job, faults = recovery_inputs(manifest, fault)
+    return verify.recovery_check(job, fault, faults, run_root, run_locally, stream=stream)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import ReplicaContext
-from .ddp.launch import rank_replica
+from kubetrain_operator.api.launch import rank_replica
 from .errors import EXIT_OK, ConfigError
 from .events import read_events, write_result
 

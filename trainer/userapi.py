@@ -20,7 +20,7 @@ from typing import Any
 
 from .context import ReplicaContext
 from .contract import JobCheckpoints, ProgressReporter, number
-from .ddp.launch import fault_armed, rank_replica
+from kubetrain_operator.api.launch import fault_armed, rank_replica
 from .errors import TrainerError
 from .events import EventLog
 from .metrics import TrainerMetrics

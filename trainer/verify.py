@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+from collections.abc import Callable
 
 import torch
 
@@ -270,36 +271,27 @@ def compare_checkpoints(dirs: list[str | Path], tolerance: float = 1e-6, run_eva
             "ok": all(c["within_tolerance"] for c in comparisons)}
 
 
-def recovery_check(manifest: str | Path, fault: str, run_root: str | Path, stream: TextIO = sys.stderr) -> dict[str, Any]:
-    """Run `manifest` uninterrupted and with `fault` (REPLICA:kill@step=N); compare their final checkpoints.
+def recovery_check(job: TrainingJob, fault: str, faults: dict[str, int], run_root: str | Path,
+                   run: Callable[[TrainingJob, Path, dict[str, int], TextIO], int],
+                   stream: TextIO = sys.stderr) -> dict[str, Any]:
+    """Run `job` uninterrupted and with `faults` (parsed from `fault`, REPLICA:kill@step=N); compare
+    their final checkpoints.
 
-    Run directories: RUN_ROOT/clean and RUN_ROOT/faulted (a finished one is
-    not run again). Single must end with the same parameters (within 1e-6);
-    ParameterServer and DDP with the same eval accuracy within 0.02.
+    `run(job, run_dir, faults, stream)` runs a job to its end and returns its
+    exit code: the CLI passes the local backend (the trainer does not import
+    the control plane). Run directories: RUN_ROOT/clean and RUN_ROOT/faulted
+    (a finished one is not run again). Single must end with the same
+    parameters (within 1e-6); ParameterServer and DDP with the same eval
+    accuracy within 0.02.
     """
-    from kubetrain_operator.cli import UsageError, parse_faults
-    from kubetrain_operator.core.plan import replica_names
-    from kubetrain_operator.local.backend import LocalBackend
-    from kubetrain_operator.local.rundir import RunDir, RunDirError
-
-    try:
-        job = load_one(manifest)
-    except InvalidSpec as err:
-        raise VerifyError(f"{manifest}: not a valid TrainingJob: {'; '.join(map(str, err.problems))}") from None
-    try:
-        faults = parse_faults([fault], [f"{role}-{i}" for role, i in replica_names(job)])
-    except UsageError as err:
-        raise VerifyError(str(err)) from None
+    if job.spec.script is not None:
+        raise VerifyError(f"{job.name}: a script job's state is its own: compare its final reports instead")
     root = Path(run_root)
     runs = {"clean": root / "clean", "faulted": root / "faulted"}
     codes = {}
     for name, path in runs.items():
         print(f"recovery check: the {name} run in {path}", file=stream)
-        try:
-            backend = LocalBackend(job, RunDir(path), faults if name == "faulted" else {}, out=stream, echo_logs=False)
-            codes[name] = backend.run_job()
-        except RunDirError as err:
-            raise VerifyError(str(err)) from None
+        codes[name] = run(job, path, faults if name == "faulted" else {}, stream)
     criterion, tolerance = RECOVERY_TOLERANCE[job.spec.mode]
     report: dict[str, Any] = {"job": job.name, "mode": job.spec.mode, "fault": fault, "criterion": criterion,
                               "tolerance": tolerance, "runs": {k: str(v) for k, v in runs.items()},
@@ -381,11 +373,12 @@ def main_compare(dirs: list[str | Path], tolerance: float = 1e-6, as_json: bool 
     return EXIT_OK if report["ok"] else EXIT_INVALID
 
 
-def main_recovery(manifest: str | Path, fault: str, run_root: str | Path, as_json: bool = False,
+def main_recovery(job: TrainingJob, fault: str, faults: dict[str, int], run_root: str | Path,
+                  run: Callable[[TrainingJob, Path, dict[str, int], TextIO], int], as_json: bool = False,
                   out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """`kubetrain checkpoints recovery FILE --fault REPLICA:kill@step=N [--run-root DIR]`: 0 recovered, 1 not, 2 bad input."""
     try:
-        report = recovery_check(manifest, fault, run_root, stream=err)
+        report = recovery_check(job, fault, faults, run_root, run, stream=err)
     except VerifyError as error:
         print(f"kubetrain checkpoints recovery: error: {error}", file=err)
         return EXIT_USAGE

@@ -14,7 +14,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from kubetrain_trainer.ddp.launch import RDZV_PORT  # standard library only
+from ..api.launch import RDZV_PORT
 
 from ..api import API_VERSION, KIND, TrainingJob, dump_manifest
 from ..api.podtemplate import (

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kubetrain_trainer.ddp.launch import torchrun_command  # standard library only
+from ..api.launch import torchrun_command
 
 from ..api import TrainingJob
 

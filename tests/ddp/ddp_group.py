@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from kubetrain_operator.api import load_one
-from kubetrain_trainer.ddp.launch import torchrun_command
+from kubetrain_operator.api.launch import torchrun_command
 
 # Seconds; a healthy group of these tests ends within a minute on an idle
 # 2-core machine, a few times that on a shared one.

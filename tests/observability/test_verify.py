@@ -12,10 +12,11 @@ import yaml
 from support import job_doc
 
 from kubetrain_operator.api import from_object
+from kubetrain_operator.cli import UsageError, recovery_check
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 from kubetrain_trainer.verify import (
-    EXIT_INVALID, EXIT_OK, EXIT_USAGE, VerifyError, main_compare, main_verify, recovery_check, verify_checkpoints,
+    EXIT_INVALID, EXIT_OK, EXIT_USAGE, VerifyError, main_compare, main_verify, verify_checkpoints,
 )
 
 pytestmark = pytest.mark.slow
@@ -162,5 +163,5 @@ def test_compare_checkpoints_of_equal_and_different_runs(runs):
 @pytest.mark.parametrize("fault, message", [("single-0:explode", "expected REPLICA:kill@step=N"),
                                             ("worker-3:kill@step=5", "has no replica 'worker-3'")])
 def test_recovery_check_refuses_a_bad_fault(runs, tmp_path, fault, message):
-    with pytest.raises(VerifyError, match=message):
+    with pytest.raises(UsageError, match=message):
         recovery_check(runs["manifest"], fault, tmp_path)

@@ -1,7 +1,8 @@
 """The DDP runtime: torchrun groups that train data-parallel and resume from kubetrain's checkpoints.
 
-`launch.torchrun_command` (standard library only, for the operator) builds a
-node's torchrun argv; `run_ddp` is what every rank runs under it
+`kubetrain_operator.api.launch.torchrun_command` (standard library only, the
+launch contract the plan and the trainer share) builds a node's torchrun argv;
+`run_ddp` is what every rank runs under it
 (`python -m kubetrain_trainer ddp`). torch is imported only by `run_ddp`, so
 the control plane can import this package without it.
 """
@@ -10,12 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .launch import rank_replica, torchrun_command
-
 if TYPE_CHECKING:
     from ..context import ReplicaContext
 
-__all__ = ["rank_replica", "run_ddp", "torchrun_command"]
+__all__ = ["run_ddp"]
 
 
 def run_ddp(ctx: "ReplicaContext") -> int:

@@ -43,7 +43,7 @@ from ..metrics import TrainerMetrics
 from ..models import build_optimizer, evaluate, model_and_data
 from ..training import planned_steps, train_step
 from .hooks import CommHook
-from .launch import fault_armed, rank_replica
+from kubetrain_operator.api.launch import fault_armed, rank_replica
 
 log = logging.getLogger(__name__)
 

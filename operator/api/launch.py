@@ -1,4 +1,7 @@
-"""The torchrun command line of one DDP node, built from the spec (standard library only).
+"""The launch contract of DDP: a node's torchrun command line, built from the spec, and rank names.
+
+It lives with the API model because both sides read it: the plan (which never
+imports torch) builds the argv, the trainer names its ranks and arms faults.
 
 The operator (which never imports torch) and the local backend both start a
 DDP node with `torchrun_command`, so a pod and a local process run the same
