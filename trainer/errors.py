@@ -1,18 +1,11 @@
-"""Exit codes of every trainer process and the errors that map onto them.
-
-A supervisor (the local backend, the operator's restart policy, torchrun)
-decides from the exit code alone whether a failure is worth a retry: 2 and 3
-are permanent, 75 and 128+N are retried.
-"""
+"""The errors of a trainer process, each mapped onto its exit code (kubetrain_operator.api.exitcodes)."""
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_LOAD = 3
-EXIT_TRANSIENT = 75
-# 128 + SIGTERM: stopped on request after writing a checkpoint, not finished.
-EXIT_TERMINATED = 143
+from kubetrain_operator.api.exitcodes import EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_TERMINATED, EXIT_TRANSIENT
+
+__all__ = ["EXIT_CONFIG", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_TRANSIENT", "TrainerError",
+           "ConfigError", "LoadError", "TransientError"]
 
 
 class TrainerError(Exception):

@@ -11,11 +11,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..api import Spec
+from ..api.exitcodes import EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_TRANSIENT  # noqa: F401  (read as policy.EXIT_*)
 
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_LOAD = 3
-EXIT_TRANSIENT = 75
 PERMANENT_EXIT_CODES = {EXIT_CONFIG: "InvalidConfiguration", EXIT_LOAD: "LoadFailed"}
 
 BACKOFF_BASE_SECONDS = 1.0

@@ -1,0 +1,17 @@
+"""The exit codes of every replica, defined once: the trainer exits with them, the policies read them.
+
+A supervisor (the local backend, the operator's restart policy, torchrun)
+decides from the exit code alone whether a failure is worth a retry: 2 and 3
+are permanent, 75 and 128+N are retried. A user's script (spec.script) speaks
+the same language: its own exit code is the replica's.
+"""
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+"""The configuration cannot work (a bad field, a changed spec): retrying will not help."""
+EXIT_LOAD = 3
+"""The data or the model could not be loaded (a missing file, a bad entry point)."""
+EXIT_TRANSIENT = 75
+"""A failure that may pass (a peer not up yet, a port still taken): retried."""
+EXIT_TERMINATED = 143
+"""128 + SIGTERM: stopped on request after writing a checkpoint, not finished."""
