@@ -23,6 +23,9 @@ WHERE = {"KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR", "KUBETRAIN_CHECKPOINT_DIR", 
          "KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT"}
 # What only a pod has: the token from its Secret, a writable HOME, the termination message's path.
 POD_ONLY = {"KUBETRAIN_JOB_TOKEN", "HOME", "KUBETRAIN_TERMINATION_LOG"}
+# What only a local process has: the manifest's directory, where user code is found
+# (a pod finds it in its image's working directory).
+LOCAL_ONLY = {"KUBETRAIN_CODE_DIR"}
 STEPS = ("steps", "global_step")
 
 
@@ -47,8 +50,8 @@ def test_parameter_server_example_plans_and_steps_the_same_locally_and_in_the_cl
         container = cluster_plan[replica]["spec"]["containers"][0]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert container["command"] == planned["command"], replica
-        assert set(env) == set(planned["env"]) | POD_ONLY, (replica, set(env) ^ set(planned["env"]))
-        same = {k: v for k, v in planned["env"].items() if k not in WHERE}
+        assert set(env) == (set(planned["env"]) - LOCAL_ONLY) | POD_ONLY, (replica, set(env) ^ set(planned["env"]))
+        same = {k: v for k, v in planned["env"].items() if k not in WHERE | LOCAL_ONLY}
         assert {k: env[k] for k in same} == same, replica
         assert len(env.get("KUBETRAIN_PS_ADDRS", "").split(",")) == len(planned["env"]["KUBETRAIN_PS_ADDRS"].split(","))
 
