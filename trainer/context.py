@@ -43,6 +43,8 @@ class ReplicaContext:
     """host:port of each parameter-server shard, in shard order (ps-0 hosts the coordinator)."""
     ps_port: int = 0
     """Port a parameter server listens on."""
+    listen_address: str = "127.0.0.1"
+    """Address /metrics and a parameter server listen on: loopback unless the plan says otherwise (a pod)."""
     token: str = ""
     """Shared secret the parameter servers check in call metadata."""
     fault_step: int | None = None
@@ -95,6 +97,7 @@ class ReplicaContext:
             metrics_port=_int(env, "KUBETRAIN_METRICS_PORT", job.spec.metrics.port),
             ps_addrs=[a for a in env.get("KUBETRAIN_PS_ADDRS", "").split(",") if a],
             ps_port=_int(env, "KUBETRAIN_PS_PORT", 0),
+            listen_address=env.get("KUBETRAIN_LISTEN_ADDRESS") or "127.0.0.1",
             token=env.get("KUBETRAIN_JOB_TOKEN", ""),
             fault_step=_fault_step(env.get("KUBETRAIN_FAULT", "")),
             namespace=env.get("KUBETRAIN_NAMESPACE", ""),

@@ -144,12 +144,12 @@ class TrainerMetrics:
         names = LABELS + ((extra,) if extra else ())
         return self._bind(Histogram(PREFIX + name, doc, names, buckets=buckets, registry=self.registry), extra)
 
-    def serve(self, port: int) -> int:
-        """Serve /metrics on `port` (all interfaces); 0 turns it off. Returns the port served."""
+    def serve(self, port: int, addr: str) -> int:
+        """Serve /metrics on `addr`:`port` (the replica's listen address); 0 turns it off. Returns the port."""
         if port == 0:
             return 0
         try:
-            self._server, _ = start_http_server(port, registry=self.registry)
+            self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as err:
             # Locally a port may still be held by the previous attempt of this replica.
             raise TransientError(f"metrics port {port}: cannot listen: {err.strerror or err}") from None

@@ -99,7 +99,7 @@ class SingleTrainer:
 
     def run(self) -> int:
         self.metrics.process_starts_total.inc()
-        self.metrics.serve(self.ctx.metrics_port)
+        self.metrics.serve(self.ctx.metrics_port, self.ctx.listen_address)
         resumed = self.restore()
         self.events.write("start", step=self.step, total_steps=self.total_steps, device=str(self.device),
                           threads=self.threads)

@@ -79,7 +79,7 @@ class Session:
         self.reporter = ProgressReporter(ctx, self.metrics, self.events)
         self.metrics.process_starts_total.inc()
         port = ctx.metrics_port
-        self.metrics.serve(port + self.rank.local_rank if port else 0)
+        self.metrics.serve(port + self.rank.local_rank if port else 0, ctx.listen_address)
         self.events.write("start", step=0, pid=os.getpid(), rank=self.rank.rank, world_size=self.rank.world_size)
         atexit.register(self.close)
 

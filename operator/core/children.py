@@ -80,6 +80,9 @@ class ClusterEndpoints:
     def code_dir(self) -> str | None:
         return None  # the container's working directory: the image's, or spec.script.workingDir
 
+    def listen_address(self) -> str:
+        return "0.0.0.0"  # the pod's own network namespace: its IP is what Services and scrapes reach
+
 
 def config_name(job: TrainingJob) -> str:
     return f"{job.name}-config"

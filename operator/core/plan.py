@@ -44,6 +44,10 @@ class Endpoints(Protocol):
     def local_addr(self) -> str | None:
         """Address a DDP node's agent advertises (None: the host's name)."""
 
+    def listen_address(self) -> str:
+        """The address a replica's servers (/metrics, a parameter server) listen on: loopback
+        locally, so that no other host reaches a local run; every interface in a pod."""
+
     def code_dir(self) -> str | None:
         """Where user code (a script, entry points) is found: locally the manifest's directory;
         None in a cluster, where it is the container's working directory."""
@@ -101,6 +105,7 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             "KUBETRAIN_RUN_DIR": endpoints.run_dir(name),
             "KUBETRAIN_CHECKPOINT_DIR": endpoints.checkpoint_dir(name),
             "KUBETRAIN_METRICS_PORT": str(metrics_port),
+            "KUBETRAIN_LISTEN_ADDRESS": endpoints.listen_address(),
             "PYTHONUNBUFFERED": "1",
             # `python -m` must not put the working directory first on sys.path:
             # run from a kubetrain checkout, its operator/ folder would shadow

@@ -84,6 +84,9 @@ class LocalEndpoints:
     def code_dir(self) -> str | None:
         return str(self.code) if self.code is not None else None
 
+    def listen_address(self) -> str:
+        return "127.0.0.1"  # a local run is reachable from this machine only
+
 
 def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None) -> LocalEndpoints:
     from ..core.plan import replica_names

@@ -101,7 +101,7 @@ def _normalised(replicas):
     for r in replicas:
         env = dict(r.env)
         for key in ("KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT", "KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR",
-                    "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT"):
+                    "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT", "KUBETRAIN_LISTEN_ADDRESS"):
             if key in env:
                 env[key] = "<endpoint>"
         command = list(r.command)

@@ -320,3 +320,18 @@ def test_a_scripts_last_reported_values_reach_the_status_from_its_termination_me
     assert act.status["state"] == "Succeeded"
     assert act.status["progress"]["step"] == 300
     assert act.status["progress"]["metrics"] == {"lr": 0.01, "weight_norm": 5.9}
+
+
+def test_a_pod_listens_on_every_interface_and_a_local_replica_on_loopback_only(tmp_path):
+    from kubetrain_operator.core.children import children
+    from kubetrain_operator.core.plan import plan_replicas
+    from kubetrain_operator.local.backend import local_endpoints
+    from kubetrain_operator.local.rundir import RunDir
+
+    j = job()
+    pods = [o for o in children(j, "u", "t") if o["kind"] == "Pod"]
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["KUBETRAIN_LISTEN_ADDRESS"] == "0.0.0.0", pod["metadata"]["name"]
+    local = plan_replicas(j, local_endpoints(j, RunDir(tmp_path / "run")))
+    assert {r.env["KUBETRAIN_LISTEN_ADDRESS"] for r in local} == {"127.0.0.1"}

@@ -100,9 +100,11 @@ def free_port() -> int:
 
 def test_serve_exposes_metrics_over_http_and_port_zero_turns_it_off() -> None:
     m = touched()
-    assert m.serve(0) == 0
-    port = m.serve(free_port())
+    assert m.serve(0, "127.0.0.1") == 0
+    port = m.serve(free_port(), "127.0.0.1")
     try:
+        # Bound to the listen address it was given (loopback for a local run), not every interface.
+        assert m._server.server_address[0] == "127.0.0.1"
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         m.close()

@@ -269,7 +269,7 @@ class DDPTrainer:
     def run(self) -> int:
         self.metrics.process_starts_total.inc()
         port = self.ctx.metrics_port
-        self.metrics.serve(port + self.topo.local_rank if port else 0)
+        self.metrics.serve(port + self.topo.local_rank if port else 0, self.ctx.listen_address)
         self.join()
         assert self.ddp is not None and self.hook is not None
         self.restore()

@@ -82,11 +82,11 @@ def run_ps(ctx: ReplicaContext) -> int:
     metrics.process_starts_total.inc()
     metrics.total_steps.set(total_steps)
     metrics.training_step.set(shard.step)
-    metrics.serve(ctx.metrics_port)
+    metrics.serve(ctx.metrics_port, ctx.listen_address)
     # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish.
     server = build_server(shard, ctx.token, max_workers=2 * ps.workers + 8)
     try:
-        server.add_insecure_port(f"0.0.0.0:{ctx.ps_port}")
+        server.add_insecure_port(f"{ctx.listen_address}:{ctx.ps_port}")
     except RuntimeError as err:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     server.start()

@@ -165,7 +165,7 @@ class Worker:
         ctx = self.ctx
         self.metrics.process_starts_total.inc()
         self.metrics.total_steps.set(self.total_steps)
-        self.metrics.serve(ctx.metrics_port)
+        self.metrics.serve(ctx.metrics_port, ctx.listen_address)
         registration = self.client.register(ctx.index, self.incarnation)
         if registration.cursor_json:
             self.cursor.load_state_dict(json.loads(registration.cursor_json))
