@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))  # `import support` from any test area
+sys.path.insert(0, str(Path(__file__).parent))  # `import support` and `helpers` from any test area
 
 
 @pytest.fixture

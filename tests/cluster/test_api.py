@@ -9,17 +9,16 @@ import uuid
 import pytest
 import yaml
 
+from helpers.kube import install_crd
 from kubetrain_operator.api import podtemplate
-from support import EXAMPLES, ROOT
+from support import EXAMPLES
 
 pytestmark = pytest.mark.cluster
-CRD = ROOT / "deploy" / "crd" / "trainingjobs.yaml"
 
 
 @pytest.fixture(scope="module")
 def ns(cluster):
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.dev", "--timeout=60s")
+    install_crd(cluster)
     name = f"api-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name)
     yield name
@@ -27,10 +26,7 @@ def ns(cluster):
 
 
 def apply(cluster, ns, doc: dict, dry_run: bool = False) -> subprocess.CompletedProcess:
-    args = ["kubectl", "-n", ns, "apply", "--server-side", "-f", "-"]
-    if dry_run:
-        args.append("--dry-run=server")
-    return subprocess.run(args, input=yaml.safe_dump(doc), env=cluster.env, capture_output=True, text=True, timeout=60)
+    return cluster.kube(ns).apply(doc, server_side=True, dry_run=dry_run, check=False, timeout=60)
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from helpers.jsonl import read_events
+from helpers.net import free_port
 from kubetrain_operator.api import load_one
 from kubetrain_operator.api.launch import torchrun_command
 
@@ -48,12 +49,6 @@ def write_job(directory: Path, name: str = "ddp-test", **override: Any) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_env(run_dir: Path, job_file: Path, node: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBETRAIN_", "TORCHELASTIC_"))}
     env.update(
@@ -82,9 +77,7 @@ class Group:
         return json.loads((self.run_dir / "results" / f"ddp-{rank}.json").read_text())
 
     def events(self, rank: int, event: str | None = None) -> list[dict[str, Any]]:
-        path = self.run_dir / "metrics" / f"ddp-{rank}.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        return [e for e in lines if event is None or e["event"] == event]
+        return read_events(self.run_dir / "metrics" / f"ddp-{rank}.jsonl", event)
 
     def attempts(self, rank: int, event: str) -> list[list[int]]:
         """Steps of `event` per attempt of the rank (each attempt begins with a `start` event)."""

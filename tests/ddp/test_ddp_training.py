@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from ddp_group import BASE_SPEC, Group
+from helpers.jsonl import read_events
 
 # Both runs see the same samples in the same order (rank r's batch k holds the
 # epoch permutation's positions 2Bk + r, 2Bk + r + 2, ...; Single's batch k
@@ -61,8 +62,7 @@ def test_two_ranks_of_batch_b_follow_single_of_batch_2b(baseline: Group, tmp_pat
     done = subprocess.run([sys.executable, "-m", "kubetrain_trainer", "single"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = (tmp_path / "run" / "metrics" / "single-0.jsonl").read_text().splitlines()
-    single = {e["step"]: e["loss"] for e in map(json.loads, lines) if e["event"] == "train"}
+    single = {e["step"]: e["loss"] for e in read_events(tmp_path / "run" / "metrics" / "single-0.jsonl", "train")}
     ddp = baseline.losses()
     assert sorted(single) == sorted(ddp) == list(range(1, 231))
     worst = max(abs(single[s] - ddp[s]) for s in ddp)

@@ -1,16 +1,16 @@
 """A rank killed or stopped mid-run: torchrun restarts the group and it resumes from the newest checkpoint."""
 
-import json
 import os
-import re
 import signal
-import time
-import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
-from ddp_group import Group, Nodes, assert_ok, free_port, run_group, write_job
+from ddp_group import Group, Nodes, assert_ok, run_group, write_job
+from helpers.jsonl import read_events
+from helpers.metrics import samples, scrape
+from helpers.net import free_ports
+from helpers.wait import wait_for
 
 
 @dataclass(frozen=True)
@@ -55,38 +55,27 @@ def test_killed_rank_restarts_the_group_from_the_newest_checkpoint(fault: Fault,
 
 
 def wait_for_event(group_dir, rank: int, event: str, min_step: int, timeout: float = 90) -> dict:
+    """The first `event` at `min_step` or later in rank's live event log."""
     path = group_dir / "metrics" / f"ddp-{rank}.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                if record["event"] == event and record["step"] >= min_step:
-                    return record
-        time.sleep(0.05)
-    raise AssertionError(f"ddp-{rank} wrote no {event!r} event at step >= {min_step} within {timeout}s")
+    return wait_for(f"ddp-{rank} to write an {event!r} event at step >= {min_step}",
+                    lambda: next((r for r in read_events(path, event) if r["step"] >= min_step), None),
+                    timeout=timeout, every=0.05)
 
 
-SAMPLE = re.compile(r'(kubetrain_\w+)\{(.*)\} (\S+)')
-
-
-def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """`kubetrain_*` samples of one /metrics endpoint on loopback, keyed by name and label set."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels))): float(value)
-            for name, labels, value in SAMPLE.findall(text)}
+def scraped(port: int) -> dict:
+    """The samples of one rank's /metrics on loopback, keyed by name and label set."""
+    return samples(scrape(f"127.0.0.1:{port}"))
 
 
 def test_sigterm_on_one_rank_checkpoints_the_group_which_resumes_there(tmp_path):
     # Twice the epochs: the group must still be training when the signal lands.
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     nodes = Nodes(write_job(tmp_path, training={"epochs": 20}), tmp_path / "run", metrics_ports=ports).start()
     run_dir = nodes.run_dir
     pid = wait_for_event(run_dir, 1, "start", 0)["pid"]
     wait_for_event(run_dir, 1, "train", 30)
     # Every rank serves the shared metric names, labelled with its own replica.
-    series = {**scrape(ports[0]), **scrape(ports[1])}
+    series = {**scraped(ports[0]), **scraped(ports[1])}
     for rank in (0, 1):
         labels = {("namespace", "default"), ("job", "ddp-test"), ("role", "ddp"), ("replica", f"ddp-{rank}")}
         assert series["kubetrain_steps_total", frozenset(labels)] >= 30

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from helpers.jsonl import read_events
 from support import EXAMPLES, job_doc, kubetrain
 from kubetrain_operator.local.summary import SUMMARY_KEYS
 from kubetrain_operator.api import load_one
@@ -92,8 +93,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, write_job):
     resumed = kubetrain("run", str(path), "--run-dir", str(run), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
-    events = [json.loads(line) for line in (run / "metrics" / "single-0.jsonl").read_text().splitlines()]
-    resumes = [e for e in events if e["event"] == "resume"]
+    resumes = read_events(run / "metrics" / "single-0.jsonl", "resume")
     assert resumes and resumes[-1]["step"] >= stopped_at > 0
     assert json.loads((run / "summary.json").read_text())["steps"] == 3000
 

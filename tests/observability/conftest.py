@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from live import (
-    PS, SINGLE, LiveRun, Observed, Prometheus, jobs, prometheus_config, ready, start_run, stop_process, try_scrape,
-)
-from support import free_port, wait_for
+from helpers.metrics import try_scrape
+from helpers.net import free_port
+from helpers.process import stop_process
+from helpers.prometheus import start_prometheus
+from helpers.wait import wait_for
+from live import PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_run
 
 
 @pytest.fixture(scope="module")
@@ -31,38 +33,37 @@ def observed(tmp_path_factory) -> Observed:
     run_dirs = {name: root / "runs" / name for name in docs}
     for path in run_dirs.values():
         path.mkdir(parents=True)  # file_sd watches these directories from the start
-    operator_port, prom_port = free_port(), free_port()
-    operator_log = root / "operator-metrics.log"
-    operator = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("operator_metrics.py")), str(operator_port)],
-        stdout=open(operator_log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )
-    config = prometheus_config(root, run_dirs, f"127.0.0.1:{operator_port}")
-    prom_log = root / "prometheus.log"
-    prom = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}", "--storage.tsdb.retention.time=1h"],
-        stdout=open(prom_log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )
-    prometheus = Prometheus(f"http://127.0.0.1:{prom_port}", prom, prom_log)
-    runs: dict[str, LiveRun] = {}
-    try:
-        wait_for("Prometheus to be ready", lambda: ready(prometheus), timeout=60)
+    # Every part is stopped, last started first, even when stopping another one failed.
+    with contextlib.ExitStack() as stack:
+        operator_port = free_port()
+        operator_log = root / "operator-metrics.log"
+        with open(operator_log, "w") as out:
+            operator = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("operator_metrics.py")), str(operator_port)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        stack.callback(stop_process, operator)
+        config = prometheus_config(root, run_dirs, f"127.0.0.1:{operator_port}")
+        prom = start_prometheus("prometheus", config, root)
+        stack.callback(prom.stop)
+        runs: dict[str, LiveRun] = {}
         # The first attempt of single-0 dies by SIGKILL at step 1000: the restarts of the alert test begin.
         replicas = {SINGLE: ["single-0"], PS: ["ps-0", "worker-0", "worker-1"]}
         runs[SINGLE] = start_run(root, SINGLE, docs[SINGLE], replicas[SINGLE], ["--fault", "single-0:kill@step=1000"])
+        stack.callback(runs[SINGLE].stop)
         # Below single-0's priority, so that its restarts are not slowed down by three busy PS processes.
         runs[PS] = start_run(root, PS, docs[PS], replicas[PS], [], nice=10)
+        stack.callback(runs[PS].stop)
 
         def all_training():
             for run in runs.values():
                 assert run.popen.poll() is None, f"{run.name} ended early:\n{run.log.read_text()[-3000:]}"
-            seen = prometheus.query("count_over_time(kubetrain_training_step[30s]) > 3")
+            seen = prom.query("count_over_time(kubetrain_training_step[30s]) > 3")
             have = {(s["metric"]["job"], s["metric"]["replica"]) for s in seen}
             return have >= {(job, r) for job, rs in replicas.items() for r in rs}
 
         wait_for("every replica to be scraped while training", all_training, timeout=120)
-        observed = Observed(prometheus, runs, f"127.0.0.1:{operator_port}")
+        observed = Observed(prom, runs, f"127.0.0.1:{operator_port}")
         for run in runs.values():
             for target in run.targets():
                 replica = target["labels"]["replica"]
@@ -71,11 +72,3 @@ def observed(tmp_path_factory) -> Observed:
                     f"{run.name}/{replica} to serve /metrics", lambda: try_scrape(target["targets"][0]), timeout=60
                 )
         yield observed
-    finally:
-        # Every part is stopped even when stopping another one failed.
-        with contextlib.ExitStack() as stack:
-            for proc in (operator, prom):
-                stack.callback(stop_process, proc)
-            for run in runs.values():
-                stack.callback(run.stop)
-

@@ -1,4 +1,5 @@
-"""Live parts of the observability tests: a real Prometheus, background `kubetrain run` jobs, their processes."""
+"""Live parts of the observability tests: background `kubetrain run` jobs, their processes, the Prometheus
+configuration that scrapes them (helpers.prometheus runs it)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from catalogue import ALERTS
+from helpers.process import stop_process
+from helpers.prometheus import Prometheus
 from support import ROOT, job_doc
 
 SCRAPE_SECONDS = 1
@@ -87,34 +87,14 @@ class LiveRun:
         assert len(pids) == 1, f"{self.name}: expected one process of {replica}, found {pids}"
         return pids[0]
 
-    def starts(self, replica: str) -> int:
-        """`start` events of a replica so far: one per process."""
-        path = self.run_dir / "metrics" / f"{replica}.jsonl"
-        return path.read_text().count('"event": "start"') if path.exists() else 0
-
     def stop(self) -> None:
         for replica in self.replicas:
             for pid in replica_pids(self.run_dir, replica):
                 _signal(pid, signal.SIGCONT)  # a frozen replica could not take its SIGTERM
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_process(self.popen, timeout=60)
         for replica in self.replicas:
             for pid in replica_pids(self.run_dir, replica):
                 _signal(pid, signal.SIGKILL)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -122,44 +102,6 @@ def _signal(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
-
-
-@dataclass
-class Prometheus:
-    url: str
-    popen: subprocess.Popen
-    log: Path
-
-    def api(self, path: str, **params: str) -> dict:
-        query = urllib.parse.urlencode(params, doseq=True)
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as reply:
-            body = json.load(reply)
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        try:
-            return self.api("query", query=expr)["result"]
-        except urllib.error.HTTPError as err:
-            raise AssertionError(f"Prometheus refused {expr!r}: {err.read().decode()}") from None
-
-    def firing(self, alert: str) -> list[dict]:
-        return [a for a in self.api("alerts")["alerts"] if a["labels"]["alertname"] == alert and a["state"] == "firing"]
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
-
-
-def scrape(target: str) -> str:
-    with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as reply:
-        return reply.read().decode()
-
-
-def try_scrape(target: str) -> str | None:
-    try:
-        return scrape(target)
-    except (urllib.error.URLError, ConnectionError):
-        return None
 
 
 @dataclass
@@ -237,12 +179,3 @@ def prometheus_config(root: Path, runs: dict[str, Path], operator_target: str) -
     path = root / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
-
-
-def ready(prometheus: Prometheus) -> bool:
-    assert prometheus.popen.poll() is None, f"prometheus exited:\n{prometheus.log_tail()}"
-    try:
-        with urllib.request.urlopen(f"{prometheus.url}/-/ready", timeout=2) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, ConnectionError):
-        return False

@@ -21,8 +21,9 @@ import pytest
 from catalogue import (
     catalogue, check_against_catalogue, dashboards, exposed, merged, queries, variable_queries,
 )
-from live import PS, SINGLE, replica_pids, scrape
-from support import wait_for
+from helpers.metrics import scrape
+from helpers.wait import wait_for
+from live import PS, SINGLE, replica_pids
 
 pytestmark = pytest.mark.slow
 

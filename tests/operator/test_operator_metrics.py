@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.metrics import scrape
 from support import ROOT
 
 pytestmark = pytest.mark.cluster
@@ -26,7 +26,7 @@ def test_the_running_operator_exposes_its_catalogued_metrics(operator):
     operator.apply({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "metrics-probe"},
                     "spec": {"mode": "Single"}})
     operator.wait("the job reconciled", lambda: operator.job_status("metrics-probe").get("state"))
-    text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=10).read().decode()
+    text = scrape(f"127.0.0.1:{operator.metrics_port}")
     families = {f.name: f for f in text_string_to_metric_families(text)}
     entries = {name: e for name, e in catalogue().items() if e.side == "operator"}
     assert entries, "docs/metrics.md has no operator section"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from helpers.jsonl import read_events
+from helpers.net import free_ports
+
 TOKEN = "test-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def manifest(name: str, **ps_fields) -> dict:
     compression = ps_fields.pop("compression", {})
@@ -58,7 +53,7 @@ class Job:
         self.job_file = self.run_dir / "job.yaml"
         self.job_file.write_text(yaml.safe_dump(self.doc))
         ps = self.doc["spec"]["parameterServer"]
-        self.ports = [free_port() for _ in range(ps["replicas"])]
+        self.ports = free_ports(ps["replicas"])
         self.replicas = [f"ps-{i}" for i in range(ps["replicas"])] + [f"worker-{i}" for i in range(ps["workers"])]
 
     def env(self, replica: str, fault: str = "") -> dict[str, str]:
@@ -122,8 +117,5 @@ class Job:
         return json.loads((self.run_dir / "results" / f"{replica}.json").read_text())
 
     def events(self, replica: str, event: str | None = None) -> list[dict]:
-        path = self.run_dir / "metrics" / f"{replica}.jsonl"
-        if not path.exists():  # not started yet
-            return []
-        records = [json.loads(line) for line in path.read_text().splitlines()]
-        return [r for r in records if event is None or r["event"] == event]
+        """The replica's event log so far ([] before it started), only `event`s when given."""
+        return read_events(self.run_dir / "metrics" / f"{replica}.jsonl", event)

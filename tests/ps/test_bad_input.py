@@ -8,7 +8,8 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN, free_port
+from cluster import TOKEN
+from helpers.net import free_port
 from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps import ps_pb2_grpc

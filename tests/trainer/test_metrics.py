@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import re
-import socket
-import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers.metrics import scrape
+from helpers.net import free_port
 from kubetrain_trainer.errors import ConfigError
 from kubetrain_trainer.metrics import TrainerMetrics
 
@@ -92,12 +92,6 @@ def test_labels_must_be_exactly_the_replica_labels() -> None:
         TrainerMetrics({"job": "x", "pod": "y"})
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_exposes_metrics_over_http_and_port_zero_turns_it_off() -> None:
     m = touched()
     assert m.serve(0, "127.0.0.1") == 0
@@ -105,7 +99,7 @@ def test_serve_exposes_metrics_over_http_and_port_zero_turns_it_off() -> None:
     try:
         # Bound to the listen address it was given (loopback for a local run), not every interface.
         assert m._server.server_address[0] == "127.0.0.1"
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        body = scrape(f"127.0.0.1:{port}", timeout=5)
     finally:
         m.close()
     assert 'kubetrain_steps_total{job="digits",namespace="default",replica="worker-1",role="worker"} 1.0' in body

@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 
+from helpers.jsonl import read_events
 from support import EXAMPLES, job_doc, kubetrain
 from kubetrain_operator.api import load_one
 from kubetrain_operator.api.spec import BUILTIN_LOSSES, Dataset, Model, Optimizer
@@ -287,8 +288,7 @@ def test_regression_example_trains_a_parameter_server_job_with_user_code(tmp_pat
     code_dir(REGRESSION)
     baseline = mean_predictor_loss(job.spec.dataset, job.spec.training.loss)
     assert summary["eval_loss"] < 0.1 * baseline, (summary, baseline)
-    events = [json.loads(line) for line in (run / "metrics" / "worker-0.jsonl").read_text().splitlines()]
-    [final] = [e for e in events if e["event"] == "eval"]
+    [final] = read_events(run / "metrics" / "worker-0.jsonl", "eval")
     assert final["eval_accuracy"] is None and final["eval_loss"] == summary["eval_loss"]
 
 

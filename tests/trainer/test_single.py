@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.jsonl import read_events
 from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
 from kubetrain_trainer.errors import EXIT_OK, EXIT_TERMINATED
 from kubetrain_trainer.single import run_single
@@ -26,9 +27,7 @@ RESULT_FIELDS = {
 
 
 def events(run_dir: Path, name: str | None = None) -> list[dict]:
-    lines = (run_dir / "metrics" / "single-0.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    return [r for r in records if name is None or r["event"] == name]
+    return read_events(run_dir / "metrics" / "single-0.jsonl", name)
 
 
 def final_parameters(ctx) -> tuple[int, dict[str, torch.Tensor]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 import torch
@@ -11,10 +10,11 @@ import yaml
 from torch import nn
 
 import kubetrain
+from helpers.metrics import scrape
+from helpers.net import free_port
 from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
 from kubetrain_trainer import userapi
 from kubetrain_trainer.events import read_events
-from support import free_port
 
 
 @pytest.fixture
@@ -35,11 +35,6 @@ def script_env(tmp_path, monkeypatch):
     yield tmp_path, port
     if userapi._session is not None:
         userapi._session.close()
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def test_the_first_start_has_nothing_to_restore(script_env):
@@ -100,7 +95,7 @@ def test_reports_become_metrics_and_events(script_env):
     tmp, port = script_env
     for step in range(1, 6):
         kubetrain.report(step, total_steps=5, loss=1.0 / step, accuracy=torch.tensor(0.1 * step), lr=0.01)
-    text = scrape(port)
+    text = scrape(f"127.0.0.1:{port}", timeout=5)
     assert 'kubetrain_training_step{job="s",namespace="default",replica="single-0",role="single"} 5.0' in text
     assert 'kubetrain_total_steps{job="s",namespace="default",replica="single-0",role="single"} 5.0' in text
     assert 'kubetrain_loss{job="s",namespace="default",replica="single-0",role="single"} 0.2' in text
@@ -116,7 +111,7 @@ def test_reported_names_past_the_limit_stay_out_of_metrics(script_env, caplog):
     tmp, port = script_env
     values = {f"m{i}": float(i) for i in range(MAX_REPORTED_METRICS + 3)}
     kubetrain.report(1, total_steps=1, **values)
-    text = scrape(port)
+    text = scrape(f"127.0.0.1:{port}", timeout=5)
     assert text.count("kubetrain_reported_metric{") == MAX_REPORTED_METRICS
     assert f'name="m{MAX_REPORTED_METRICS}"' not in text
     assert "go to the event log only" in caplog.text
