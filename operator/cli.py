@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .api import InvalidSpec, load_file, load_one
+from .api.podtemplate import ALLOWANCES, parse_allowances, pod_security_problems
 
 EXIT_USAGE = 2
 EXIT_LOAD = 3
@@ -64,6 +65,13 @@ def _module_found(name: str, code_dir: Path) -> bool:
     return False
 
 
+def _allowances(value: str) -> frozenset[str]:
+    try:
+        return parse_allowances([value])
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
@@ -76,7 +84,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # Entry points' modules must be importable by the trainers: locally from the
         # manifest's directory (kubetrain run's code directory), else as installed packages.
         code_dir = Path(path).resolve().parent
-        missing = []
+        # What the template asks of the node, judged as the cluster's policy and operator judge it.
+        missing = [f"{path}: {p}" for job in jobs for p in pod_security_problems(job.spec, args.allow)]
+        if missing:
+            missing.append(f"{path}: checked for an installation whose podSecurity.allow is "
+                           f"[{', '.join(sorted(args.allow))}]; --allow NAME,... checks for one that allows more")
         for job in jobs if not args.no_code_check else []:
             spec = job.spec
             refs = [
@@ -147,9 +159,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
+    from .api.podtemplate import parse_allowances
     from .controller.run import run
 
+    try:
+        allowed = parse_allowances([args.pod_security_allow])
+    except ValueError as err:
+        raise UsageError(f"--pod-security-allow: {err}") from None
     return run(
+        pod_security_allow=allowed,
         namespaces=args.namespace,
         metrics_port=args.metrics_port,
         liveness_port=args.liveness_port,
@@ -157,6 +175,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
         pull_policy=args.pull_policy,
         scrape_networks=[n for n in args.scrape_networks.split(",") if n],
         scrape=not args.no_scrape,
+        leader_elect=args.leader_elect,
+        lease_name=args.lease_name,
+        lease_namespace=args.lease_namespace,
     )
 
 
@@ -257,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--no-code-check", action="store_true",
                    help="do not look for the entry points' modules (code that exists only in the job's image)")
+    p.add_argument("--allow", type=_allowances, default=frozenset(), metavar="NAME,...",
+                   help="check for a cluster whose kubetrain installation allows these in spec.podTemplate "
+                        f"(its chart's podSecurity.allow): {', '.join(ALLOWANCES)}")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help="run a TrainingJob on this machine as local processes (resumes an unfinished run)")
@@ -325,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated CIDRs of pod IPs the operator may read /metrics from (default: any)",
     )
     p.add_argument("--no-scrape", action="store_true", help="never read the trainers' /metrics (no progress, no hang detection)")
+    p.add_argument("--leader-elect", action="store_true",
+                   help="act only while holding a coordination.k8s.io Lease, so replicas make one leader and standbys")
+    p.add_argument("--lease-name", default="kubetrain-operator", help="name of the leader-election Lease")
+    p.add_argument("--lease-namespace", default="",
+                   help="namespace of the Lease (default: env POD_NAMESPACE, else default)")
+    p.add_argument("--pod-security-allow", default="", metavar="NAMES",
+                   help="comma-separated podTemplate allowances (privileged, hostNamespaces, hostPath, capabilities, "
+                        "root, serviceAccount); default: none, a job asking for one fails with PodSecurity")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("version", help="print the version")

@@ -108,6 +108,15 @@ def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
         os.close(fd)
 
 
+def unreadable(err: OSError) -> str:
+    """Why read_regular refused a file, for a person."""
+    if err.errno == errno.ELOOP:
+        return "a symbolic link, refused (checkpoints are read from regular files only: a link could point anywhere)"
+    if err.errno == errno.EINVAL:
+        return "not a regular file (a FIFO, device or directory), refused"
+    return f"cannot be read: {err.strerror or err}"
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
@@ -132,7 +141,11 @@ def _snapshot(value: Any) -> Any:
 
 def _write_atomic(path: Path, chunks: list[bytes]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    # Created afresh (O_EXCL never follows a link): a link planted under the
+    # temporary name by code that shares the volume is replaced, not written through.
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
         f.flush()
@@ -298,7 +311,7 @@ class CheckpointStore:
         try:
             data = read_regular(path)
         except OSError as err:
-            raise CorruptCheckpoint(f"cannot be read: {err.strerror or err}") from None
+            raise CorruptCheckpoint(unreadable(err)) from None
         if not data.startswith(MAGIC):
             raise CorruptCheckpoint("not a kubetrain checkpoint (bad magic)")
         end = data.find(b"\n", len(MAGIC))

@@ -29,7 +29,7 @@ import torch
 
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
-from .checkpoint import FILE_PATTERN, LATEST, CheckpointStore, CorruptCheckpoint, spec_hash
+from .checkpoint import FILE_PATTERN, LATEST, CheckpointStore, CorruptCheckpoint, read_regular, spec_hash, unreadable
 from .data import Data
 from .errors import TrainerError
 from .models import evaluate, model_and_data
@@ -92,8 +92,9 @@ def layout(directory: str | Path, job_file: str | Path | None = None) -> Layout:
 def check_file(path: Path, expected_hash: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The verdict on one checkpoint file, and its state when it is usable."""
     match = FILE_PATTERN.fullmatch(path.name)
+    # lstat: a link is judged (and refused) itself, never the file it points to.
     entry: dict[str, Any] = {"file": str(path), "step": int(match.group(1)) if match else None,
-                             "bytes": path.stat().st_size, "spec_hash": None, "ok": False, "error": None}
+                             "bytes": path.lstat().st_size, "spec_hash": None, "ok": False, "error": None}
     try:
         step, written_hash, state = CheckpointStore._read(path)
     except CorruptCheckpoint as err:
@@ -172,7 +173,11 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
         set_aside = sorted(p.name for p in path.glob("*.corrupt"))
         if set_aside:
             report["notes"].append(f"{path}: set aside earlier as corrupt by the trainer: {', '.join(set_aside)}")
-        latest = _latest(path)
+        try:
+            latest = _latest(path)
+        except OSError as err:  # a link or FIFO in its place (reading a FIFO would hang)
+            latest = None
+            report["problems"].append(f"{path / LATEST}: {unreadable(err)}")
         if latest is not None and not (path / latest).exists():
             report["problems"].append(f"{path / LATEST}: points to {latest}, which does not exist")
         report["replicas"][replica] = {"directory": str(path), "latest": latest, "checkpoints": entries}
@@ -199,8 +204,9 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
 
 
 def _latest(path: Path) -> str | None:
+    """The `latest` pointer's file name, None when there is none; OSError when it is no regular file."""
     try:
-        return (path / LATEST).read_text().strip()
+        return read_regular(path / LATEST, 4096).decode(errors="replace").strip()
     except FileNotFoundError:
         return None
 

@@ -5,6 +5,8 @@ chart's copy are this output, and a test fails when either drifts. Defaults,
 enums, ranges, patterns and docs come from `spec.py`; the cross-field rules
 (`__rules__`) and immutable fields become CEL rules with the same messages
 the Python validator prints; so do podTemplate's reserved names (podtemplate.py).
+`--pod-security` prints the rules of the chart's ValidatingAdmissionPolicy
+(podTemplate's pod-security bounds) instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import yaml
 from . import podtemplate, schema
 from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, TypeInfo
 from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, VERSION, Spec
+from .status import JobStatus
 
 SHORT_NAMES = ["tj"]
 CATEGORIES = ["all", "kubetrain"]
@@ -123,11 +126,17 @@ def object_schema(cls: type) -> dict[str, Any]:
                 prop["default"] = {}
         elif cls is Spec and name == "podTemplate":
             prop = pod_template_schema()
+        elif info.kind == "map" and info.value is not None and info.value.kind != "any":
+            value = info.value
+            prop = {"type": "object", "additionalProperties":
+                    object_schema(value.cls) if value.kind == "object" and value.cls else _scalar_schema(value, meta)}
         elif info.kind in ("map", "any"):
             prop = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
         elif info.kind == "list":
             assert info.value is not None
-            prop = {"type": "array", "items": _scalar_schema(info.value, meta)}
+            value = info.value
+            items = object_schema(value.cls) if value.kind == "object" and value.cls else _scalar_schema(value, meta)
+            prop = {"type": "array", "items": items}
             if meta.min_items is not None:
                 prop["minItems"] = meta.min_items
             if meta.max_items is not None:
@@ -258,68 +267,159 @@ def pod_template_schema() -> dict[str, Any]:
     return _preserved({"spec": spec})
 
 
+# --- Pod security: the chart's ValidatingAdmissionPolicy ----------------------
+#
+# The CRD is cluster-wide and Helm installs a chart's crds/ as they are (never
+# templated, never upgraded), so a rule in the CRD could not follow the chart's
+# `podSecurity.allow`. The pod-security rules are a ValidatingAdmissionPolicy
+# instead, which the chart renders from `pod_security_rules()` (written to
+# charts/kubetrain/files/pod-security.yaml, each validation tagged with the
+# allowance that lifts it) and binds to the namespaces its operator watches.
+# Its messages are podtemplate.py's, which `kubetrain validate` and the
+# operator print too. The CRD declares none of these fields: the policy reads
+# them from the stored object whatever the schema says (and the schema keeps
+# them, podTemplate preserves unknown fields).
+
+POD_SECURITY_FILE = "charts/kubetrain/files/pod-security.yaml"
+POD_SECURITY_NAME = "kubetrain-pod-security"  # the chart's is "<release fullname>-pod-security"
+
+
+def _cel_refusal(check: podtemplate.SecurityCheck, var: str) -> str:
+    """CEL true when `var` (the pod spec, a container or a volume) holds a refused value of `check`."""
+    paths = [f"{var}.{'.'.join(check.field[: i + 1])}" for i in range(len(check.field))]
+    present = " && ".join(f"has({p})" for p in paths)
+    value = paths[-1]
+    test = {
+        "present": None,
+        "true": f"{value} == true",
+        "false": f"{value} == false",
+        "zero": f"{value} == 0",
+        "nonempty": f"size({value}) > 0",
+        "named": f"{value} != null && !({value} in {_cel_list(podtemplate.DEFAULT_SERVICE_ACCOUNTS)})",
+    }[check.refused]
+    return present if test is None else f"{present} && {test}"
+
+
+def _validations(check: podtemplate.SecurityCheck) -> list[dict[str, str]]:
+    field = ".".join(check.field)
+    if check.scope == "pod":
+        return [{
+            "allow": check.allowance,
+            "expression": f"!({_cel_refusal(check, 'variables.pod')})",
+            "message": f"spec.podTemplate.spec.{field}: {check.message}",
+        }]
+    out = []
+    for key, unnamed in podtemplate.SCOPE_LISTS[check.scope]:
+        refused = _cel_refusal(check, "x")
+        first = f"variables.{key}.filter(x, {refused}).map(x, has(x.name) ? string(x.name) : {_cel_string(unnamed)})[0]"
+        out.append({
+            "allow": check.allowance,
+            "expression": f"!variables.{key}.exists(x, {refused})",
+            # The path names the item, as pod_security_problems does; `message`
+            # stands in should the expression fail (a name that is no string).
+            "messageExpression": f"{_cel_string(f'spec.podTemplate.spec.{key}[')} + {first} + "
+                                 f"{_cel_string(f'].{field}: {check.message}')}",
+            "message": f"spec.podTemplate.spec.{key}[].{field}: {check.message}",
+        })
+    return out
+
+
+def pod_security_rules() -> dict[str, Any]:
+    """The policy's spec, each validation tagged `allow` with the allowance that lifts it."""
+    pod = "object.spec.podTemplate"
+    variables = [{"name": "pod", "expression": f"has({pod}) && has({pod}.spec) ? {pod}.spec : {{}}"}]
+    for key, _ in (*podtemplate.SCOPE_LISTS["container"], *podtemplate.SCOPE_LISTS["volume"]):
+        variables.append({"name": key, "expression": f"has(variables.pod.{key}) ? variables.pod.{key} : []"})
+    return {
+        "matchConstraints": {
+            "resourceRules": [{
+                "apiGroups": [GROUP],
+                "apiVersions": ["*"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": [PLURAL],  # not trainingjobs/status: the operator's status writes pass
+            }]
+        },
+        # Only a new spec is judged: a job admitted before the policy changed
+        # keeps its finalizers and annotations writable (the operator refuses
+        # it at its next reconcile instead).
+        "matchConditions": [{
+            "name": "spec-changed",
+            "expression": "request.operation == 'CREATE' || oldObject == null || object.spec != oldObject.spec",
+        }],
+        "variables": variables,
+        "validations": [v for check in podtemplate.SECURITY_CHECKS for v in _validations(check)],
+    }
+
+
+def pod_security_policy(allowed: Any = (), name: str = POD_SECURITY_NAME,
+                        namespace: str | None = None) -> list[dict[str, Any]]:
+    """The ValidatingAdmissionPolicy and its binding as the chart renders them (none when all is allowed).
+
+    `namespace`: bind to that namespace only (the chart's `operator.namespaced`).
+    """
+    rules = pod_security_rules()
+    validations = [{k: v for k, v in rule.items() if k != "allow"}
+                   for rule in rules.pop("validations") if rule["allow"] not in allowed]
+    if not validations:
+        return []
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {"failurePolicy": "Fail", **rules, "validations": validations},
+    }
+    binding: dict[str, Any] = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"]},
+    }
+    if namespace is not None:
+        binding["spec"]["matchResources"] = {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+        }
+    return [policy, binding]
+
+
+POD_SECURITY_HEADER = ("# Generated by `python -m kubetrain_operator.api.crd --pod-security` from "
+                       "operator/api/podtemplate.py: do not edit.\n"
+                       "# templates/pod-security.yaml renders it, leaving out the validations whose `allow` is in "
+                       "podSecurity.allow.\n")
+
+
+def render_pod_security() -> str:
+    return POD_SECURITY_HEADER + yaml.safe_dump(pod_security_rules(), sort_keys=False, width=120)
+
+
 def _key_order(key: str) -> tuple[int, str]:
     order = ["type", "description", "enum", "default", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"]
     return (order.index(key) if key in order else len(order), key)
 
 
-def _status_schema() -> dict[str, Any]:
-    counts = {
-        "type": "object",
-        "properties": {k: {"type": "integer"} for k in ("active", "succeeded", "failed")},
-    }
-    return {
-        "type": "object",
-        "description": "Observed state, written by the operator.",
-        "properties": {
-            "observedGeneration": {"type": "integer"},
-            "state": {"type": "string", "description": "Created, Running, Restarting, Suspended, Succeeded or Failed."},
-            "workers": {"type": "integer", "description": "Processes that train (workers or ranks)."},
-            "startTime": {"type": "string", "format": "date-time"},
-            "completionTime": {"type": "string", "format": "date-time"},
-            "conditions": {
-                "type": "array",
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-                "items": {
-                    "type": "object",
-                    "required": ["type", "status", "lastTransitionTime", "reason", "message"],
-                    "properties": {
-                        "type": {"type": "string"},
-                        "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-                        "reason": {"type": "string"},
-                        "message": {"type": "string"},
-                        "lastTransitionTime": {"type": "string", "format": "date-time"},
-                        "observedGeneration": {"type": "integer"},
-                    },
-                },
-            },
-            "replicaStatuses": {"type": "object", "additionalProperties": counts},
-            "restarts": {"type": "integer"},
-            "restartsWithoutProgress": {"type": "integer"},
-            "lastCheckpoint": {
-                "type": "object",
-                "properties": {"step": {"type": "integer"}, "time": {"type": "string", "format": "date-time"}},
-            },
-            "progress": {
-                "type": "object",
-                "properties": {
-                    "step": {"type": "integer"},
-                    "totalSteps": {"type": "integer"},
-                    "loss": {"type": "number"},
-                    "evalAccuracy": {"type": "number"},
-                    "samplesPerSecond": {"type": "number"},
-                    "metrics": {
-                        "type": "object",
-                        "description": "What a script reported with kubetrain.report(step, name=value), by name.",
-                        "maxProperties": MAX_REPORTED_METRICS,
-                        "additionalProperties": {"type": "number"},
-                    },
-                    "updateTime": {"type": "string", "format": "date-time"},
-                },
-            },
-        },
-    }
+DATE_TIME_FIELDS = ("startTime", "completionTime", "lastTransitionTime", "time", "updateTime")
+
+
+def status_schema() -> dict[str, Any]:
+    """The status schema, generated from `status.JobStatus` (what the operator writes, memory included)."""
+    out = object_schema(JobStatus)
+    _status_details(out)
+    conditions = out["properties"]["conditions"]
+    conditions["x-kubernetes-list-type"] = "map"
+    conditions["x-kubernetes-list-map-keys"] = ["type"]
+    out["properties"]["progress"]["properties"]["metrics"]["maxProperties"] = MAX_REPORTED_METRICS
+    return out
+
+
+def _status_details(node: dict[str, Any]) -> None:
+    """No defaults in a status (the operator writes every field it means); RFC 3339 times marked as such."""
+    node.pop("default", None)
+    for name, prop in (node.get("properties") or {}).items():
+        if name in DATE_TIME_FIELDS and prop.get("type") == "string":
+            prop["format"] = "date-time"
+        _status_details(prop)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            _status_details(node[key])
 
 
 PRINTER_COLUMNS = [
@@ -367,7 +467,7 @@ def crd() -> dict[str, Any]:
                                 "kind": {"type": "string"},
                                 "metadata": {"type": "object"},
                                 "spec": spec_schema,
-                                "status": _status_schema(),
+                                "status": status_schema(),
                             },
                             "x-kubernetes-validations": ROOT_CEL,
                         }
@@ -386,4 +486,4 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    sys.stdout.write(render_pod_security() if sys.argv[1:] == ["--pod-security"] else render())

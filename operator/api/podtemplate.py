@@ -1,4 +1,4 @@
-"""What `spec.podTemplate` may not take from kubetrain: its own volumes, mounts, variables and ports.
+"""What `spec.podTemplate` may not take from kubetrain (its own volumes, mounts, variables and ports) or ask of the node.
 
 The pods' builder (`core/children.py`) names its volumes, mount paths and the
 trainer container from the constants here; `pod_template_problems` (run by
@@ -13,11 +13,17 @@ point the trainer somewhere the operator never looks.
 The names the plan gives the trainer's environment and ports (`core/plan.py`)
 are checked against `ENV_PREFIX`, `ENV_NAMES` and `PORTS` by a test, so a new
 variable or port there cannot slip past this check.
+
+The second half (`SECURITY_CHECKS`, `pod_security_problems`) keeps a template
+within Pod Security `restricted`'s bounds: privileged containers, the node's
+namespaces, hostPath volumes, added capabilities, root and another
+ServiceAccount are refused unless the installation allows them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from .schema import _type_name
 
@@ -199,3 +205,159 @@ def _string(item: dict[str, Any], key: str, path: str, problems: list[tuple[str,
         problems.append((f"{path}.{key}", f"must be at most {max_length} characters, got {len(value)}"))
         return None
     return value
+
+
+# --- Pod security: what a template may not ask of the node -------------------
+#
+# kubetrain's own pods satisfy Pod Security `restricted` (core/children.py).
+# A template could undo that: a privileged sidecar, the node's PID namespace,
+# a hostPath volume of `/`, root, or a ServiceAccount with rights in the
+# cluster, all in the hands of whoever may create a TrainingJob. So these are
+# refused unless the cluster's kubetrain installation allows them (the chart's
+# `podSecurity.allow`, one name per allowance below). Three places refuse, with
+# one table and the same messages: `kubetrain validate` (`--allow`), the API
+# server (the chart's ValidatingAdmissionPolicy, generated in crd.py from
+# SECURITY_CHECKS) and the operator at reconcile time, from its own flag, so a
+# cluster without the policy (a CRD applied by hand) is safe too.
+
+ALLOWANCES: dict[str, str] = {
+    "privileged": "privileged containers and privilege escalation (securityContext.privileged, "
+                  "securityContext.allowPrivilegeEscalation)",
+    "hostNamespaces": "the node's namespaces (hostPID, hostIPC, hostNetwork)",
+    "hostPath": "hostPath volumes",
+    "capabilities": "added capabilities (securityContext.capabilities.add)",
+    "root": "running as root (securityContext.runAsUser 0, securityContext.runAsNonRoot false), "
+            "in the pod or a container",
+    "serviceAccount": "another ServiceAccount than the namespace's default, and a ServiceAccount token "
+                      "(serviceAccountName, serviceAccount, automountServiceAccountToken)",
+}
+# What "another ServiceAccount" is not: the pods' own (no name is the namespace's default).
+DEFAULT_SERVICE_ACCOUNTS: tuple[str, ...] = ("", "default")
+# The default's label in a path: the merge sends a container without a name to
+# the trainer; a volume or init container without one is refused by Kubernetes.
+UNNAMED = ""
+
+
+@dataclass(frozen=True)
+class SecurityCheck:
+    """One field a template may not set to a value that reaches past the pod.
+
+    `scope`: where the field is: the pod spec, each container (containers and
+    initContainers) or each volume. `refused`: which values are refused:
+    `true`, `false`, `zero` (a number equal to 0), `nonempty` (anything but an
+    empty list), `present` (the key at all), `named` (a ServiceAccount other
+    than DEFAULT_SERVICE_ACCOUNTS). Anything else, a wrong type included, is
+    left to Kubernetes, which refuses to create such a pod.
+    """
+
+    allowance: str
+    scope: Literal["pod", "container", "volume"]
+    field: tuple[str, ...]
+    refused: Literal["true", "false", "zero", "nonempty", "present", "named"]
+    what: str
+    """What is refused, the subject of "... not allowed"."""
+
+    @property
+    def message(self) -> str:
+        return (f"{self.what} not allowed (the cluster's kubetrain installation allows this with "
+                f"podSecurity.allow: [{self.allowance}])")
+
+
+SECURITY_CHECKS: tuple[SecurityCheck, ...] = (
+    SecurityCheck("privileged", "container", ("securityContext", "privileged"), "true", "privileged containers are"),
+    SecurityCheck("privileged", "container", ("securityContext", "allowPrivilegeEscalation"), "true",
+                  "privilege escalation is"),
+    SecurityCheck("capabilities", "container", ("securityContext", "capabilities", "add"), "nonempty",
+                  "added capabilities are"),
+    SecurityCheck("root", "container", ("securityContext", "runAsUser"), "zero", "running as root (uid 0) is"),
+    SecurityCheck("root", "container", ("securityContext", "runAsNonRoot"), "false",
+                  "runAsNonRoot: false (running as root) is"),
+    SecurityCheck("root", "pod", ("securityContext", "runAsUser"), "zero", "running as root (uid 0) is"),
+    SecurityCheck("root", "pod", ("securityContext", "runAsNonRoot"), "false", "runAsNonRoot: false (running as root) is"),
+    SecurityCheck("hostNamespaces", "pod", ("hostPID",), "true", "the node's process namespace (hostPID) is"),
+    SecurityCheck("hostNamespaces", "pod", ("hostIPC",), "true", "the node's IPC namespace (hostIPC) is"),
+    SecurityCheck("hostNamespaces", "pod", ("hostNetwork",), "true", "the node's network namespace (hostNetwork) is"),
+    SecurityCheck("hostPath", "volume", ("hostPath",), "present", "hostPath volumes are"),
+    SecurityCheck("serviceAccount", "pod", ("serviceAccountName",), "named",
+                  "another ServiceAccount than the namespace's default is"),
+    SecurityCheck("serviceAccount", "pod", ("serviceAccount",), "named",
+                  "another ServiceAccount than the namespace's default is"),
+    SecurityCheck("serviceAccount", "pod", ("automountServiceAccountToken",), "true",
+                  "a ServiceAccount token in the pods is"),
+)
+# The lists each scope walks, and the label of an item without a name.
+SCOPE_LISTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "container": (("containers", CONTAINER), ("initContainers", UNNAMED)),
+    "volume": (("volumes", UNNAMED),),
+}
+
+
+def parse_allowances(values: Any) -> frozenset[str]:
+    """The allowances of comma-separated lists ("privileged,hostPath"); ValueError names an unknown one."""
+    names = {n.strip() for v in values for n in str(v).split(",") if n.strip()}
+    unknown = sorted(names - set(ALLOWANCES))
+    if unknown:
+        raise ValueError(f"unknown pod-security allowance {', '.join(map(repr, unknown))}; "
+                         f"expected some of {', '.join(ALLOWANCES)}")
+    return frozenset(names)
+
+
+def _refused(check: SecurityCheck, parent: dict[str, Any]) -> bool:
+    value: Any = parent
+    for key in check.field:
+        if not isinstance(value, dict) or key not in value:
+            return False
+        value = value[key]
+    kind = check.refused
+    if kind == "present":
+        return True
+    if kind == "true":
+        return value is True
+    if kind == "false":
+        return value is False
+    if kind == "zero":
+        return type(value) in (int, float) and value == 0
+    if kind == "nonempty":
+        return value is not None and value != []
+    if kind == "named":
+        return value is not None and value not in DEFAULT_SERVICE_ACCOUNTS
+    raise ValueError(f"no refusal {kind!r}")
+
+
+def pod_security_violations(template: Any, allowed: Any = ()) -> list[tuple[SecurityCheck, str]]:
+    """(check, path) of every field of `spec.podTemplate` that reaches past the pod and is not allowed.
+
+    Paths name list items by name, as the API server's policy does
+    (`spec.podTemplate.spec.containers[trainer].securityContext.privileged`).
+    Malformed shapes are pod_template_problems' to report; here they refuse nothing.
+    """
+    spec = template.get("spec") if isinstance(template, dict) else None
+    if not isinstance(spec, dict):
+        return []
+    out: list[tuple[SecurityCheck, str]] = []
+    base = "spec.podTemplate.spec"
+    for check in SECURITY_CHECKS:
+        if check.allowance in allowed:
+            continue
+        field = ".".join(check.field)
+        if check.scope == "pod":
+            if _refused(check, spec):
+                out.append((check, f"{base}.{field}"))
+            continue
+        for key, unnamed in SCOPE_LISTS[check.scope]:
+            items = spec.get(key)
+            for item in items if isinstance(items, list) else []:
+                if isinstance(item, dict) and _refused(check, item):
+                    out.append((check, f"{base}.{key}[{item.get('name', unnamed)}].{field}"))
+    return out
+
+
+def pod_security_problems(spec: Any, allowed: Any = ()) -> list[str]:
+    """"<path>: <message>" for every pod-security refusal of a job's spec (a Spec, or its podTemplate dict).
+
+    For the operator at reconcile time, with its allowances (`--pod-security-allow`), and
+    for `kubetrain validate`; an empty list means the template stays within bounds.
+    """
+    template = getattr(spec, "pod_template", spec)
+    return [f"{path}: {check.message}" for check, path in sorted(pod_security_violations(template, allowed),
+                                                                   key=lambda v: v[1])]

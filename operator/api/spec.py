@@ -362,7 +362,11 @@ class Spec:
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
         "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
-        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous.",
+        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous. What reaches past the pod "
+        "is refused unless the cluster's kubetrain installation allows it (the chart's podSecurity.allow): "
+        "privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, hostNetwork, hostPath volumes, "
+        "added capabilities, runAsUser 0 or runAsNonRoot false, another serviceAccountName and "
+        "automountServiceAccountToken.",
         default_factory=dict,
     )
 

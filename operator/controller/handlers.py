@@ -1,9 +1,18 @@
-"""The kopf handlers: thin. Each job gets a daemon that observes, calls the pure core, acts.
+"""The kopf handlers: thin. Watch events feed an index and a work queue; a bounded pool of
+workers reconciles the jobs that changed.
 
-One daemon thread per TrainingJob serialises that job's reconciliations (no
-two rounds race on its pods or status); pod events wake the job's daemon at
-once, so a failed replica is replaced within a round trip rather than a
-timer period. Jobs reconcile concurrently, one thread each.
+- Pods and checkpoint claims come from the operator's watch streams into an index by job
+  (`Index`): no per-job LIST in steady state, only a resync of a running job's pods every
+  RESYNC_SECONDS as a safety net, and one LIST at start-up before any job is reconciled.
+- A job that changed (its spec, one of its pods, a claim) is queued once however many
+  events arrived (`workqueue.WorkQueue`); WORKERS threads take jobs from it, and a job is
+  never reconciled by two workers at once. A running job is queued again when the engine
+  asks (at most every 10 s); a finished one costs nothing until its TTL deletes it.
+- Every API call has a timeout (kube.API_TIMEOUT). A failed round is retried with an
+  exponential backoff; after REPORT_AFTER_FAILURES failures in a row the problem (422
+  invalid, 429 throttled, 5xx and others) is shown on the job: a condition and an Event.
+- What the engine remembers is in the job's status (`status.memory`): a restarted operator,
+  or a standby taking over, continues where the last one stopped.
 """
 
 from __future__ import annotations
@@ -19,17 +28,31 @@ from typing import Any
 import kopf
 
 from ..api import GROUP, PLURAL, VERSION, InvalidSpec, from_spec_dict
+from ..api.podtemplate import pod_security_problems
 from ..core.children import LABEL_JOB, Settings
+from ..core.engine import ReplicaObservation
 from ..core.plan import chief
 from ..core.reconcile import reconcile
-from ..core.status import Observed, conditions
+from ..core.status import TERMINAL, Observed, conditions
 from . import kube, metrics, observe
+from .workqueue import WorkQueue
 
 log = logging.getLogger("kubetrain.operator")
 
 DOMAIN = "kubetrain.dev"
 FINALIZER = f"{DOMAIN}/finalizer"
-MAX_SLEEP_SECONDS = 5.0
+
+WORKERS = 8
+"""Reconcile workers. A round is a few API calls at most (milliseconds each), so 8 keep up with
+thousands of jobs; more would only multiply concurrent calls against the API server."""
+RESYNC_SECONDS = 300.0
+"""A running job's pods are listed afresh this often, in case the watch missed an event."""
+EXPECTATION_SECONDS = 30.0
+"""A pod this operator created is taken as Pending for up to this long before the watch shows it,
+so a round that runs before the watch event does not take it for deleted."""
+REPORT_AFTER_FAILURES = 3
+"""Rounds that failed in a row on an API error before the error is shown on the job."""
+API_PROBLEMS = {422: "ApiInvalid", 429: "ApiThrottled"}  # others: ApiError (5xx: the server's own trouble)
 
 
 @dataclass
@@ -37,6 +60,8 @@ class OperatorConfig:
     settings: Settings = field(default_factory=Settings)
     scrape_networks: list[str] = field(default_factory=list)  # empty: scrape any pod IP
     scrape: bool = True
+    namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    workers: int = WORKERS
 
 
 CONFIG = OperatorConfig()
@@ -44,17 +69,76 @@ CONFIG = OperatorConfig()
 
 @dataclass
 class JobState:
-    """What the operator remembers of a job between rounds (lost on restart, rebuilt from the API)."""
+    """What this operator process remembers of a job beyond its status (rebuilt after a restart)."""
 
-    wake: threading.Event = field(default_factory=threading.Event)
-    status: dict[str, Any] | None = None  # the last status written: the API's copy may lag behind
+    status: dict[str, Any] | None = None  # the last status written: the watch's copy may lag behind
     existing: set[tuple[str, str]] = field(default_factory=set)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     counted_created: bool = False
+    expected: dict[str, float] = field(default_factory=dict)  # replica -> when its pod was created (monotonic)
+    last_resync: float = field(default_factory=time.monotonic)
+    problem: str | None = None  # the API problem reason shown on the job, if any
 
 
-JOBS: dict[tuple[str, str], JobState] = {}
+Key = tuple[str, str]  # (namespace, job name)
+
+
+class Index:
+    """Jobs, their pods and their claims as the watches last showed them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.jobs: dict[Key, dict[str, Any]] = {}
+        self.pods: dict[Key, dict[str, ReplicaObservation]] = {}  # job -> pod name -> observation
+        self.claims: dict[Key, dict[str, str]] = {}  # job -> claim name -> phase
+
+    def job(self, key: Key) -> dict[str, Any] | None:
+        with self.lock:
+            return self.jobs.get(key)
+
+    def replicas(self, key: Key) -> dict[str, ReplicaObservation]:
+        with self.lock:
+            return {o.replica: o for o in (self.pods.get(key) or {}).values()}
+
+    def set_pod(self, key: Key, name: str, seen: ReplicaObservation | None) -> None:
+        with self.lock:
+            pods = self.pods.setdefault(key, {})
+            if seen is None:
+                pods.pop(name, None)
+                if not pods:
+                    del self.pods[key]
+            else:
+                pods[name] = seen
+
+    def replace_pods(self, key: Key, pods: dict[str, ReplicaObservation]) -> None:
+        with self.lock:
+            if pods:
+                self.pods[key] = pods
+            else:
+                self.pods.pop(key, None)
+
+    def pending_claims(self, key: Key) -> list[str]:
+        with self.lock:
+            return sorted(n for n, phase in (self.claims.get(key) or {}).items() if phase == "Pending")
+
+    def set_claim(self, key: Key, name: str, phase: str | None) -> None:
+        with self.lock:
+            claims = self.claims.setdefault(key, {})
+            if phase is None:
+                claims.pop(name, None)
+            else:
+                claims[name] = phase
+
+    def forget(self, key: Key) -> None:
+        with self.lock:
+            self.jobs.pop(key, None)
+
+
+INDEX = Index()
+QUEUE = WorkQueue()
+JOBS: dict[Key, JobState] = {}
 JOBS_LOCK = threading.Lock()
+_WORKERS: list[threading.Thread] = []
 
 
 def job_state(namespace: str, name: str) -> JobState:
@@ -68,101 +152,204 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=DOMAIN, key="last-handled-configuration"
     )
-    settings.persistence.finalizer = FINALIZER
+    settings.persistence.finalizer = FINALIZER  # jobs of the daemon era carry it: kopf removes it
     settings.posting.level = logging.WARNING
-    settings.execution.max_workers = 512  # one per job daemon, plus handlers
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # not a line per watch event
+    settings.execution.max_workers = 4  # the handlers only index and queue; the work is on WORKERS
     settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
     kube.load_config()
+    # The pods and claims that exist before any job is reconciled: a round that ran on an empty
+    # index would take every running replica for deleted.
+    for raw in kube.list_labelled("pods", CONFIG.namespaces):
+        _index_pod("ADDED", raw)
+    for raw in kube.list_labelled("persistentvolumeclaims", CONFIG.namespaces):
+        _index_claim("ADDED", raw)
+    start_workers(CONFIG.workers)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0, initial_delay=0)
-def supervise(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    state = job_state(ns, name)
-    try:
-        while not stopped:
-            delay = MAX_SLEEP_SECONDS
-            start = time.monotonic()
-            try:
-                delay = reconcile_once(body, state) or MAX_SLEEP_SECONDS
-            except kube.KubeError as err:
-                metrics.RECONCILE_ERRORS.inc()
-                if err.status == 403:
-                    _report_forbidden(body, state, err)
-                else:
-                    log.warning("%s/%s: %s; retrying", ns, name, err)
-            except Exception:  # a bug must not kill the job's daemon: log it and retry
-                metrics.RECONCILE_ERRORS.inc()
-                log.exception("%s/%s: reconciliation failed; retrying", ns, name)
-            finally:
-                metrics.RECONCILE_SECONDS.observe(time.monotonic() - start)
-            _sleep(state, stopped, min(delay, MAX_SLEEP_SECONDS))
-    finally:
+def start_workers(count: int) -> None:
+    for n in range(count - len(_WORKERS)):
+        worker = threading.Thread(target=_work, name=f"reconcile-{n}", daemon=True)
+        worker.start()
+        _WORKERS.append(worker)
+
+
+@kopf.on.cleanup()
+def stop_workers(**_: Any) -> None:
+    QUEUE.close()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def job_event(event: dict[str, Any], **_: Any) -> None:
+    raw = event.get("object") or {}
+    meta = raw.get("metadata") or {}
+    key = (meta.get("namespace", ""), meta.get("name", ""))
+    if event.get("type") == "DELETED":
+        INDEX.forget(key)
+        QUEUE.discard(key)
         with JOBS_LOCK:
-            if JOBS.get((ns, name)) is state:
-                del JOBS[(ns, name)]
+            JOBS.pop(key, None)
         _update_state_gauge()
+        return
+    with INDEX.lock:
+        INDEX.jobs[key] = raw
+    QUEUE.add(key)
 
 
-def _report_forbidden(body: kopf.Body, state: JobState, err: kube.KubeError) -> None:
+@kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+def pod_event(event: dict[str, Any], **_: Any) -> None:
+    key = _index_pod(event.get("type"), event.get("object") or {})
+    if key is not None:
+        QUEUE.add(key)
+
+
+@kopf.on.event("", "v1", "persistentvolumeclaims", labels={LABEL_JOB: kopf.PRESENT})
+def claim_event(event: dict[str, Any], **_: Any) -> None:
+    key = _index_claim(event.get("type"), event.get("object") or {})
+    if key is not None:
+        QUEUE.add(key)
+
+
+def _index_pod(kind: str | None, raw: dict[str, Any]) -> Key | None:
+    meta = raw.get("metadata") or {}
+    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    if not job:
+        return None
+    key = (meta.get("namespace", ""), job)
+    INDEX.set_pod(key, meta.get("name", ""), None if kind == "DELETED" else observe.pod_observation(raw))
+    return key
+
+
+def _index_claim(kind: str | None, raw: dict[str, Any]) -> Key | None:
+    meta = raw.get("metadata") or {}
+    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    if not job:
+        return None
+    key = (meta.get("namespace", ""), job)
+    phase = None if kind == "DELETED" else ((raw.get("status") or {}).get("phase") or "Pending")
+    INDEX.set_claim(key, meta.get("name", ""), phase)
+    return key
+
+
+def _work() -> None:
+    while True:
+        key = QUEUE.get()
+        if key is None:
+            return
+        try:
+            _process(key)
+        finally:
+            QUEUE.done(key)
+
+
+def _process(key: Key) -> None:
+    body = INDEX.job(key)
+    if body is None:
+        return  # deleted meanwhile
+    ns, name = key
+    state = job_state(ns, name)
+    start = time.monotonic()
+    try:
+        delay = reconcile_once(body, state)
+    except kube.KubeError as err:
+        metrics.RECONCILE_ERRORS.inc()
+        if err.status == 403:
+            _report_forbidden(body, state, err)
+        else:
+            _report_api_error(body, state, key, err)
+        QUEUE.add_after(key, QUEUE.backoff(key))
+    except kube.NotOurs as err:
+        metrics.RECONCILE_ERRORS.inc()
+        _report_problem(body, state, "ChildConflict", str(err))
+        QUEUE.add_after(key, QUEUE.backoff(key))
+    except Exception:  # a bug must not stop the worker: log it and retry the job later
+        metrics.RECONCILE_ERRORS.inc()
+        log.exception("%s/%s: reconciliation failed; retrying", ns, name)
+        QUEUE.add_after(key, QUEUE.backoff(key))
+    else:
+        QUEUE.forget(key)
+        if delay is not None:
+            QUEUE.add_after(key, delay)
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - start)
+
+
+def _report_api_error(body: dict[str, Any], state: JobState, key: Key, err: kube.KubeError) -> None:
+    """Retried with backoff; shown on the job once it failed REPORT_AFTER_FAILURES rounds in a row."""
+    ns, name = key
+    failures = QUEUE.failures(key) + 1
+    log.warning("%s/%s: %s (failure %d in a row); retrying", ns, name, err, failures)
+    if failures < REPORT_AFTER_FAILURES:
+        return
+    reason = API_PROBLEMS.get(err.status or 0, "ApiError")
+    _report_problem(body, state, reason, f"{err}; failed {failures} times in a row, retrying with backoff.")
+
+
+def _report_problem(body: dict[str, Any], state: JobState, reason: str, message: str) -> None:
+    meta = body["metadata"]
+    log.error("%s/%s: %s", meta["namespace"], meta["name"], message)
+    if state.problem == reason:
+        return  # shown already
+    old = _last_status(body, state)
+    try:
+        _write_condition(body, state, old, Observed(old.get("state") or "Created", reason, message))
+        kube.record_event(body, "Warning", reason, message)
+        state.problem = reason
+    except kube.KubeError as second:
+        log.error("%s/%s: cannot report that in the status either: %s", meta["namespace"], meta["name"], second)
+
+
+def _report_forbidden(body: dict[str, Any], state: JobState, err: kube.KubeError) -> None:
     """RBAC refused an operation: say which, in the log and (where still allowed) the job's status."""
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     message = (f"{err}. The operator's ServiceAccount lacks this permission: the chart's Role or ClusterRole "
                "(charts/kubetrain/templates/rbac.yaml) grants it; retrying.")
-    log.error("%s/%s: %s", ns, name, message)
-    old = _last_status(body, state)
-    try:
-        _write_condition(body, state, old, Observed(old.get("state") or "Created", "Forbidden", message))
-    except kube.KubeError as second:
-        log.error("%s/%s: cannot report that in the status either: %s", ns, name, second)
+    _report_problem(body, state, "Forbidden", message)
 
 
-def _last_status(body: kopf.Body, state: JobState) -> dict[str, Any]:
+def _last_status(body: dict[str, Any], state: JobState) -> dict[str, Any]:
     """The job's status as last written (the API's copy may lag behind), to change freely."""
     return copy.deepcopy(state.status if state.status is not None else dict(body.get("status") or {}))
 
 
-def _write_condition(body: kopf.Body, state: JobState, old: dict[str, Any], observed: Observed, **fields: Any) -> None:
+def _write_condition(body: dict[str, Any], job_state: JobState, old: dict[str, Any], observed: Observed,
+                     **fields: Any) -> None:
     """Write the status with `observed` on its conditions (and `fields` beside them)."""
     meta = body["metadata"]
     new = dict(old, **fields)
     new["conditions"] = conditions(old.get("conditions"), observed, _iso_now(), meta.get("generation", 0))
-    _write_status(meta["namespace"], meta["name"], state, old, new)
-
-
-def _sleep(state: JobState, stopped: kopf.DaemonStopped, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not stopped and time.monotonic() < deadline:
-        if state.wake.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
-            break
-    state.wake.clear()
-
-
-@kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_changed(meta: kopf.Meta, **_: Any) -> None:
-    job = meta.get("labels", {}).get(LABEL_JOB)
-    with JOBS_LOCK:
-        state = JOBS.get((meta["namespace"], job))
-    if state is not None:
-        state.wake.set()
-
-
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def spec_changed(meta: kopf.Meta, **_: Any) -> None:
-    """suspend and other mutable fields take effect at once."""
-    with JOBS_LOCK:
-        state = JOBS.get((meta["namespace"], meta["name"]))
-    if state is not None:
-        state.wake.set()
+    _write_status(meta["namespace"], meta["name"], job_state, old, new)
 
 
 def _now() -> float:
     return time.time()
 
 
-def reconcile_once(body: kopf.Body, state: JobState) -> float | None:
+def observed_replicas(key: Key, state: JobState) -> dict[str, ReplicaObservation]:
+    """The job's replicas from the index, with the pods this operator just created and the watch
+    has not shown yet taken as Pending."""
+    now = time.monotonic()
+    if now - state.last_resync >= RESYNC_SECONDS:
+        # The safety net: a running job's pods listed afresh, in case the watch missed an event.
+        state.last_resync = now
+        fresh = {}
+        for raw in kube.list_pods(*key):
+            seen = observe.pod_observation(raw)
+            if seen is not None:
+                fresh[raw["metadata"]["name"]] = seen
+        INDEX.replace_pods(key, fresh)
+    replicas = INDEX.replicas(key)
+    for replica, created in list(state.expected.items()):
+        if replica in replicas or now - created > EXPECTATION_SECONDS:
+            del state.expected[replica]
+        else:
+            replicas[replica] = ReplicaObservation(replica, "Pending")
+    return replicas
+
+
+def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     old_status = _last_status(body, state)
@@ -175,25 +362,32 @@ def reconcile_once(body: kopf.Body, state: JobState) -> float | None:
         return None
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = uid
+    refused = pod_security_problems(job.spec, CONFIG.settings.pod_security_allow)
+    if refused and old_status.get("state") not in TERMINAL:
+        # The chart's admission policy refuses these at the API; a cluster without it still gets no such pod.
+        _write_condition(body, state, old_status, Observed("Failed", "PodSecurity", "; ".join(refused)), state="Failed",
+                         completionTime=_iso_now())
+        kube.record_event(body, "Warning", "PodSecurity", "; ".join(refused)[:1024])
+        return None
     if not state.counted_created:
         state.counted_created = True
         if not old_status:
             metrics.JOBS_CREATED.labels(ns, job.spec.mode).inc()
-
-    pods: dict[str, Any] = {}
-    raw_pods = kube.list_pods(ns, name)
-    for raw in raw_pods:
-        obs = observe.pod_observation(raw)
-        if obs is not None:
-            pods[obs.replica] = obs
-    progress = _progress(job, pods)
-    pvc_pending = kube.pending_claims(ns, name) if old_status.get("state") in (None, "Created") and pods else None
+    if old_status.get("state") in TERMINAL:
+        pods: dict[str, ReplicaObservation] = INDEX.replicas((ns, name))
+        progress = None
+    else:
+        pods = observed_replicas((ns, name), state)
+        progress = _progress(job, pods)
+    pvc_pending = INDEX.pending_claims((ns, name)) if old_status.get("state") in (None, "Created") and pods else None
     act = reconcile(
         job, uid, state.token, pods, old_status, _now(), progress, CONFIG.settings, pvc_pending, state.existing
     )
     for obj in act.create:
         kube.create(obj)
-        if obj["kind"] != "Pod":
+        if obj["kind"] == "Pod":
+            state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
+        else:
             state.existing.add((obj["kind"], obj["metadata"]["name"]))
     for pod in act.delete_pods:
         kube.delete_pod(ns, pod)
@@ -201,14 +395,15 @@ def reconcile_once(body: kopf.Body, state: JobState) -> float | None:
         kube.scale_statefulset(ns, f"{name}-ddp", act.scale_statefulset)
     for type_, reason, message in act.events:
         kube.record_event(body, type_, reason, message)
-        if type_ == "Warning" and act.status.get("state") == "Restarting":
-            metrics.REPLICA_RESTARTS.labels(ns, job.spec.mode, reason).inc()
+    for restarted in act.restarted:
+        metrics.REPLICA_RESTARTS.labels(ns, job.spec.mode, restarted.reason).inc()
     before, after = old_status.get("state"), act.status.get("state")
     if after != before and after == "Succeeded":
         metrics.JOBS_SUCCEEDED.labels(ns, job.spec.mode).inc()
     if after != before and after == "Failed":
         metrics.JOBS_FAILED.labels(ns, job.spec.mode).inc()
     _write_status(ns, name, state, old_status, act.status)
+    state.problem = None
     if act.delete_job:
         kube.delete_job(ns, name)
     return act.requeue_after

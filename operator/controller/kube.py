@@ -1,6 +1,6 @@
 """All of the operator's Kubernetes I/O, in one module; ApiException becomes KubeError.
 
-Responses are read as raw JSON (`_preload_content=False`): the client's model
+Responses are read as raw JSON (`_preload_content=False, _request_timeout=API_TIMEOUT`): the client's model
 classes cost more CPU than the rest of a reconciliation together.
 """
 
@@ -21,6 +21,13 @@ from ..api import GROUP, PLURAL, VERSION
 from ..core.children import LABEL_JOB
 
 log = logging.getLogger(__name__)
+
+API_TIMEOUT = (5.0, 20.0)
+"""Seconds to connect to and then to hear from the API server, for every call: a silent API
+server must not hold a worker (and the job it reconciles) forever. 20 s covers a slow but
+alive server (a create is answered in milliseconds; the budget is for an overloaded one)."""
+LIST_TIMEOUT = (5.0, 120.0)
+"""The start-up LIST of every job's pods may be tens of MB on a large cluster."""
 
 
 class KubeError(Exception):
@@ -61,17 +68,40 @@ def _json(resp: Any) -> Any:
 def list_pods(namespace: str, job: str) -> list[dict[str, Any]]:
     try:
         resp = client.CoreV1Api(_api()).list_namespaced_pod(
-            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False
+            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:
         raise KubeError("list", f"pods of {namespace}/{job}", err) from None
     return _json(resp)["items"]
 
 
+def list_labelled(resource: str, namespaces: list[str]) -> list[dict[str, Any]]:
+    """Every pod or claim that carries a job label, in the watched namespaces (all when empty):
+    the index's first fill, before any job is reconciled."""
+    api = client.CoreV1Api(_api())
+    calls = {
+        "pods": (api.list_pod_for_all_namespaces, api.list_namespaced_pod),
+        "persistentvolumeclaims": (api.list_persistent_volume_claim_for_all_namespaces,
+                                   api.list_namespaced_persistent_volume_claim),
+    }
+    every, one = calls[resource]
+    items: list[dict[str, Any]] = []
+    try:
+        if not namespaces:
+            resp = every(label_selector=LABEL_JOB, _preload_content=False, _request_timeout=LIST_TIMEOUT)
+            items += _json(resp)["items"]
+        for ns in namespaces:
+            resp = one(ns, label_selector=LABEL_JOB, _preload_content=False, _request_timeout=LIST_TIMEOUT)
+            items += _json(resp)["items"]
+    except ApiException as err:
+        raise KubeError("list", f"{resource} of TrainingJobs", err) from None
+    return items
+
+
 def pending_claims(namespace: str, job: str) -> list[str]:
     try:
         resp = client.CoreV1Api(_api()).list_namespaced_persistent_volume_claim(
-            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False
+            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:
         raise KubeError("list", f"persistentvolumeclaims of {namespace}/{job}", err) from None
@@ -84,35 +114,75 @@ def create(obj: dict[str, Any]) -> bool:
     api = _api()
     try:
         if kind == "Pod":
-            client.CoreV1Api(api).create_namespaced_pod(ns, obj, _preload_content=False)
+            client.CoreV1Api(api).create_namespaced_pod(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "Service":
-            client.CoreV1Api(api).create_namespaced_service(ns, obj, _preload_content=False)
+            client.CoreV1Api(api).create_namespaced_service(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "ConfigMap":
-            client.CoreV1Api(api).create_namespaced_config_map(ns, obj, _preload_content=False)
+            client.CoreV1Api(api).create_namespaced_config_map(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "Secret":
-            client.CoreV1Api(api).create_namespaced_secret(ns, obj, _preload_content=False)
+            client.CoreV1Api(api).create_namespaced_secret(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "PersistentVolumeClaim":
-            client.CoreV1Api(api).create_namespaced_persistent_volume_claim(ns, obj, _preload_content=False)
+            client.CoreV1Api(api).create_namespaced_persistent_volume_claim(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "StatefulSet":
-            client.AppsV1Api(api).create_namespaced_stateful_set(ns, obj, _preload_content=False)
+            client.AppsV1Api(api).create_namespaced_stateful_set(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         else:
             raise ValueError(f"cannot create a {kind}")
     except ApiException as err:
         if err.status == 409:
-            # Ours already: created by an earlier round, or, for a checkpoint
-            # claim, kept from an earlier job of the same name by whenDeleted:
-            # Retain (labelled, no owner). Mounting that one is the point of
-            # keeping it: it holds this job name's checkpoints, and training
-            # resumes from them.
+            _check_ours(obj)
             return False
         raise KubeError("create", f"{kind.lower()} {ns}/{name}", err) from None
     return True
 
 
+class NotOurs(Exception):
+    """A child's name is taken by an object this job does not own: reported, never adopted."""
+
+
+_READERS = {
+    "Pod": lambda api: client.CoreV1Api(api).read_namespaced_pod,
+    "Service": lambda api: client.CoreV1Api(api).read_namespaced_service,
+    "ConfigMap": lambda api: client.CoreV1Api(api).read_namespaced_config_map,
+    "PersistentVolumeClaim": lambda api: client.CoreV1Api(api).read_namespaced_persistent_volume_claim,
+    "StatefulSet": lambda api: client.AppsV1Api(api).read_namespaced_stateful_set,
+}
+
+
+def _check_ours(obj: dict[str, Any]) -> None:
+    """An object of this name exists: ours (an earlier round made it), or raise NotOurs.
+
+    Ours means owned by this job's uid. A checkpoint claim kept from an earlier job of the
+    same name by whenDeleted: Retain is labelled with the job name and has no owner: mounting
+    it is the point of keeping it (training resumes from its checkpoints). The token Secret is
+    never read (the operator has no read access to Secrets); its name carries the job's uid,
+    so only this job's rounds create it.
+    """
+    kind, meta = obj["kind"], obj["metadata"]
+    if kind == "Secret":
+        return
+    ns, name = meta.get("namespace", "default"), meta["name"]
+    try:
+        resp = _READERS[kind](_api())(name, ns, _preload_content=False, _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status == 404:
+            return  # gone again (being deleted): the next round creates it
+        raise KubeError("get", f"{kind.lower()} {ns}/{name}", err) from None
+    found = _json(resp).get("metadata") or {}
+    wanted = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+    owners = {ref.get("uid") for ref in found.get("ownerReferences") or []}
+    if owners & wanted:
+        return
+    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    if kind == "PersistentVolumeClaim" and not owners and (found.get("labels") or {}).get(LABEL_JOB) == job:
+        return
+    whose = f"owned by {', '.join(sorted(str(o) for o in owners))}" if owners else "not owned by this job"
+    raise NotOurs(f"{kind} {ns}/{name} exists and is {whose}; the job will not adopt it: delete or rename it")
+
+
 def delete_pod(namespace: str, name: str) -> None:
     """Graceful delete: the trainer gets SIGTERM, checkpoints and exits within the grace period."""
     try:
-        client.CoreV1Api(_api()).delete_namespaced_pod(name, namespace, _preload_content=False)
+        client.CoreV1Api(_api()).delete_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
         if err.status != 404:
             raise KubeError("delete", f"pod {namespace}/{name}", err) from None
@@ -121,7 +191,7 @@ def delete_pod(namespace: str, name: str) -> None:
 def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
     try:
         client.AppsV1Api(_api()).patch_namespaced_stateful_set_scale(
-            name, namespace, {"spec": {"replicas": replicas}}, _preload_content=False
+            name, namespace, {"spec": {"replicas": replicas}}, _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:
         if err.status != 404:
@@ -131,7 +201,7 @@ def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
 def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
     try:
         client.CustomObjectsApi(_api()).patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False
+            GROUP, VERSION, namespace, PLURAL, name, {"status": status}, _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:
         if err.status != 404:
@@ -141,7 +211,7 @@ def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
 def delete_job(namespace: str, name: str) -> None:
     try:
         client.CustomObjectsApi(_api()).delete_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background", _preload_content=False
+            GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Background", _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:
         if err.status != 404:
@@ -170,7 +240,7 @@ def record_event(job: dict[str, Any], type_: str, reason: str, message: str) -> 
         "count": 1,
     }
     try:
-        client.CoreV1Api(_api()).create_namespaced_event(meta["namespace"], body, _preload_content=False)
+        client.CoreV1Api(_api()).create_namespaced_event(meta["namespace"], body, _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
         log.warning("cannot record event %s on %s/%s: %s", reason, meta["namespace"], meta["name"], KubeError("create", "event", err))
 

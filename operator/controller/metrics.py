@@ -35,6 +35,12 @@ RECONCILE_ERRORS = Counter(
     "kubetrain_operator_reconcile_errors_total", "Reconciliations that failed and will be retried.", registry=REGISTRY
 )
 
+LEADER = Gauge(
+    "kubetrain_operator_leader",
+    "1 while this operator acts (it holds the leader Lease, or runs without leader election), 0 while it stands by.",
+    registry=REGISTRY,
+)
+
 
 def serve(port: int) -> None:
     if port:

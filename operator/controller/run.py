@@ -1,14 +1,69 @@
-"""`kubetrain operator`: run the kopf operator against the current kubeconfig (or in-cluster)."""
+"""`kubetrain operator`: run the kopf operator against the current kubeconfig (or in-cluster).
+
+With leader election, the process first waits for the Lease (operator/controller/leader.py)
+and runs kopf only while it holds it: two replicas make one leader and one standby.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import kopf
 
 from ..core.children import Settings
-from . import handlers, metrics
+from . import handlers, leader, metrics
+
+log = logging.getLogger(__name__)
+
+
+class _Terminated(SystemExit):
+    """SIGTERM before kopf took over the signal: leave the wait, or kopf's start, through `finally`.
+    A SystemExit, because asyncio lets only those (and KeyboardInterrupt) out of a task at once."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+@contextlib.contextmanager
+def _healthz_while_standing_by(port: int, elector: leader.LeaderElector) -> Iterator[None]:
+    """Serve /healthz while waiting for the lease. kopf serves its own liveness endpoint only once
+    it runs, and a standby is healthy, just waiting: without this the liveness probe would kill
+    and restart it every minute. The port is free again before kopf binds it."""
+    if not port:
+        yield
+        return
+
+    class Healthz(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen = elector.seen.record if elector.seen is not None else None
+            body = json.dumps({"leader": False, "holder": seen.holder if seen else ""}).encode()
+            self.send_response(200 if self.path.split("?")[0] == "/healthz" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # probes every 20 s are not news
+            pass
+
+    server = ThreadingHTTPServer(("0.0.0.0", port), Healthz)
+    thread = threading.Thread(target=server.serve_forever, name="standby-healthz", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def run(
@@ -19,19 +74,48 @@ def run(
     pull_policy: str,
     scrape_networks: list[str],
     scrape: bool = True,
+    leader_elect: bool = False,
+    lease_name: str = "kubetrain-operator",
+    lease_namespace: str = "",
+    pod_security_allow: frozenset[str] = frozenset(),
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers.CONFIG.settings = Settings(image=trainer_image, pull_policy=pull_policy)
+    handlers.CONFIG.settings = Settings(image=trainer_image, pull_policy=pull_policy,
+                                        pod_security_allow=pod_security_allow)
     handlers.CONFIG.scrape_networks = scrape_networks
     handlers.CONFIG.scrape = scrape
+    handlers.CONFIG.namespaces = list(namespaces)
     metrics.serve(metrics_port)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
-    asyncio.run(
-        kopf.operator(
-            clusterwide=not namespaces,
-            namespaces=namespaces,
-            liveness_endpoint=liveness,
-            standalone=True,
+    elector = None
+    if leader_elect:
+        # The pod's own namespace (the downward API's POD_NAMESPACE) where the chart grants the Lease.
+        namespace = lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+        elector = leader.LeaderElector(lease_name, namespace, leader.new_identity())
+        # Until kopf installs its own handler, SIGTERM unwinds through the `finally` below,
+        # which releases the lease if this process got it: the standby then takes over at
+        # its next look instead of after LEASE_SECONDS.
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if elector is not None:
+            log.info("leader election: %s as %s", elector.where, elector.identity)
+            with _healthz_while_standing_by(liveness_port, elector):
+                elector.acquire()
+            elector.start_renewing()
+        metrics.LEADER.set(1)
+        asyncio.run(
+            kopf.operator(
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+                liveness_endpoint=liveness,
+                standalone=True,
+            )
         )
-    )
+    except _Terminated:
+        log.info("SIGTERM: stopping")
+    finally:
+        # kopf has stopped acting (its run returned, or never began): only now may another lead.
+        metrics.LEADER.set(0)
+        if elector is not None:
+            elector.release()
     return 0

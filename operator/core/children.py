@@ -45,6 +45,9 @@ class Settings:
     image: str = "kubetrain/trainer:0.1.0"
     pull_policy: str = "IfNotPresent"
     grace_seconds: int = 60
+    pod_security_allow: frozenset[str] = frozenset()
+    """What spec.podTemplate may ask of the node beyond Pod Security `restricted` (`--pod-security-allow`,
+    the chart's podSecurity.allow); api/podtemplate.pod_security_problems judges a job by it."""
 
 
 @dataclass
@@ -69,9 +72,26 @@ class ClusterEndpoints:
         return f"{CONFIG_MOUNT}/job.yaml"
 
     def run_dir(self, replica: str) -> str:
+        if self.job.spec.checkpoint.storage.existing_claim:
+            return f"{DATA_MOUNT}/{self.job.name}"
         return f"{DATA_MOUNT}/run"
 
     def checkpoint_dir(self, replica: str) -> str:
+        """The replica's own directory on the checkpoint volume.
+
+        A claim kubetrain creates belongs to one replica (Single, each PS
+        shard, each DDP pod), so the checkpoints are at its top. An
+        existingClaim is shared by every replica, and may be by other jobs:
+        one `checkpoints` directory there made ps-0 resume from ps-1's files
+        (their names are the same steps). So each replica gets
+        `<job>/checkpoints/<replica>`, the layout of a local run directory
+        (`kubetrain checkpoints verify|export` read a copy of `<job>/` as one).
+        DDP's pods share one template, so every node gets rank 0's directory
+        (`ddp-0`): the one the group's writer writes and every node's reader
+        offers from, as the group agrees on the newest checkpoint any holds.
+        """
+        if self.job.spec.checkpoint.storage.existing_claim:
+            return f"{self.run_dir(replica)}/checkpoints/{replica}"
         return f"{DATA_MOUNT}/checkpoints"
 
     def local_addr(self) -> str | None:
@@ -89,7 +109,11 @@ def config_name(job: TrainingJob) -> str:
 
 
 def token_name(job: TrainingJob) -> str:
-    return f"{job.name}-token"
+    """The job's token Secret. Its name carries the job's uid: the operator never reads Secrets,
+    so it cannot check who owns one of a taken name, and a job re-created under the same name
+    must not take over the Secret of the old one that garbage collection is about to delete."""
+    uid = job.metadata.uid or ""
+    return f"{job.name}-token-{uid[:8]}" if uid else f"{job.name}-token"
 
 
 def pod_name(job: TrainingJob, replica: str) -> str:
@@ -274,7 +298,13 @@ def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volum
     return {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": settings.grace_seconds,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER},
+        # Pod Security `restricted` (with _security_context): seccomp at the pod
+        # level covers a template's sidecars and init containers too.
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        # A trainer never talks to the API server (the operator reads its
+        # /metrics and termination message), so no token a user's code could use.
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "containers": [_container(job, replica, settings)],
         "volumes": volumes,

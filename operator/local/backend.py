@@ -1,8 +1,9 @@
 """The local backend: runs a TrainingJob's plan as processes on this machine and supervises them.
 
-It executes the same plan (`core.plan`) and the same restart policy
-(`core.policy`) as the operator, so a job that runs here behaves the same in a
-cluster. Replicas are started in their own process groups (a DDP node is a
+It is the second driver of the job engine (`core.engine`): every round it
+observes the replicas' processes and the chief's events, lets the engine decide,
+and starts or stops processes, so a job that runs here behaves the same in a
+cluster (the same plan, restart policy, timers, hang rule and deadline clock). Replicas are started in their own process groups (a DDP node is a
 torchrun agent with ranks below it), their output goes to logs/<replica>.log,
 and one progress display follows the job.
 """
@@ -21,15 +22,16 @@ from pathlib import Path
 from typing import TextIO
 
 from ..api import TrainingJob
-from ..core import policy
+from ..api.status import JobStatus, read_status, to_dict
+from ..core import engine, policy
 from ..core.plan import Replica, plan_replicas
+from ..core.status import TERMINAL
 from .progress import JobProgress, JsonlTail, ProgressDisplay
 from .rundir import RunDir, RunState
 from .summary import build_summary, format_summary
 
 POLL_SECONDS = 0.2
 GRACE_SECONDS = 30.0
-PS_DRAIN_SECONDS = 60.0  # shards exit by themselves once every worker finished
 
 
 def free_ports(n: int) -> list[int]:
@@ -102,10 +104,18 @@ class Proc:
     popen: subprocess.Popen | None = None
     log: TextIO | None = None
     log_tail: "LogTail | None" = None
-    phase: str = "Pending"  # Pending | Running | Succeeded | Failed
-    restart_at: float | None = None
+    phase: str = "Absent"  # Absent (never started, or stopped) | Running | Succeeded | Failed
+    exit_code: int | None = None
     attempts: int = 0
-    last_activity: float = field(default_factory=time.monotonic)
+
+    def observation(self) -> engine.ReplicaObservation | None:
+        """The process as the engine sees a replica; None while it does not exist."""
+        if self.phase == "Absent":
+            return None
+        code = self.exit_code
+        if code is not None and code < 0:
+            code = 128 - code  # killed by signal N: 128+N, as a container's exit code
+        return engine.ReplicaObservation(self.replica.name, self.phase, exit_code=code, uid=f"attempt-{self.attempts}")
 
 
 class LogTail:
@@ -153,7 +163,7 @@ class LocalBackend:
         self.tails: dict[str, JsonlTail] = {}
         self.display = ProgressDisplay(out, job.name)
         self.state = RunState()
-        self.last_checkpoint_at_restart = 0
+        self.status = JobStatus()  # the engine's view of the job, memory included
         self.stop_requested = False
         # The shared secret parameter servers check; a Secret in a cluster.
         self.token = secrets.token_hex(16)
@@ -168,24 +178,28 @@ class LocalBackend:
             self.display.message(f"{self.job.name}: already finished in {self.run.path}")
             self.display.message(format_summary(summary))
             return 0
+        self.status = read_status(self.state.status)
         if summary is not None:  # a failed run: run it again from its checkpoints
             self.display.message(
                 f"{self.job.name}: the last attempt failed ({summary.get('reason', '?')}); resuming from checkpoints"
             )
             self.run.summary_file.unlink()
             self.state.restarts = self.state.restarts_without_progress = 0
+            self.status = JobStatus()
+        if self.job.spec.run_policy.suspend:
+            self.display.message(f"{self.job.name}: spec.runPolicy.suspend is true; set it to false to run the job")
+            return 0
         resumed = self.state.invocations > 0
         self.state.invocations += 1
         self.state.state = "Running"
         self.state.restart_log = self.state.restart_log or []
-        self.run.save_state(self.state)
+        self._save()
         endpoints = local_endpoints(self.job, self.run, self.code_dir)
         for replica in plan_replicas(self.job, endpoints):
             self.procs[replica.name] = Proc(replica)
             self.tails[replica.name] = JsonlTail(self.run.metrics_file(replica.name))
         self.run.write_targets(self.job, [p.replica for p in self.procs.values()])
         self.run.write_plan([p.replica for p in self.procs.values()])
-        self.last_checkpoint_at_restart = self._checkpoint_step()
         verb = "resuming" if resumed else "starting"
         self.display.message(
             f"{self.job.name}: {verb} {self.job.spec.mode} job, replicas {', '.join(self.procs)}; "
@@ -195,7 +209,7 @@ class LocalBackend:
         previous_wall = self.state.wall_seconds
         old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            outcome, reason, message = self._supervise(started, previous_wall)
+            outcome, reason, message = self._supervise()
         except KeyboardInterrupt:
             outcome, reason, message = "Interrupted", "Interrupted", "interrupted by the user"
         finally:
@@ -206,14 +220,16 @@ class LocalBackend:
             self.display.close()
         self.state.wall_seconds = previous_wall + (time.monotonic() - started)
         if outcome == "Interrupted":
+            # Every replica was stopped from outside: a suspended job, which the next run resumes.
+            self.status = engine.interrupted(self.status, time.time())
             self.state.state = "Running"
-            self.run.save_state(self.state)
+            self._save()
             self.display.message(
                 f"{self.job.name}: stopped after a checkpoint; run the same command again to resume"
             )
             return 130
         self.state.state, self.state.reason, self.state.message = outcome, reason, message
-        self.run.save_state(self.state)
+        self._save()
         summary = build_summary(
             self.job, self.run.results(), outcome, self.state.wall_seconds, self._restarts(), reason, message
         )
@@ -228,114 +244,85 @@ class LocalBackend:
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         raise KeyboardInterrupt
 
-    # -- the loop -------------------------------------------------------------
+    def _save(self) -> None:
+        self.state.status = to_dict(self.status)
+        self.state.restarts = self.status.restarts
+        self.state.restarts_without_progress = self.status.restarts_without_progress
+        self.run.save_state(self.state)
 
-    def _supervise(self, started: float, previous_wall: float) -> tuple[str, str, str]:
-        spec = self.job.spec
-        for p in self._ordered():
-            self._start(p)
-        workers_done_at: float | None = None
+    # -- the loop: observe, let the engine decide, act ------------------------
+
+    def _supervise(self) -> tuple[str, str, str]:
         while True:
-            now = time.monotonic()
             self._read_events()
             self._echo_logs()
             self.display.update(self.progress)
             for p in self.procs.values():
-                if p.phase == "Pending" and p.restart_at is not None and now >= p.restart_at:
-                    self._start(p)
-                if p.phase != "Running" or p.popen is None:
-                    continue
-                code = p.popen.poll()
-                if code is None:
-                    continue
-                self._close_log(p)
-                if code == 0:
-                    p.phase = "Succeeded"
-                    continue
-                failed = self._on_failure(p, policy.Failure(p.replica.name, exit_code=code))
-                if failed:
-                    return failed
-            phases = {n: p.phase for n, p in self.procs.items()}
-            if policy.job_outcome(phases) == "Succeeded":
-                return "Succeeded", "Completed", "every replica finished"
-            if spec.mode == "ParameterServer" and policy.workers_done(phases):
-                workers_done_at = workers_done_at or now
-                if now - workers_done_at > PS_DRAIN_SECONDS:
-                    stuck = [n for n, p in self.procs.items() if p.phase == "Running"]
-                    self.display.message(f"{self.job.name}: stopping {', '.join(stuck)}: workers finished long ago")
-                    self._stop_all()
-                    return "Succeeded", "Completed", "workers finished; shards stopped by the supervisor"
-            deadline = spec.run_policy.active_deadline_seconds
-            if deadline is not None and previous_wall + (now - started) > deadline:
-                return "Failed", "DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({deadline} s)"
-            hung = self._hung(now)
-            if hung:
-                self._kill(hung)
-                failed = self._on_failure(hung, policy.Failure(hung.replica.name, reason="Hung"))
-                if failed:
-                    return failed
+                if p.phase == "Running" and p.popen is not None:
+                    code = p.popen.poll()
+                    if code is not None:
+                        self._close_log(p)
+                        p.phase, p.exit_code = ("Succeeded" if code == 0 else "Failed"), code
+            before = to_dict(self.status)
+            done = self.decide(time.time())
+            self.status = done.status
+            ended = self._act(done.actions)
+            if ended is not None:
+                self._save()
+                return ended
+            after = to_dict(self.status)
+            if {k: v for k, v in after.items() if k != "progress"} != {k: v for k, v in before.items() if k != "progress"}:
+                self._save()
             time.sleep(POLL_SECONDS)
 
-    def _ordered(self) -> list[Proc]:
+    def decide(self, now: float) -> engine.Round:
+        """One round of the engine over the processes as they are (pure but for reading the run directory)."""
+        observed = {n: o for n, p in self.procs.items() if (o := p.observation()) is not None}
+        return engine.step(self.job, self.status, observed, now, self._progress_reading())
+
+    def _act(self, actions: engine.Actions) -> tuple[str, str, str] | None:
+        """Carry out a round's actions; the job's end (state, reason, message) when it ended."""
+        for _, reason, message in actions.events:
+            if reason not in ("Completed",):
+                self.display.message(f"{self.job.name}: {message}")
+        for r in actions.restarted:
+            assert self.state.restart_log is not None
+            self.state.restart_log.append({"replica": r.replica, "reason": r.reason, "exit_code": r.exit_code,
+                                           "time": time.time(), "step": r.step if r.step is not None else self.progress.step,
+                                           "checkpoint_step": r.checkpoint_step})
+        for name in actions.stop:
+            self._terminate(self.procs[name])
+            self.procs[name].phase = "Absent"
+        state = self.status.state
+        if state in TERMINAL:
+            condition = next((c for c in self.status.conditions if c.type == state), None)
+            reason = condition.reason if condition else state
+            message = condition.message if condition else ""
+            if state == "Failed" and actions.failed is not None:
+                last = self._last_output(self.procs[actions.failed])
+                if last:
+                    # Like a pod's termination message: what the replica said last.
+                    self.display.message(f"[{actions.failed}] last output: {last}")
+                    message += f" Last output: {last}"
+            return state, reason, message
         # Parameter servers first: workers connect to them (and retry until they can).
-        return sorted(self.procs.values(), key=lambda p: (p.replica.role != "ps", p.replica.name))
-
-    def _hung(self, now: float) -> Proc | None:
-        limit = self.job.spec.run_policy.progress_deadline_seconds
-        if now - self.progress.last_step_time <= limit:
-            return None
-        running = [p for p in self.procs.values() if p.phase == "Running"]
-        if not running:
-            return None
-        # The replica silent for longest is the likeliest culprit.
-        return min(running, key=lambda p: p.last_activity)
-
-    def _on_failure(self, p: Proc, failure: policy.Failure) -> tuple[str, str, str] | None:
-        """Apply the restart policy to a failed replica; the job's end when it gives up."""
-        if self.stop_requested:
-            return None
-        checkpoint = self._checkpoint_step()
-        progressed = checkpoint > self.last_checkpoint_at_restart
-        counters = policy.Counters(self.state.restarts, self.state.restarts_without_progress)
-        decision, counters = policy.decide(self.job.spec, failure, counters, progressed)
-        self.display.message(f"[{p.replica.name}] {decision.message}")
-        if decision.action == "fail":
-            p.phase = "Failed"
-            message = decision.message
-            last = self._last_output(p)
-            if last:
-                # Like a pod's termination message: what the replica said last.
-                self.display.message(f"[{p.replica.name}] last output: {last}")
-                message += f" Last output: {last}"
-            return "Failed", decision.reason, message
-        self.state.restarts = counters.restarts
-        self.state.restarts_without_progress = counters.restarts_without_progress
-        assert self.state.restart_log is not None
-        self.state.restart_log.append(
-            {
-                "replica": p.replica.name,
-                "reason": decision.reason,
-                "exit_code": failure.code,
-                "time": time.time(),
-                "step": self.progress.step,
-                "checkpoint_step": checkpoint,
-            }
-        )
-        self.run.save_state(self.state)
-        self.last_checkpoint_at_restart = checkpoint
-        group = [p]
-        if self.job.spec.mode == "DDP":
-            # One torchrun group: when a node's agent gives up, the others
-            # cannot go on either; restart the whole group from the checkpoint.
-            group = list(self.procs.values())
-            for other in group:
-                if other is not p and other.phase == "Running":
-                    self._terminate(other)
-        for member in group:
-            member.phase = "Pending"
-            member.restart_at = time.monotonic() + decision.delay_seconds
-        self.progress.last_step_time = time.monotonic() + decision.delay_seconds
+        for name in sorted(actions.start, key=lambda n: (not n.startswith("ps-"), n)):
+            self._start(self.procs[name])
         return None
+
+    def _progress_reading(self) -> engine.ProgressReading | None:
+        """The chief's progress from the replicas' events (a cluster reads the same from its metrics)."""
+        seen = self.progress
+        if seen.step == 0 and seen.checkpoint_step is None:
+            return None
+        return engine.ProgressReading(
+            step=seen.step,
+            total_steps=seen.total_steps,
+            loss=seen.loss,
+            eval_accuracy=seen.eval_accuracy,
+            samples_per_second=seen.throughput or None,
+            checkpoint_step=self._checkpoint_step() or None,
+        )
 
     # -- processes ------------------------------------------------------------
 
@@ -374,8 +361,7 @@ class LocalBackend:
             command, env=env, stdout=p.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
         p.phase = "Running"
-        p.restart_at = None
-        p.last_activity = time.monotonic()
+        p.exit_code = None
 
     def _close_log(self, p: Proc) -> None:
         self._echo_logs(p)
@@ -390,12 +376,6 @@ class LocalBackend:
             os.killpg(p.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-    def _kill(self, p: Proc) -> None:
-        self._signal(p, signal.SIGKILL)
-        if p.popen is not None:
-            p.popen.wait()
-        self._close_log(p)
 
     def _terminate(self, p: Proc, grace: float = GRACE_SECONDS) -> None:
         """SIGTERM (the trainer checkpoints and exits), SIGKILL after the grace period."""
@@ -430,12 +410,8 @@ class LocalBackend:
     # -- observation ----------------------------------------------------------
 
     def _read_events(self) -> None:
-        now = time.monotonic()
         for name, tail in self.tails.items():
-            events = tail.read()
-            if events:
-                self.procs[name].last_activity = now
-            for event in events:
+            for event in tail.read():
                 self.progress.fold(name, event)
 
     def _echo_logs(self, only: Proc | None = None) -> None:

@@ -51,6 +51,7 @@ class RunState:
     invocations: int = 0
     group_starts: int = 0  # DDP: times the supervisor started the torchrun group
     restart_log: list[dict[str, Any]] | None = None
+    status: dict[str, Any] | None = None  # the engine's JobStatus (memory included), as the operator keeps it
 
 
 class RunDir:

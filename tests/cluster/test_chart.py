@@ -42,22 +42,94 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
     return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
+LEASE_GRANTS = {("coordination.k8s.io", "leases", v) for v in ("create", "get", "update")}
+GRANTS_LIMIT = 39
+"""Issue 15's ceiling on the verb-resource grants of every role together, leader election included
+(Kubeflow's training operator v1.8.1: 131)."""
+
+
 @pytest.mark.parametrize("namespaced, kind", [(False, "ClusterRole"), (True, "Role")])
-def test_rbac_is_least_privilege(cluster, namespaced, kind):
-    docs = rendered(cluster, f"operator.namespaced={str(namespaced).lower()}")
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_rbac_is_least_privilege(cluster, namespaced, kind, replicas):
+    docs = rendered(cluster, f"operator.namespaced={str(namespaced).lower()}", f"operator.replicas={replicas}")
     roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
-    assert sorted(r["kind"] for r in roles) == sorted([kind, "ClusterRole"]) if kind == "Role" else [kind, kind]
+    # The operator's own (Role or ClusterRole), kopf's discovery (a ClusterRole), and with two
+    # replicas the leader election's Role in the release's namespace.
+    assert sorted(r["kind"] for r in roles) == sorted([kind, "ClusterRole"] + ["Role"] * (replicas > 1))
     discovery = next(r for r in roles if r["metadata"]["name"].endswith("-discovery"))
     assert grants(discovery["rules"]) == {  # what kopf reads at start, read-only
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"), ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
         ("", "namespaces", "list"), ("", "namespaces", "watch")}
     g = set().union(*(grants(r["rules"]) for r in roles))
-    print(f"\n{kind}: {len(g)} verb-resource grants (Kubeflow training operator v1.8.1: 131)")
-    assert len(g) <= 24
+    print(f"\n{kind}, {replicas} replica(s): {len(g)} verb-resource grants (Kubeflow training operator v1.8.1: 131)")
+    assert len(g) <= GRANTS_LIMIT
+    assert {x for x in g if x[1] == "leases"} == (LEASE_GRANTS if replicas > 1 else set())
     assert not {x for x in g if x[1] == "pods/exec"}
     assert {v for (_, r, v) in g if r == "secrets"} == {"create"}  # never get/list/watch/update
     assert not {x for x in g if x[0] == "rbac.authorization.k8s.io"}
     assert not {x for x in g if "*" in x}
+
+
+def test_two_replicas_elect_a_leader_on_a_lease_they_alone_may_update(cluster):
+    docs = rendered(cluster, "operator.replicas=2")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"  # a new pod waits as a standby
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert {"--leader-elect", "--lease-name=kubetrain-leader", "--lease-namespace=kt"} <= set(container["args"])
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kubetrain-leader-election")
+    assert role["metadata"]["namespace"] == "kt"
+    by_verb = {v: rule.get("resourceNames") for rule in role["rules"] for v in rule["verbs"]}
+    # create cannot be limited to a name; reading and writing the Lease are limited to the one
+    assert by_verb == {"create": None, "get": ["kubetrain-leader"], "update": ["kubetrain-leader"]}
+    binding = next(d for d in docs
+                   if d["kind"] == "RoleBinding" and d["metadata"]["name"] == "kubetrain-leader-election")
+    assert binding["roleRef"]["name"] == "kubetrain-leader-election"
+    assert binding["subjects"][0]["name"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
+
+
+def test_the_lease_role_lets_the_operator_elect_a_leader_and_nothing_more(cluster):
+    """The chart's ServiceAccount, Role and RoleBinding on the real API server, and the operator's own
+    elector acting as that ServiceAccount: it creates, renews and releases its Lease, and is refused
+    any other."""
+    from kubernetes import config
+    from kubernetes.client.rest import ApiException
+
+    from kubetrain_operator.controller.leader import Decision, LeaderElector
+
+    ns = f"kt-lease-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        docs = [d for d in yaml.safe_load_all(helm(cluster, "template", "kubetrain", str(CHART), "--namespace", ns,
+                                                    "--set", "operator.replicas=2")) if d]
+        wanted = [d for d in docs
+                  if d["kind"] == "ServiceAccount" or d["metadata"]["name"] == "kubetrain-leader-election"]
+        assert sorted(d["kind"] for d in wanted) == ["Role", "RoleBinding", "ServiceAccount"]
+        cluster.kube(ns).apply(*wanted)
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api.set_default_header("Impersonate-User", f"system:serviceaccount:{ns}:kubetrain")
+        elector = LeaderElector("kubetrain-leader", ns, "kubetrain-0_test", api=api)
+        assert elector.try_acquire_or_renew() is Decision.ACQUIRE  # a get (404), then a create
+        elector.renew_once()  # an update
+        assert elector.try_acquire_or_renew() is Decision.RENEW  # a get, then an update
+        elector.release()
+        assert cluster.kube(ns).json("get", "lease", "kubetrain-leader")["spec"]["holderIdentity"] in ("", None)
+        with pytest.raises(ApiException) as refused:
+            LeaderElector("another-lease", ns, "x_1", api=api).try_acquire_or_renew()
+        assert refused.value.status == 403  # get is limited to the chart's Lease
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_one_replica_runs_without_leader_election(cluster):
+    docs = rendered(cluster)
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert not [a for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"] if "lease" in a]
+    forced = next(d for d in rendered(cluster, "operator.leaderElection.enabled=true") if d["kind"] == "Deployment")
+    assert "--leader-elect" in forced["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_deploy_manifests_are_rendered_from_the_chart(cluster, tmp_path):

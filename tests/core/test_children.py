@@ -272,3 +272,118 @@ def test_ddp_claim_retention_follows_when_deleted(when):
     sts = children(job("DDP", checkpoint={"storage": {"whenDeleted": when}}), "u", "t")[-1]
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": when, "whenScaled": "Retain"}
     assert sts["metadata"]["ownerReferences"][0]["uid"] == "u"
+
+
+# --- Pod Security `restricted`, and no ServiceAccount token ------------------------------
+
+RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                           "projected", "secret"}
+
+
+def restricted_violations(spec: dict) -> list[str]:
+    """What Pod Security `restricted` (v1.36) refuses in a pod spec, for the fields kubetrain sets."""
+    out = []
+    pod_ctx = spec.get("securityContext", {})
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(key)
+    for volume in spec.get("volumes", []):
+        if not set(volume) - {"name"} <= RESTRICTED_VOLUME_TYPES:
+            out.append(f"volume {volume['name']}: {sorted(set(volume) - {'name'})}")
+    if pod_ctx.get("runAsUser") == 0:
+        out.append("pod runAsUser 0")
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        ctx = c.get("securityContext", {})
+        if ctx.get("privileged"):
+            out.append(f"{c['name']}: privileged")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{c['name']}: allowPrivilegeEscalation must be false")
+        caps = ctx.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{c['name']}: capabilities must drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{c['name']}: adds capabilities")
+        if not ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")):
+            out.append(f"{c['name']}: runAsNonRoot must be true")
+        if ctx.get("runAsUser") == 0:
+            out.append(f"{c['name']}: runAsUser 0")
+        seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{c['name']}: seccompProfile must be RuntimeDefault or Localhost")
+    return out
+
+
+@pytest.mark.parametrize("mode, spec", [
+    ("Single", {}),
+    ("ParameterServer", {"parameterServer": {"replicas": 2, "workers": 2}}),
+    ("DDP", {"ddp": {"nodes": 2}}),
+    ("ParameterServer", {"checkpoint": {"storage": {"existingClaim": "shared"}}}),
+], ids=["single", "ps", "ddp-statefulset", "ps-existing-claim"])
+def test_trainer_pods_meet_pod_security_restricted_without_a_service_account_token(mode, spec):
+    pods = [o for o in children(job(mode, **spec), "u", "t") if o["kind"] in ("Pod", "StatefulSet")]
+    assert pods
+    for obj in pods:
+        pod_spec = pod_spec_of(obj)
+        assert restricted_violations(pod_spec) == [], obj["metadata"]["name"]
+        assert pod_spec["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod_spec  # the namespace's default, and no token of it
+        assert pod_spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_a_restricted_sidecar_in_the_template_keeps_the_pod_restricted():
+    # The pod-level runAsNonRoot and seccompProfile cover a template's containers.
+    sidecar = {"name": "upload", "image": "busybox",
+               "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    pod = children(job("Single", podTemplate={"spec": {"containers": [sidecar]}}), "u", "t")[-1]
+    assert restricted_violations(pod["spec"]) == []
+
+
+def test_the_restricted_check_of_these_tests_sees_what_a_template_could_undo():
+    over = {"spec": {"hostPID": True, "containers": [{"name": "trainer", "securityContext": {"privileged": True}}],
+                     "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}
+    # children() renders what it is given: the refusal is validate's, the policy's and the operator's
+    # (api/podtemplate.pod_security_problems, tests/api/test_pod_security.py).
+    pod = children(job("Single", podTemplate=over), "u", "t")[-1]
+    assert restricted_violations(pod["spec"]) == ["hostPID", "volume root: ['hostPath']", "trainer: privileged"]
+
+
+# --- checkpoint.storage.existingClaim: a directory per replica ---------------------------
+
+def checkpoint_dirs(objs) -> dict[str, str]:
+    """Pod (or StatefulSet) name -> the trainer's KUBETRAIN_CHECKPOINT_DIR and KUBETRAIN_RUN_DIR."""
+    out = {}
+    for obj in objs:
+        if obj["kind"] in ("Pod", "StatefulSet"):
+            env = {e["name"]: e.get("value") for e in trainer_of(obj)["env"]}
+            out[obj["metadata"]["name"]] = (env["KUBETRAIN_CHECKPOINT_DIR"], env["KUBETRAIN_RUN_DIR"])
+    return out
+
+
+def test_replicas_sharing_an_existing_claim_each_get_their_own_checkpoint_directory():
+    shared = {"storage": {"existingClaim": "shared", "accessMode": "ReadWriteMany"}}
+    dirs = checkpoint_dirs(children(job("ParameterServer", parameterServer={"replicas": 2, "workers": 1},
+                                        checkpoint=shared), "u", "t"))
+    # ps-0 and ps-1 write the same step names: one directory made ps-0 resume from ps-1's shard.
+    assert dirs["j-ps-0"] == ("/kubetrain/data/j/checkpoints/ps-0", "/kubetrain/data/j")
+    assert dirs["j-ps-1"] == ("/kubetrain/data/j/checkpoints/ps-1", "/kubetrain/data/j")
+    assert dirs["j-worker-0"][0] == "/kubetrain/data/j/checkpoints/worker-0"  # on its emptyDir
+    assert checkpoint_dirs(children(job("Single", checkpoint=shared), "u", "t")) == {
+        "j-single-0": ("/kubetrain/data/j/checkpoints/single-0", "/kubetrain/data/j")}
+    # Another job on the same claim has a directory of its own.
+    other = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                         "metadata": {"name": "k", "namespace": "ns"}, "spec": {"mode": "Single", "checkpoint": shared}})
+    assert checkpoint_dirs(children(other, "u", "t"))["k-single-0"][0] == "/kubetrain/data/k/checkpoints/single-0"
+
+
+def test_ddp_nodes_sharing_an_existing_claim_share_rank_0s_directory():
+    # One template for every node; the group agrees on the newest checkpoint and rank 0 writes it.
+    shared = {"storage": {"existingClaim": "shared", "accessMode": "ReadWriteMany"}}
+    assert checkpoint_dirs(children(job("DDP", ddp={"nodes": 2}, checkpoint=shared), "u", "t")) == {
+        "j-ddp": ("/kubetrain/data/j/checkpoints/ddp-0", "/kubetrain/data/j")}
+
+
+@pytest.mark.parametrize("mode", ["Single", "ParameterServer", "DDP"])
+def test_a_claim_of_its_own_keeps_the_checkpoints_at_its_top(mode):
+    # The layout retained claims hold (docs/operating.md): checkpoints/ and run/.
+    for ckpt, run in checkpoint_dirs(children(job(mode), "u", "t")).values():
+        assert (ckpt, run) == ("/kubetrain/data/checkpoints", "/kubetrain/data/run")

@@ -46,18 +46,18 @@ def test_existing_children_are_not_created_again():
 def test_failed_worker_is_deleted_then_recreated_after_backoff():
     pods = running(*PS_PODS)
     pods["worker-1"] = Pod("worker-1", "Failed", exit_code=137)
-    status = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(), "u", "tok", pods, status, T0 + 5)
     assert act.delete_pods == ["j-worker-1"]
     assert act.status["restarts"] == 1
     assert act.status["state"] == "Restarting"
     assert act.events[0][:2] == ("Warning", "Killed")
-    assert "pendingRestarts" in act.status
+    assert "worker-1" in act.status["memory"]["pendingRestarts"]
     # Next round: the pod is gone; the first restart is at once.
     del pods["worker-1"]
     act2 = reconcile(job(), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
     assert "j-worker-1" in created_pods(act2)
-    assert "pendingRestarts" not in act2.status
+    assert act2.status["memory"]["pendingRestarts"] == {}
     assert act2.status["restarts"] == 1
     # A second failure waits its backoff (1 s) before the pod comes back.
     pods["worker-1"] = Pod("worker-1", "Failed", exit_code=1)
@@ -72,7 +72,7 @@ def test_failed_worker_is_deleted_then_recreated_after_backoff():
 
 def test_deleted_pod_counts_as_a_restart():
     pods = running("ps-0", "worker-0")
-    act = reconcile(job(), "u", "tok", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    act = reconcile(job(), "u", "tok", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
     assert act.status["restarts"] == 1
     assert act.events[0][1] == "Deleted"
 
@@ -81,7 +81,7 @@ def test_deleted_pod_counts_as_a_restart():
 def test_restart_policies(policy, code, state):
     pods = running(*PS_PODS)
     pods["worker-0"] = Pod("worker-0", "Failed", exit_code=code)
-    act = reconcile(job(restartPolicy={"policy": policy}), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    act = reconcile(job(restartPolicy={"policy": policy}), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
     assert act.status["state"] == state
     if state == "Failed":
         assert act.status["completionTime"] == iso(T0 + 1)
@@ -91,7 +91,7 @@ def test_restart_policies(policy, code, state):
 def test_eviction_is_a_restart_with_its_reason():
     pods = running(*PS_PODS)
     pods["ps-0"] = Pod("ps-0", "Failed", reason="Evicted")
-    act = reconcile(job(), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    act = reconcile(job(), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
     assert act.events[0][1] == "Evicted"
     assert act.status["conditions"][-1]["reason"] == "Evicted"
 
@@ -99,7 +99,7 @@ def test_eviction_is_a_restart_with_its_reason():
 def test_backoff_limit_fails_the_job():
     pods = running(*PS_PODS)
     pods["worker-0"] = Pod("worker-0", "Failed", exit_code=1)
-    status = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0), "restarts": 6}
+    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}, "restarts": 6}
     act = reconcile(job(), "u", "t", pods, status, T0 + 1)
     assert act.status["state"] == "Failed"
     assert [c for c in act.status["conditions"] if c["type"] == "Failed"][0]["reason"] == "BackoffLimitExceeded"
@@ -108,8 +108,9 @@ def test_backoff_limit_fails_the_job():
 def test_restarts_without_progress_fail_the_job():
     pods = running(*PS_PODS)
     pods["worker-0"] = Pod("worker-0", "Failed", exit_code=1)
-    status = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0), "restarts": 3,
-              "restartsWithoutProgress": 3, "lastCheckpoint": {"step": 50, "time": iso(T0)}, "checkpointAtLastRestart": 50}
+    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}, "restarts": 3,
+              "restartsWithoutProgress": 3, "lastCheckpoint": {"step": 50, "time": iso(T0)},
+              "memory": {"activeSince": T0, "checkpointAtLastRestart": 50}}
     act = reconcile(job(), "u", "t", pods, status, T0 + 1)
     assert act.status["state"] == "Failed"
     assert act.events[-1][1] == "NoProgress"
@@ -133,19 +134,21 @@ def test_progress_is_recorded_and_a_stall_is_a_hang():
 def test_workers_done_then_shards_done_is_success_with_clean_pod_policy():
     pods = {"ps-0": Pod("ps-0", "Running"), "worker-0": Pod("worker-0", "Succeeded", exit_code=0),
             "worker-1": Pod("worker-1", "Succeeded", exit_code=0)}
-    st = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(), "u", "t", pods, st, T0 + 1)
     assert act.status["state"] == "Running" and act.delete_pods == []
-    act = reconcile(job(), "u", "t", pods, act.status, T0 + 200)
-    assert act.delete_pods == ["j-ps-0"]  # drained too long: stopped gracefully
+    drained = reconcile(job(), "u", "t", pods, act.status, T0 + 200)
+    # Drained too long: the shard is stopped gracefully and the job has succeeded.
+    assert drained.delete_pods == ["j-ps-0"] and drained.status["state"] == "Succeeded"
+    assert "were stopped" in drained.events[-1][2]
     pods["ps-0"] = Pod("ps-0", "Succeeded", exit_code=0)
-    act = reconcile(job(runPolicy={"cleanPodPolicy": "All"}), "u", "t", pods, act.status, T0 + 201)
+    act = reconcile(job(runPolicy={"cleanPodPolicy": "All"}), "u", "t", pods, act.status, T0 + 21)
     assert act.status["state"] == "Succeeded"
     assert set(act.delete_pods) == {"j-ps-0", "j-worker-0", "j-worker-1"}
 
 
 def test_suspend_stops_pods_and_resume_recreates_them():
-    st = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(runPolicy={"suspend": True}), "u", "t", running(*PS_PODS), st, T0 + 1)
     assert set(act.delete_pods) == {"j-ps-0", "j-worker-0", "j-worker-1"}
     assert act.status["state"] == "Suspended"
@@ -159,7 +162,7 @@ def test_suspend_stops_pods_and_resume_recreates_them():
 
 def test_active_deadline_fails_with_deadline_exceeded():
     act = reconcile(job(runPolicy={"activeDeadlineSeconds": 30}), "u", "t", running(*PS_PODS),
-                    {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 31)
+                    {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 31)
     assert act.status["state"] == "Failed"
     assert act.events[-1][1] == "DeadlineExceeded"
 
@@ -182,7 +185,7 @@ def test_image_pull_failure_is_reported():
 def test_ddp_rank_restart_in_place_is_counted_and_success_scales_down():
     j = job("DDP")
     pods = {"ddp-0": Pod("ddp-0", "Running"), "ddp-1": Pod("ddp-1", "Running", restart_count=1, last_exit_code=1)}
-    act = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}, T0 + 1)
+    act = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
     assert act.status["restarts"] == 1
     act = reconcile(j, "u", "t", pods, act.status, T0 + 2)
     assert act.status["restarts"] == 1  # the same restart is not counted twice
@@ -194,7 +197,7 @@ def test_ddp_rank_restart_in_place_is_counted_and_success_scales_down():
 
 def test_ddp_pod_replaced_by_its_statefulset_is_one_restart_with_reason_deleted():
     j = job("DDP")
-    st = {"state": "Running", "startTime": iso(T0), "lastStepTime": iso(T0)}
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
     act = reconcile(j, "u", "t", pods, st, T0 + 1)
     assert act.status["restarts"] == 0

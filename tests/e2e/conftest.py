@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clusterlib import ROOT, Cluster, _environment
 from e2elib import CACHE, CUSTOM_IMAGE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, leftovers
 
-# The real-Prometheus helpers of the observability tests serve test_e2e_prometheus.py too.
+from helpers.kube import ROOT, connect, hack_cluster, require_tools
+from helpers.process import run
+
+# The observability tests' catalogue (docs/metrics.md, the dashboards) serves test_e2e_prometheus.py too.
 sys.path.insert(0, str(Path(__file__).parents[1] / "observability"))
 
 
@@ -40,50 +41,44 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="session")
 def e2e() -> Iterator[E2E]:
     if os.environ.get("KUBETRAIN_CLUSTER") == E2E_CLUSTER:
         pytest.fail(f"KUBETRAIN_CLUSTER={E2E_CLUSTER} is the e2e fixture's own name: the `cluster` fixture "
                     "would share (and take down) its cluster; use another name", pytrace=False)
     env = dict(os.environ, KUBETRAIN_CLUSTER=E2E_CLUSTER)
-    hack_cluster = str(ROOT / "hack" / "cluster")
-    built = _run([hack_cluster, "build", "--check"], env, 60)
-    if built.returncode != 0:
-        pytest.fail(f"the test cluster's tools are not built: run `hack/cluster build` first. {built.stderr.strip()}",
-                    pytrace=False)
-    images = _run([str(ROOT / "hack" / "images"), "check"], env, 120)
+    require_tools(env)
+    images = run(str(ROOT / "hack" / "images"), "check", env=env, timeout=120, check=False)
     if images.returncode != 0:
         pytest.fail(f"the images are not built from the current sources: run `hack/images build` first. "
                     f"{images.stderr.strip()}", pytrace=False)
 
     started = time.monotonic()
-    up = _run([hack_cluster, "up", "--nodes", "1", "--real-node"], env, 900)
+    up = hack_cluster("up", "--nodes", "1", "--real-node", env=env, timeout=900)
     up_seconds = time.monotonic() - started
     reused = KEEP and up.returncode == 1 and "is already up" in up.stderr
     if up.returncode != 0 and not reused:
         pytest.fail(f"hack/cluster up --real-node failed ({up.returncode}):\n{up.stderr[-6000:]}", pytrace=False)
     try:
-        exports = _run([hack_cluster, "env"], env, 60)
-        assert exports.returncode == 0, exports.stderr
-        env = _environment(exports.stdout) | {"KUBETRAIN_CLUSTER": E2E_CLUSTER}
-        cluster = Cluster(name=E2E_CLUSTER, kubeconfig=Path(env["KUBECONFIG"]),
-                          bin_dir=Path(env["PATH"].split(os.pathsep)[0]), env=env, nodes=1)
+        cluster = connect(E2E_CLUSTER, 1, env)
+        env = cluster.env
         net = dict(line.split("=", 1) for line in
                    (CACHE / "realnode" / E2E_CLUSTER / "net.env").read_text().split())
         containerd = f"/run/kubetrain/{E2E_CLUSTER}/containerd.sock"
 
         started = time.monotonic()
-        load = _run([str(ROOT / "hack" / "images"), "build", "--load"], env | {"CONTAINERD_ADDRESS": containerd}, 900)
+        load = run(str(ROOT / "hack" / "images"), "build", "--load", env=env | {"CONTAINERD_ADDRESS": containerd},
+                   timeout=900, check=False)
         assert load.returncode == 0, f"hack/images build --load failed:\n{load.stderr[-4000:]}"
         load_seconds = time.monotonic() - started
 
         if reused:  # a kept cluster: last run's jobs go (their names are reused), the operator restarts on new images
             cluster.run("kubectl", "-n", NAMESPACE, "delete", "trainingjobs", "--all", "--wait=true", timeout=300)
             cluster.run("kubectl", "-n", NAMESPACE, "delete", "pods", "--all", "--wait=true", timeout=300)
+        # Pod Security `restricted` enforced, as docs/operating.md recommends: the operator's and every
+        # trainer's pod must pass it (the label is kept on a reused cluster, set on a new one).
+        cluster.run("kubectl", "apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n"
+                    f"  name: {NAMESPACE}\n  labels: {{pod-security.kubernetes.io/enforce: restricted}}\n")
         cluster.run("helm", "upgrade", "--install", "kubetrain", str(ROOT / "charts" / "kubetrain"),
                     "--namespace", NAMESPACE, "--create-namespace",
                     "-f", str(ROOT / "hack" / "values-e2e.yaml"),
@@ -99,7 +94,7 @@ def e2e() -> Iterator[E2E]:
     finally:
         if not KEEP:
             started = time.monotonic()
-            down = _run([hack_cluster, "down"], env, 300)
+            down = hack_cluster("down", env=env, timeout=300)
             print(f"hack/cluster down: {time.monotonic() - started:.0f} s")
             assert down.returncode == 0, f"hack/cluster down failed: {down.stderr}"
             assert not leftovers(), f"hack/cluster down left the real node's pieces behind: {leftovers()}"
@@ -112,8 +107,8 @@ def custom_image(e2e: E2E) -> str:
     unchanged (seconds: one COPY on the trainer) and imports only the layers the trainer's import did not
     bring (a few KB), so the tests that need it pay little and the others nothing."""
     started = time.monotonic()
-    load = _run([str(ROOT / "hack" / "images"), "build", "--load", "--examples"],
-                e2e.cluster.env | {"CONTAINERD_ADDRESS": e2e.containerd}, 900)
+    load = run(str(ROOT / "hack" / "images"), "build", "--load", "--examples",
+               env=e2e.cluster.env | {"CONTAINERD_ADDRESS": e2e.containerd}, timeout=900, check=False)
     assert load.returncode == 0, f"hack/images build --load --examples failed:\n{load.stderr[-4000:]}"
     # hack/images' own lines say what it did (a trainer rebuilt after a source change costs its reload).
     done = [line.removeprefix("hack/images: ") for line in load.stderr.splitlines()

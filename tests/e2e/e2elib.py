@@ -8,14 +8,15 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from clusterlib import Cluster
-from support import wait_for
 
+from helpers.jsonl import json_objects
+from helpers.kube import Cluster, Kubectl
+from helpers.metrics import try_scrape
+from helpers.wait import wait_for
 from kubetrain_operator.controller.observe import parse_metrics
 
 E2E_CLUSTER = os.environ.get("KUBETRAIN_E2E_CLUSTER", "kt-e2e")
@@ -25,6 +26,9 @@ REAL_NODE_SELECTOR = {"kubetrain/node": "real"}
 NAMESPACE = "e2e"  # the release's and the jobs' (the operator watches only its own namespace)
 EXAMPLES = Path(__file__).parents[2] / "examples"
 HELPER_IMAGE = "localhost/kubetrain/busybox:static"  # made by hack/realnode/node
+# The e2e namespace enforces Pod Security `restricted`: the tests' own helper pods comply too.
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 CACHE = Path(os.environ.get("KUBETRAIN_CACHE", Path.home() / ".cache" / "kubetrain"))
 METRICS_PORT = 9090  # the examples' spec.metrics.port (the default)
 # Epochs per example, the same with and without faults so that their accuracies
@@ -47,11 +51,17 @@ class E2E:
     pod_cidr: str
     containerd: str
 
+    @property
+    def kube(self) -> Kubectl:
+        """kubectl in the release's namespace."""
+        return self.cluster.kube(NAMESPACE)
+
     def kubectl(self, *args: str, timeout: float = 120) -> str:
-        return self.cluster.kubectl("-n", NAMESPACE, *args, timeout=timeout)
+        return self.kube(*args, timeout=timeout)
 
     def get(self, kind: str, name: str) -> dict:
-        return json.loads(self.kubectl("get", kind, name, "-o", "json"))
+        """The object; fails when it is not there."""
+        return self.kube.json("get", kind, name)
 
     def wait(self, what: str, check, timeout: float, every: float = 1.0):
         """Polls check() until it returns something truthy; fails naming `what`, the last value, the cluster's state."""
@@ -62,13 +72,20 @@ class E2E:
         parts = []
         for args in (("get", "pods,pvc,tj", "-o", "wide"),
                      ("get", "events", "--sort-by=.lastTimestamp")):
-            done = subprocess.run(["kubectl", "-n", NAMESPACE, *args], env=self.cluster.env,
-                                  capture_output=True, text=True, timeout=60)
+            done = self.kube.run(*args, timeout=60, check=False)
             parts.append(done.stdout[-4000:] + done.stderr[-2000:])
-        done = subprocess.run(["kubectl", "-n", NAMESPACE, "logs", "deploy/kubetrain", "--tail=30"],
-                              env=self.cluster.env, capture_output=True, text=True, timeout=60)
+        done = self.kube.run("logs", self.operator_pod(), "--tail=30", timeout=60, check=False)
         parts.append(done.stdout + done.stderr)
         return "\n".join(parts)
+
+    def operator_pod(self) -> str:
+        """The acting operator: with the chart's two replicas, the pod that holds the leader Lease
+        (`kubectl logs deploy/kubetrain` may pick the standby)."""
+        done = self.kube.run("get", "lease", "kubetrain-leader", "-o", "json", timeout=60, check=False)
+        if done.returncode != 0:
+            return "deploy/kubetrain"  # one replica: no election
+        holder = (json.loads(done.stdout).get("spec") or {}).get("holderIdentity") or ""
+        return f"pod/{holder.rsplit('_', 1)[0]}" if holder else "deploy/kubetrain"
 
 
 def leftovers() -> list[str]:
@@ -92,16 +109,6 @@ def example(name: str, epochs: int) -> dict:
     return doc
 
 
-def json_objects(text: str) -> list[dict]:
-    """The JSON objects written one after another in text."""
-    decoder, objs, text = json.JSONDecoder(), [], text.strip()
-    while text:
-        obj, end = decoder.raw_decode(text)
-        objs.append(obj)
-        text = text[end:].strip()
-    return objs
-
-
 def job_status(e2e, name: str) -> dict:
     status = e2e.get("trainingjob", name).get("status") or {}
     failed = [c for c in status.get("conditions", []) if c["type"] == "Failed" and c["status"] == "True"]
@@ -120,16 +127,16 @@ def stepped(e2e, name: str) -> dict | None:
 def read_claim(e2e, claim: str, script: str) -> str:
     """Runs `script` in a busybox pod on the real node with the claim mounted at /data; returns its output."""
     pod = f"read-{claim}"[:63]
-    e2e.cluster.run("kubectl", "-n", NAMESPACE, "apply", "-f", "-", input=yaml.safe_dump({
+    e2e.kube.apply({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
         "spec": {
-            "nodeSelector": dict(REAL_NODE_SELECTOR), "restartPolicy": "Never",
+            "nodeSelector": dict(REAL_NODE_SELECTOR), "restartPolicy": "Never", "securityContext": RESTRICTED_POD,
             "containers": [{"name": "read", "image": HELPER_IMAGE, "imagePullPolicy": "IfNotPresent",
-                            "command": ["/bin/sh", "-c", script],
+                            "securityContext": RESTRICTED_CONTAINER, "command": ["/bin/sh", "-c", script],
                             "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}]}],
             "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
         },
-    }))
+    })
     e2e.wait(f"pod {pod} to finish", lambda: e2e.get("pod", pod)["status"].get("phase") in ("Succeeded", "Failed"),
              timeout=120)
     out = e2e.kubectl("logs", pod)
@@ -146,7 +153,7 @@ def figure(line: str) -> None:
 def apply(e2e, doc: dict) -> float:
     """kubectl apply the manifest; returns the monotonic time just before."""
     start = time.monotonic()
-    e2e.cluster.run("kubectl", "-n", NAMESPACE, "apply", "-f", "-", input=yaml.safe_dump(doc))
+    e2e.kube.apply(doc)
     return start
 
 
@@ -157,11 +164,8 @@ def succeeded(e2e, name: str, timeout: float = 600) -> dict:
 
 def samples(ip: str, port: int = METRICS_PORT) -> dict[str, float] | None:
     """A pod's /metrics, read from the host (which routes to the real node's pod range); None if it does not answer."""
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=2) as reply:
-            return parse_metrics(reply.read().decode())
-    except OSError:
-        return None
+    text = try_scrape(f"{ip}:{port}", timeout=2)
+    return None if text is None else parse_metrics(text)
 
 
 @dataclass(frozen=True)
@@ -180,8 +184,7 @@ def watch_metrics(e2e, pod: str, check, what: str, not_uid: str | None = None, t
     last = None
     while time.monotonic() < deadline:
         if ip is None:
-            found = json.loads(e2e.cluster.kubectl("-n", NAMESPACE, "get", "pods", "--field-selector",
-                                                   f"metadata.name={pod}", "-o", "json"))["items"]
+            found = e2e.kube.items("pods", "--field-selector", f"metadata.name={pod}")
             if found and found[0]["metadata"]["uid"] != not_uid and found[0]["status"].get("podIP") \
                     and found[0]["status"].get("phase") == "Running":
                 ip, uid = found[0]["status"]["podIP"], found[0]["metadata"]["uid"]
@@ -191,8 +194,7 @@ def watch_metrics(e2e, pod: str, check, what: str, not_uid: str | None = None, t
         last = samples(ip)
         if last is not None and check(last):
             return Seen(time.monotonic(), uid, last)
-        if last is None and e2e.cluster.kubectl("-n", NAMESPACE, "get", "pod", pod, "-o", "jsonpath={.metadata.uid}",
-                                                timeout=30) != uid:
+        if last is None and e2e.kubectl("get", "pod", pod, "-o", "jsonpath={.metadata.uid}", timeout=30) != uid:
             ip = None  # replaced meanwhile
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {pod} {what}; last metrics: {last!r}\n"
@@ -217,9 +219,7 @@ def events_of(e2e, claim: str, replica: str) -> list[dict]:
 
 
 def warning_reasons(e2e, name: str) -> set[str]:
-    events = json.loads(e2e.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}",
-                                    "-o", "json"))["items"]
-    return {e["reason"] for e in events if e["type"] == "Warning"}
+    return {e["reason"] for e in e2e.kube.events(name) if e["type"] == "Warning"}
 
 
 # Script jobs (spec.script): examples/custom and its user image (examples/custom/Dockerfile).
@@ -293,8 +293,7 @@ def logs(e2e, pod: str) -> str:
     """The pod's trainer log, the previous container's first (a StatefulSet restarts even a finished one)."""
     out = []
     for previous in (True, False):
-        done = subprocess.run(["kubectl", "-n", NAMESPACE, "logs", pod, "-c", "trainer",
-                               *(["--previous"] if previous else [])],
-                              env=e2e.cluster.env, capture_output=True, text=True, timeout=60)
+        done = e2e.kube.run("logs", pod, "-c", "trainer", *(["--previous"] if previous else []), timeout=60,
+                            check=False)
         out.append(done.stdout if done.returncode == 0 else "")
     return "".join(out)

@@ -7,9 +7,10 @@ import re
 
 import pytest
 from e2elib import (
-    CHIEF, EPOCHS, FAULT_FREE, HOLDER, REAL_NODE, apply, example, figure, first_step, json_objects, read_claim,
-    succeeded,
+    CHIEF, EPOCHS, FAULT_FREE, HOLDER, REAL_NODE, apply, example, figure, first_step, read_claim, succeeded,
 )
+
+from helpers.jsonl import json_objects
 
 from kubetrain_operator.core.reconcile import parse_iso
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 
 import pytest
@@ -90,7 +89,7 @@ def test_a_verb_missing_from_the_role_is_reported_with_the_operation_and_recover
         apply(e2e, doc)
         condition = e2e.wait(f"{name}'s status to report the refused operation", lambda: next(
             (c for c in job_status(e2e, name).get("conditions", []) if c["reason"] == "Forbidden"), None), timeout=120)
-        log = e2e.kubectl("logs", "deploy/kubetrain", "--tail=200")
+        log = e2e.kubectl("logs", e2e.operator_pod(), "--tail=200")
     finally:
         e2e.kubectl("patch", "role", "kubetrain", "--type=json",
                     "-p", json.dumps([{"op": "replace", "path": "/rules", "value": original}]))
@@ -107,9 +106,8 @@ def test_a_verb_missing_from_the_role_is_reported_with_the_operation_and_recover
 def test_operator_pod_runs_under_its_own_service_account_with_no_token_beyond_its_role(e2e):
     pod = json.loads(e2e.kubectl("get", "pods", "-l", "app.kubernetes.io/component=operator", "-o", "json"))["items"][0]
     assert pod["spec"]["serviceAccountName"] == "kubetrain"
-    can = subprocess.run(["kubectl", "auth", "can-i", "--list", "-n", NAMESPACE,
-                          f"--as=system:serviceaccount:{NAMESPACE}:kubetrain"],
-                         env=e2e.cluster.env, capture_output=True, text=True, timeout=60)
+    can = e2e.kube.run("auth", "can-i", "--list", f"--as=system:serviceaccount:{NAMESPACE}:kubetrain",
+                       timeout=60, check=False)
     assert can.returncode == 0, can.stderr
     lines = can.stdout.splitlines()
     assert any(line.startswith("pods ") and "create" in line for line in lines), can.stdout

@@ -13,14 +13,14 @@ return data for a running ParameterServer job.
 from __future__ import annotations
 
 import math
-import subprocess
 
 import pytest
 import yaml
 from catalogue import dashboards, queries
 from e2elib import NAMESPACE, apply, example, figure
-from live import Prometheus, ready, stop_process
-from support import ROOT, free_port, wait_for
+from helpers.prometheus import start_prometheus
+from helpers.wait import wait_for
+from support import ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -50,18 +50,11 @@ def prometheus(e2e, tmp_path_factory):
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "scrape_configs": jobs,
     }))
-    port, log = free_port(), root / "prometheus.log"
-    popen = subprocess.Popen(
-        [str(binary), f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )
-    prom = Prometheus(f"http://127.0.0.1:{port}", popen, log)
+    prom = start_prometheus(binary, config, root)
     try:
-        wait_for("Prometheus to be ready", lambda: ready(prom), timeout=60)
         yield prom
     finally:
-        stop_process(popen)
+        prom.stop()
 
 
 @pytest.fixture(scope="module")

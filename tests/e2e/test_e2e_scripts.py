@@ -18,11 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import yaml
 from e2elib import (
-    NAMESPACE, REAL_NODE, Seen, apply, figure, first_checkpoint, first_step, json_objects, logs, on_real_node,
+    REAL_NODE, Seen, apply, figure, first_checkpoint, first_step, logs, on_real_node,
     read_files, script_example, sigkill_process, succeeded, warning_reasons, watch_metrics,
 )
+
+from helpers.jsonl import json_objects
 
 pytestmark = pytest.mark.e2e
 
@@ -221,9 +222,8 @@ KUBETRAIN_MOUNTS = {"/etc/kubetrain": "config", "/kubetrain/data": "data", "/tmp
 
 def test_script_reads_a_dataset_volume_from_the_pod_template_beside_kubetrains_mounts(e2e, custom_image):
     job = "custom-dataset"
-    e2e.cluster.run("kubectl", "-n", NAMESPACE, "apply", "-f", "-", input=yaml.safe_dump({
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job}-points"},
-        "data": {"points.csv": DATASET}}))
+    e2e.kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job}-points"},
+                    "data": {"points.csv": DATASET}})
     doc = on_real_node({
         "apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": job},
         "spec": {

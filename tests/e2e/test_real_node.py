@@ -6,8 +6,7 @@ import ipaddress
 import json
 
 import pytest
-import yaml
-from e2elib import E2E_CLUSTER, HELPER_IMAGE, NAMESPACE, REAL_NODE, REAL_NODE_SELECTOR
+from e2elib import E2E_CLUSTER, HELPER_IMAGE, NAMESPACE, REAL_NODE, REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, RESTRICTED_POD
 
 pytestmark = pytest.mark.e2e
 
@@ -26,19 +25,20 @@ def test_real_node_is_ready_at_an_address_in_its_own_namespace_range(e2e):
 
 def test_pod_gets_a_volume_logs_exec_and_names_of_services(e2e):
     name = "node-check"
-    e2e.cluster.run("kubectl", "-n", NAMESPACE, "apply", "-f", "-", input=yaml.safe_dump_all([
+    e2e.kube.apply(*[
         {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
          "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Mi"}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
          "spec": {"clusterIP": "None", "selector": {"app": name}, "ports": [{"port": 80}]}},
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
-         "spec": {"nodeSelector": dict(REAL_NODE_SELECTOR),
+         "spec": {"nodeSelector": dict(REAL_NODE_SELECTOR), "securityContext": RESTRICTED_POD,
                   "containers": [{"name": "c", "image": HELPER_IMAGE, "imagePullPolicy": "IfNotPresent",
+                                  "securityContext": RESTRICTED_CONTAINER,
                                   "command": ["/bin/sh", "-c", "echo hello from $(cat /proc/sys/kernel/hostname); "
                                               "echo kept > /data/f; exec sleep 3600"],
                                   "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
                   "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": name}}]}},
-    ]))
+    ])
     try:
         e2e.kubectl("wait", "--for=condition=Ready", f"pod/{name}", "--timeout=120s", timeout=130)
         pod = e2e.get("pod", name)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from support import free_port, wait_for
 
-ROOT = Path(__file__).parents[2]
-CRD = ROOT / "deploy" / "crd" / "trainingjobs.yaml"
+from helpers.kube import install_crd
+from helpers.net import free_ports
+from helpers.process import stop_process
+from helpers.wait import wait_for
 
 
 class Operator:
@@ -24,30 +23,20 @@ class Operator:
         self.namespace = namespace
         self.log = log
         self.metrics_port = metrics_port
+        self.kube = cluster.kube(namespace, timeout=60)
+        """kubectl in the operator's namespace, for what the methods below do not cover."""
 
     def kubectl(self, *args: str, timeout: float = 60) -> str:
-        return self.cluster.kubectl("-n", self.namespace, *args, timeout=timeout)
+        return self.kube(*args, timeout=timeout)
 
     def apply(self, doc: dict) -> None:
-        done = subprocess.run(
-            ["kubectl", "-n", self.namespace, "apply", "--server-side", "-f", "-"],
-            input=yaml.safe_dump(doc), env=self.cluster.env, capture_output=True, text=True, timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
+        self.kube.apply(doc, server_side=True)
 
     def get(self, kind: str, name: str) -> dict | None:
-        done = subprocess.run(
-            ["kubectl", "-n", self.namespace, "get", kind, name, "-o", "json"],
-            env=self.cluster.env, capture_output=True, text=True, timeout=60,
-        )
-        if done.returncode != 0:
-            if "NotFound" in done.stderr:
-                return None
-            raise AssertionError(done.stderr)
-        return json.loads(done.stdout)
+        return self.kube.get(kind, name)
 
     def items(self, kind: str, selector: str) -> list[dict]:
-        return json.loads(self.kubectl("get", kind, "-l", selector, "-o", "json"))["items"]
+        return self.kube.items(kind, "-l", selector)
 
     def wait(self, what: str, check, timeout: float = 60, every: float = 0.5):
         """Poll check() until it returns a truthy value; fail naming `what` and the operator's log tail."""
@@ -76,14 +65,12 @@ class Operator:
         self.kubectl("patch", "pod", pod, "--subresource=status", "--type=merge", "-p", json.dumps({"status": status}))
 
     def events(self, name: str) -> list[dict]:
-        return json.loads(self.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json"))["items"]
+        return self.kube.events(name)
 
 
 @pytest.fixture(scope="session")
 def crd(cluster):
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.dev", "--timeout=60s")
-    return CRD
+    return install_crd(cluster)
 
 
 @pytest.fixture(scope="session")
@@ -98,9 +85,7 @@ def volumes(cluster):
                   "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/kt-test-pv-{i}"}}}
         for i in range(60)
     ]
-    done = subprocess.run(["kubectl", "apply", "-f", "-"], input=yaml.safe_dump_all(pvs), env=cluster.env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    cluster.kube().apply(*pvs)
     return len(pvs)
 
 
@@ -110,9 +95,9 @@ def operator(cluster, crd, volumes, tmp_path_factory):
     namespace = f"op-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    metrics_port = free_port()
+    metrics_port, liveness_port = free_ports(2)
     cmd = [sys.executable, "-m", "kubetrain_operator.cli", "operator", "--namespace", namespace,
-           "--metrics-port", str(metrics_port), "--liveness-port", str(free_port()),
+           "--metrics-port", str(metrics_port), "--liveness-port", str(liveness_port),
            "--scrape-networks", "127.0.0.0/8"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -122,9 +107,43 @@ def operator(cluster, crd, volumes, tmp_path_factory):
         assert proc.poll() is None, log.read_text()
         yield op
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process(proc, timeout=20, group=True)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+class OperatorProcess:
+    """One `kubetrain operator` process started by `spawn_operator`."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path, metrics_port: int, liveness_port: int):
+        self.proc = proc
+        self.log = log
+        self.metrics_port = metrics_port
+        self.liveness_port = liveness_port
+
+    def signal(self, sig: int) -> None:
+        """`sig` to its process group (it was started in a session of its own)."""
+        os.killpg(self.proc.pid, sig)
+
+
+@pytest.fixture
+def spawn_operator(cluster, crd, volumes, tmp_path):
+    """Starts extra `kubetrain operator` processes watching `namespace`, with extra arguments and
+    environment (`spawn(namespace, *args, env={...})`); stops whatever is left of them afterwards."""
+    started: list[OperatorProcess] = []
+
+    def spawn(namespace: str, *args: str, env: dict[str, str] | None = None) -> OperatorProcess:
+        log = tmp_path / f"operator-{len(started)}.log"
+        metrics_port, liveness_port = free_ports(2)
+        cmd = [sys.executable, "-m", "kubetrain_operator.cli", "operator", "--namespace", namespace,
+               "--metrics-port", str(metrics_port), "--liveness-port", str(liveness_port),
+               "--scrape-networks", "127.0.0.0/8", *args]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env={**cluster.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        started.append(OperatorProcess(proc, log, metrics_port, liveness_port))
+        return started[-1]
+
+    yield spawn
+    for p in started:
+        if p.proc.poll() is None:
+            stop_process(p.proc, timeout=20, group=True)

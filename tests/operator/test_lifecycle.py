@@ -12,7 +12,8 @@ import uuid
 import pytest
 import yaml
 
-from support import EXAMPLES, free_port
+from helpers.net import free_port
+from support import EXAMPLES
 
 pytestmark = pytest.mark.cluster
 
@@ -45,7 +46,8 @@ def test_parameter_server_job_gets_its_children_and_a_status(operator):
     pods = running_pods(operator, name, 3)
     assert set(pods) == {f"{name}-ps-0", f"{name}-worker-0", f"{name}-worker-1"}
     uid = operator.get("trainingjob", name)["metadata"]["uid"]
-    for kind, child in [("configmap", f"{name}-config"), ("secret", f"{name}-token"), ("service", f"{name}-ps-0"),
+    # The token Secret's name carries the job's uid: a job re-created under the same name gets its own.
+    for kind, child in [("configmap", f"{name}-config"), ("secret", f"{name}-token-{uid[:8]}"), ("service", f"{name}-ps-0"),
                         ("persistentvolumeclaim", f"{name}-ckpt-ps-0"), ("pod", f"{name}-worker-1")]:
         obj = operator.get(kind, child)
         assert obj is not None, f"{kind} {child} missing"
@@ -53,7 +55,7 @@ def test_parameter_server_job_gets_its_children_and_a_status(operator):
     worker = pods[f"{name}-worker-1"]["spec"]["containers"][0]
     env = {e["name"]: e for e in worker["env"]}
     assert env["KUBETRAIN_PS_ADDRS"]["value"] == f"{name}-ps-0:50051"
-    assert env["KUBETRAIN_JOB_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == f"{name}-token"
+    assert env["KUBETRAIN_JOB_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == f"{name}-token-{uid[:8]}"
     status = operator.wait("state Running", lambda: (s := operator.job_status(name)).get("state") == "Running" and s)
     assert status["replicaStatuses"]["worker"]["active"] == 2
     assert status["workers"] == 2 and status["startTime"]
@@ -150,21 +152,21 @@ def test_ttl_deletes_a_finished_job_and_deletion_cleans_up(operator):
     name = doc["metadata"]["name"]
     operator.apply(doc)
     running_pods(operator, name, 1)
+    uid = operator.get("trainingjob", name)["metadata"]["uid"]
     operator.set_pod_status(f"{name}-single-0", "Succeeded", exit_code=0)
     operator.wait("the job deleted by its TTL", lambda: operator.get("trainingjob", name) is None, timeout=60)
     operator.wait("children garbage-collected", lambda: all(
         operator.get(kind, child) is None for kind, child in
-        [("configmap", f"{name}-config"), ("secret", f"{name}-token"), ("persistentvolumeclaim", f"{name}-ckpt-single-0")]), timeout=60)
+        [("configmap", f"{name}-config"), ("secret", f"{name}-token-{uid[:8]}"),
+         ("persistentvolumeclaim", f"{name}-ckpt-single-0")]), timeout=60)
 
 
 def test_immutable_fields_cannot_change(operator):
     doc = manifest()
     name = doc["metadata"]["name"]
     operator.apply(doc)
-    done = operator.cluster.env and __import__("subprocess").run(
-        ["kubectl", "-n", operator.namespace, "patch", "tj", name, "--type=merge", "-p",
-         json.dumps({"spec": {"parameterServer": {"workers": 5}}})],
-        env=operator.cluster.env, capture_output=True, text=True)
+    done = operator.kube.run("patch", "tj", name, "--type=merge", "-p",
+                             json.dumps({"spec": {"parameterServer": {"workers": 5}}}), check=False)
     assert done.returncode != 0
     assert "workers is immutable" in done.stderr
 

@@ -25,6 +25,7 @@ def forbidden() -> kube.KubeError:
 def test_forbidden_goes_to_the_log_and_the_condition_of_the_current_state(monkeypatch, caplog):
     patches = []
     monkeypatch.setattr(kube, "patch_status", lambda ns, name, status: patches.append((ns, name, status)))
+    monkeypatch.setattr(kube, "record_event", lambda body, type_, reason, message: None)
     body = {"metadata": {"namespace": "ml", "name": "j", "uid": "u", "generation": 2},
             "status": {"state": "Created"}}
     state = handlers.JobState()

@@ -35,3 +35,14 @@ app.kubernetes.io/component: operator
 {{- define "kubetrain.trainerImage" -}}
 {{- printf "%s:%s" .Values.trainer.image.repository (default .Chart.AppVersion .Values.trainer.image.tag) -}}
 {{- end -}}
+
+{{- /*
+"true" when the operator elects a leader: more than one replica, or asked for.
+*/ -}}
+{{- define "kubetrain.leaderElection" -}}
+{{- if or (gt (int .Values.operator.replicas) 1) .Values.operator.leaderElection.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kubetrain.leaseName" -}}
+{{- printf "%s-leader" (include "kubetrain.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}

@@ -1,0 +1,145 @@
+"""The TrainingJob's status, typed: what users read (`JobStatus`) and what the engine remembers (`JobMemory`).
+
+Described once, like the spec: the CRD's status schema is generated from these
+classes (`crd.status_schema`), the operator reads the API's copy with
+`read_status` and writes `to_dict(status)`, and the local backend keeps the same
+object in its run directory. Everything the engine needs between two rounds is
+a declared field of `JobMemory` (`status.memory`), so the API server keeps it
+and an operator that restarts, or a standby that takes over, continues where
+the last one stopped: restart counts, backoff timers, the hang clock, the
+deadline clock and the identities of the DDP pods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from . import schema
+from .schema import field
+
+
+@dataclass
+class Condition:
+    """One condition of the job (Created, Running, Restarting, Suspended, Succeeded, Failed)."""
+
+    type: str = field("Created, Running, Restarting, Suspended, Succeeded or Failed.")
+    status: str = field("True or False.")
+    reason: str = field("One CamelCase word: why.")
+    message: str = field("A sentence a user can act on.")
+    last_transition_time: str = field("When the status last changed (RFC 3339).")
+    observed_generation: int = field("The spec generation this condition was computed for.", 0)
+
+
+@dataclass
+class ReplicaCounts:
+    """Replicas of one role by what they are doing."""
+
+    active: int = field("Pending or running.", 0)
+    succeeded: int = field("Finished.", 0)
+    failed: int = field("Failed and not (yet) replaced.", 0)
+
+
+@dataclass
+class LastCheckpoint:
+    """The newest durable checkpoint."""
+
+    step: int = field("Its training step.", 0)
+    time: str | None = field("When it was written (RFC 3339).", None)
+
+
+@dataclass
+class Progress:
+    """Training progress, read from the chief's metrics (and at the end its final results)."""
+
+    step: int = field("The newest training step.", 0)
+    total_steps: int | None = field("Steps the job will run.", None)
+    loss: float | None = field("The newest training loss.", None)
+    eval_accuracy: float | None = field("The newest evaluation accuracy.", None)
+    samples_per_second: float | None = field("Training throughput.", None)
+    metrics: dict[str, float] | None = field(
+        "What a script reported with kubetrain.report(step, name=value), by name.", None
+    )
+    update_time: str | None = field("When this was read (RFC 3339).", None)
+
+
+@dataclass
+class JobMemory:
+    """What the engine remembers between rounds. Internal: read by the operator, not by users."""
+
+    checkpoint_at_last_restart: int = field("The newest checkpoint step when the last restart was decided.", 0)
+    pending_restarts: dict[str, float] = field(
+        "Replicas waiting for their restart backoff: replica -> when it is due (unix seconds).", default_factory=dict
+    )
+    last_step: int | None = field("The newest step seen; None before the first.", None)
+    last_step_time: float | None = field("When the step last advanced (unix seconds): the hang clock.", None)
+    identities: dict[str, str] = field(
+        "The incarnation of each DDP replica last seen (a pod uid): a new one nobody asked for is a restart.",
+        default_factory=dict,
+    )
+    in_place_restarts: dict[str, int] = field(
+        "Restarts of each DDP replica's container in place already counted.", default_factory=dict
+    )
+    workers_done_time: float | None = field("When every worker of a PS job had finished (unix seconds).", None)
+    active_seconds: float = field("Time the job ran before activeSince (seconds; suspended time excluded).", 0.0)
+    active_since: float | None = field("When the current active period began (unix seconds); None while stopped.", None)
+
+
+@dataclass
+class JobStatus:
+    """Observed state, written by the operator."""
+
+    observed_generation: int = field("The spec generation last acted on.", 0)
+    state: str = field("Created, Running, Restarting, Suspended, Succeeded or Failed.", "Created")
+    workers: int = field("Processes that train (workers or ranks).", 0)
+    start_time: str | None = field("When the job first started (RFC 3339).", None)
+    completion_time: str | None = field("When the job succeeded or failed (RFC 3339).", None)
+    conditions: list[Condition] = field("The job's conditions, one per type that has ever been true.", default_factory=list)
+    replica_statuses: dict[str, ReplicaCounts] = field("Replicas by role.", default_factory=dict)
+    restarts: int = field("Replica restarts so far.", 0)
+    restarts_without_progress: int = field("Restarts in a row that saw no new checkpoint.", 0)
+    last_checkpoint: LastCheckpoint | None = field("The newest durable checkpoint.", None)
+    progress: Progress | None = field("Training progress.", None)
+    memory: JobMemory = field("What the engine remembers between rounds (internal).", default_factory=JobMemory)
+
+
+STATUS_CLASSES = (JobStatus, JobMemory, Progress, LastCheckpoint, ReplicaCounts, Condition)
+
+
+def read_status(data: Any) -> JobStatus:
+    """The typed status from the API's (or a run directory's) copy.
+
+    Lenient: a field that does not parse (written by an older version, or by
+    hand) is left at its default rather than losing the rest; unknown keys are
+    ignored. An empty or missing status is a new job's.
+    """
+    if not isinstance(data, dict):
+        return JobStatus()
+    return read_object(JobStatus, data)
+
+
+def read_object(cls: type, data: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f, info in schema.fields_of(cls):
+        key = schema.yaml_name(f)
+        if key not in data:
+            continue
+        value = data[key]
+        if info.kind == "object" and isinstance(value, dict):
+            assert info.cls is not None
+            kwargs[f.name] = read_object(info.cls, value)
+            continue
+        problems: list[schema.Problem] = []
+        parsed = schema._parse_value(value, info, schema.meta_of(f), key, problems)
+        if parsed is not schema.MISSING and not problems:
+            kwargs[f.name] = parsed
+    return cls(**kwargs)
+
+
+def to_dict(status: JobStatus) -> dict[str, Any]:
+    """The status as the API stores it (camelCase; unset optionals left out)."""
+    return schema.to_dict(status)
+
+
+def field_names(cls: type) -> list[str]:
+    return [schema.yaml_name(f) for f in fields(cls)]

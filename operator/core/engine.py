@@ -1,0 +1,536 @@
+"""The job engine: one pure state machine for every mode, driven by the operator and by the local backend.
+
+`step(job, status, replicas, now, progress)` takes the spec, the last status
+(its `memory` included), neutral observations of the replicas (a pod, or a
+local process: which phase, how it ended, which incarnation), the progress
+read from the chief and the clock, and returns the new status and the
+actions: replicas to start, replicas to stop, Events, whether the job may be
+deleted, when to look again. Nothing here knows about pods or processes; the
+two drivers (`core.reconcile` + `controller` for a cluster, `local.backend`
+for this machine) only observe and act, so every timer, the hang rule, the
+deadline clock, suspend and completion behave the same in both.
+
+The round runs in phases, each a function below:
+
+1. `_fold_progress`: the newest step, loss, checkpoint; the hang clock.
+2. finished already: only the TTL is left (`_after_the_end`).
+3. suspended: stop everything (`_suspend`).
+4. the deadline, on the job's active time (suspended time excluded).
+5. `_failures`: which replicas stopped, by failure, deletion, replacement or hang.
+6. `_decide`: the restart policy for each; a restart stops the replica now and
+   starts it when its backoff is due.
+7. `_starts`: replicas that should run and do not, once any backoff is due.
+8. `_outcome`: success, the parameter servers' drain, or the state to report.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..api import TrainingJob
+from ..api.spec import MAX_REPORTED_METRICS
+from ..api import schema
+from ..api.status import Condition, JobMemory, JobStatus, LastCheckpoint, Progress, ReplicaCounts, read_object, read_status
+from . import policy
+from .plan import chief, replica_names
+from .status import TERMINAL, Observed, conditions
+
+PS_DRAIN_SECONDS = 60.0
+"""Parameter servers exit by themselves once every worker finished and they wrote their final
+checkpoint; one still running this long afterwards is stopped and the job succeeds."""
+
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+MAX_REQUEUE_SECONDS = 10.0
+"""A running job is looked at again at least this often (progress, the hang and deadline clocks)."""
+
+ACTIVE = ("Running", "Restarting")
+
+
+@dataclass(frozen=True)
+class ReplicaObservation:
+    """What the engine needs of one replica: a pod in a cluster, a process group on this machine."""
+
+    replica: str
+    phase: str  # Pending | Running | Succeeded | Failed
+    exit_code: int | None = None  # once terminated
+    reason: str = ""  # why it ended without an exit code (Evicted, ...)
+    waiting_reason: str = ""  # ImagePullBackOff, CrashLoopBackOff, ...
+    waiting_message: str = ""
+    terminating: bool = False  # being stopped
+    restart_count: int = 0  # restarts in place (a StatefulSet's container); 0 for a process
+    last_exit_code: int | None = None  # how the last in-place run ended
+    node: str = ""
+    ip: str = ""
+    uid: str = ""  # the incarnation (a pod uid): the same name can come back as another one
+    final: Mapping[str, Any] | None = None  # the replica's final results (a pod's termination message)
+
+
+@dataclass(frozen=True)
+class ProgressReading:
+    """Progress read from the chief (its metrics in a cluster, its event log on this machine)."""
+
+    step: int
+    total_steps: int | None = None
+    loss: float | None = None
+    eval_accuracy: float | None = None
+    samples_per_second: float | None = None
+    checkpoint_step: int | None = None
+    checkpoint_time: float | None = None  # unix seconds
+    metrics: Mapping[str, float] | None = None  # what a script reported by name (kubetrain.report)
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """A restart the engine decided, for the drivers' logs and metrics."""
+
+    replica: str
+    reason: str
+    exit_code: int | None
+    delay_seconds: float
+    step: int | None
+    checkpoint_step: int
+
+
+@dataclass
+class Actions:
+    start: list[str] = field(default_factory=list)  # replicas to start now
+    stop: list[str] = field(default_factory=list)  # replicas to stop gracefully now
+    hold: bool = False  # nothing of the job may run (suspended, or finished and cleaned up)
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    restarted: list[Restarted] = field(default_factory=list)
+    failed: str | None = None  # the replica whose failure ended the job
+    delete_job: bool = False  # its TTL after finishing has passed
+    requeue_after: float | None = None  # seconds until the engine wants to look again
+
+
+@dataclass
+class Round:
+    status: JobStatus
+    actions: Actions
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_iso(s: str | None) -> float | None:
+    if not s:
+        return None
+    try:
+        return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+def step(
+    job: TrainingJob,
+    status: JobStatus | Mapping[str, Any] | None,
+    replicas: Mapping[str, ReplicaObservation],
+    now: float,
+    progress: ProgressReading | None = None,
+    volume_pending: list[str] | None = None,
+) -> Round:
+    """One round of the state machine. Pure: the old status is not changed."""
+    old = status if isinstance(status, JobStatus) else read_status(status)
+    return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [])
+
+
+class _Round:
+    """The state of one round while its phases run (private: `step` is the interface)."""
+
+    def __init__(self, job: TrainingJob, status: JobStatus, replicas: dict[str, ReplicaObservation], now: float):
+        self.job = job
+        self.spec = job.spec
+        self.status = status
+        self.memory: JobMemory = status.memory
+        self.replicas = replicas
+        self.now = now
+        self.actions = Actions()
+        self.before = status.state or "Created"
+        self.names = [f"{role}-{index}" for role, index in replica_names(job)]
+        self.is_ddp = self.spec.mode == "DDP"
+        self.observed: Observed | None = None
+
+    def run(self, progress: ProgressReading | None, volume_pending: list[str]) -> Round:
+        self._fold_progress(progress)
+        if self.before in TERMINAL:
+            self._after_the_end()
+            return self._done(report=False)
+        if self.spec.run_policy.suspend:
+            self._suspend()
+            return self._done()
+        self._resume_if_suspended()
+        if self._deadline_passed():
+            return self._done()
+        for failure in self._failures():
+            if not self._decide(failure):
+                return self._done()
+        self._starts()
+        self._outcome(volume_pending)
+        return self._done()
+
+    # -- 1. progress -----------------------------------------------------------------
+
+    def _fold_progress(self, progress: ProgressReading | None) -> None:
+        if progress is None:
+            return
+        reading = Progress(
+            step=progress.step,
+            total_steps=progress.total_steps,
+            loss=progress.loss,
+            eval_accuracy=progress.eval_accuracy,
+            samples_per_second=progress.samples_per_second,
+            metrics=dict(progress.metrics) if progress.metrics else None,
+        )
+        old = self.status.progress
+        if old is None or dataclasses.replace(old, update_time=None) != reading:
+            # Written when it changes: a job that stands still costs no status write.
+            reading.update_time = iso(self.now)
+            self.status.progress = reading
+        if self.memory.last_step is None or progress.step > self.memory.last_step:
+            self.memory.last_step = progress.step
+            self.memory.last_step_time = self.now
+        if progress.checkpoint_step:
+            self.status.last_checkpoint = LastCheckpoint(
+                progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
+            )
+
+    # -- 2. finished -----------------------------------------------------------------
+
+    def _after_the_end(self) -> None:
+        ttl = self.spec.run_policy.ttl_seconds_after_finished
+        done = parse_iso(self.status.completion_time)
+        if ttl is not None and done is not None:
+            if self.now - done >= ttl:
+                self.actions.delete_job = True
+            else:
+                self.actions.requeue_after = ttl - (self.now - done)
+
+    def _finish(self, state: str, reason: str, message: str) -> None:
+        self.observed = Observed(state, reason, message)
+        self.status.state = state
+        self.status.completion_time = self.status.completion_time or iso(self.now)
+        self._pause_clock()
+        self.memory.pending_restarts = {}
+        clean = self.spec.run_policy.clean_pod_policy
+        self.actions.stop += [
+            n for n, r in self.replicas.items()
+            if (clean == "All" or (clean == "Running" and r.phase in ("Pending", "Running"))) and n not in self.actions.stop
+        ]  # fmt: skip
+        self.actions.hold = clean != "None"
+        self.actions.events.append(("Normal" if state == "Succeeded" else "Warning", reason, message))
+        if state == "Succeeded":
+            self._final_progress()
+
+    # -- 3. suspend --------------------------------------------------------------------
+
+    def _suspend(self) -> None:
+        self.actions.stop = [n for n, r in self.replicas.items() if r.phase in ("Pending", "Running") and not r.terminating]
+        self.actions.hold = True
+        if self.before != "Suspended":
+            self.actions.events.append(("Normal", "Suspended", "The job is suspended; its replicas stop after a checkpoint."))
+        self.observed = Observed("Suspended", "Suspended", "The job is suspended; set spec.runPolicy.suspend to false to resume.")
+        self.status.state = "Suspended"
+        self._pause_clock()
+        self.memory.pending_restarts = {}
+        self.memory.identities = {}  # the replicas that come back on resume are new, not replacements
+
+    def _resume_if_suspended(self) -> None:
+        if self.status.start_time is None:
+            self.status.start_time = iso(self.now)
+        if self.memory.active_since is None:
+            self.memory.active_since = self.now
+        if self.before == "Suspended":
+            if self.memory.last_step is not None:
+                self.memory.last_step_time = self.now  # the hang clock restarts with the replicas
+            self.actions.events.append(("Normal", "Resumed", "The job resumes from its newest checkpoint."))
+
+    def _pause_clock(self) -> None:
+        if self.memory.active_since is not None:
+            self.memory.active_seconds += max(0.0, self.now - self.memory.active_since)
+            self.memory.active_since = None
+
+    # -- 4. deadline -------------------------------------------------------------------
+
+    def active_seconds(self) -> float:
+        since = self.memory.active_since
+        return self.memory.active_seconds + (max(0.0, self.now - since) if since is not None else 0.0)
+
+    def _deadline_passed(self) -> bool:
+        deadline = self.spec.run_policy.active_deadline_seconds
+        if deadline is None:
+            return False
+        left = deadline - self.active_seconds()
+        if left > 0:
+            self._requeue(left)
+            return False
+        self._finish("Failed", "DeadlineExceeded", f"The job ran longer than activeDeadlineSeconds ({deadline} s).")
+        return True
+
+    # -- 5. failures -------------------------------------------------------------------
+
+    def _failures(self) -> list[policy.Failure]:
+        memory = self.memory
+        failures: list[policy.Failure] = []
+        for name in self.names:
+            if name in memory.pending_restarts:
+                continue
+            seen = self.replicas.get(name)
+            if seen is None:
+                # Gone without the engine asking: deleted (a DDP replica's StatefulSet
+                # brings it back, seen below as a new incarnation).
+                if self.before in ACTIVE and not self.is_ddp:
+                    failures.append(policy.Failure(name, reason="Deleted"))
+                continue
+            if self.is_ddp and seen.uid:
+                known = memory.identities.get(name)
+                memory.identities[name] = seen.uid
+                if known and known != seen.uid and self.before in ACTIVE:
+                    # Replaced (deleted, evicted, its node gone) before a round saw it missing.
+                    memory.in_place_restarts[name] = seen.restart_count
+                    failures.append(policy.Failure(name, reason="Deleted"))
+                    continue
+            failure = _failure(seen)
+            if failure is not None:
+                failures.append(failure)
+            elif seen.restart_count > memory.in_place_restarts.get(name, 0):
+                # Its container restarted in place (torchrun gave up): count it once.
+                memory.in_place_restarts[name] = seen.restart_count
+                if seen.last_exit_code not in (0, None):
+                    failures.append(policy.Failure(name, exit_code=seen.last_exit_code))
+        if not failures and self._hung():
+            # Which replica is stuck cannot be seen from outside; the chief is restarted.
+            failures.append(policy.Failure(chief(self.job), reason="Hung"))
+        return failures
+
+    def _hung(self) -> bool:
+        """No new step for progressDeadlineSeconds while replicas run. The clock starts with the
+        first step read, so a job whose progress cannot be read is never taken for hung."""
+        memory = self.memory
+        if memory.last_step is None or memory.last_step_time is None or self.before not in ACTIVE:
+            return False
+        if _succeeded(self.replicas.get(chief(self.job)), self.is_ddp):
+            return False  # training is over: what is left (the shards' drain) is no hang
+        limit = self.spec.run_policy.progress_deadline_seconds
+        left = limit - (self.now - memory.last_step_time)
+        if left > 0:
+            self._requeue(left)
+            return False
+        return True
+
+    # -- 6. the restart policy ------------------------------------------------------------
+
+    def _decide(self, failure: policy.Failure) -> bool:
+        """Apply the restart policy; False when the job failed."""
+        memory, status = self.memory, self.status
+        checkpoint = status.last_checkpoint.step if status.last_checkpoint else 0
+        progressed = checkpoint > memory.checkpoint_at_last_restart
+        counters = policy.Counters(status.restarts, status.restarts_without_progress)
+        decision, counters = policy.decide(self.spec, failure, counters, progressed)
+        if decision.action == "fail":
+            self.actions.failed = failure.replica
+            self._finish("Failed", decision.reason, decision.message)
+            return False
+        status.restarts, status.restarts_without_progress = counters.restarts, counters.restarts_without_progress
+        memory.checkpoint_at_last_restart = checkpoint
+        name = failure.replica
+        self.actions.events.append(("Warning", decision.reason, decision.message))
+        self.actions.restarted.append(
+            Restarted(name, decision.reason, failure.code, decision.delay_seconds, memory.last_step, checkpoint)
+        )
+        self.observed = Observed("Restarting", decision.reason, decision.message)
+        memory.pending_restarts[name] = self.now + decision.delay_seconds
+        seen = self.replicas.get(name)
+        if seen is not None and failure.reason != "Deleted" and (failure.reason == "Hung" or not _restarted_in_place(seen)):
+            self.actions.stop.append(name)
+        memory.identities.pop(name, None)  # its replacement is this restart, not another one
+        if memory.last_step_time is not None:
+            memory.last_step_time = self.now + decision.delay_seconds  # the hang clock restarts with it
+        return True
+
+    # -- 7. starts -----------------------------------------------------------------------
+
+    def _starts(self) -> None:
+        pending = self.memory.pending_restarts
+        for name in self.names:
+            due = pending.get(name)
+            if due is not None and due > self.now:
+                self._requeue(due - self.now)
+                continue
+            if name in self.actions.stop:
+                self._requeue(0.1)  # started once it has stopped
+                continue
+            seen = self.replicas.get(name)
+            if seen is None:
+                self.actions.start.append(name)
+                pending.pop(name, None)
+            elif due is not None and _restarted_in_place(seen):
+                del pending[name]  # it came back by itself (in place, or its StatefulSet made it again)
+            elif due is not None:
+                self._requeue(1.0)  # the old one is still being stopped
+
+    # -- 8. outcome ----------------------------------------------------------------------
+
+    def _outcome(self, volume_pending: list[str]) -> None:
+        phases = {n: ("Succeeded" if _succeeded(self.replicas.get(n), self.is_ddp) else "Running") for n in self.names}
+        if self.observed is None and policy.job_outcome(phases) == "Succeeded":
+            self._finish("Succeeded", "Completed", "Every replica finished.")
+            return
+        if self.observed is None and self.spec.mode == "ParameterServer" and policy.workers_done(phases):
+            memory = self.memory
+            if memory.workers_done_time is None:
+                memory.workers_done_time = self.now
+            waited = self.now - memory.workers_done_time
+            if waited >= PS_DRAIN_SECONDS:
+                self._finish("Succeeded", "Completed",
+                             f"Every worker finished; the parameter servers still running after {PS_DRAIN_SECONDS:.0f} s "
+                             "were stopped.")
+                self.actions.stop += [n for n in self.names if n.startswith("ps-") and n in self.replicas
+                                      and n not in self.actions.stop]
+                return
+            self._requeue(PS_DRAIN_SECONDS - waited)
+        if self.observed is None:
+            problem = _problem(self.replicas, volume_pending)
+            if problem:
+                self.observed = Observed("Created", problem[0], problem[1])
+                self.actions.events.append(("Warning", problem[0], problem[1]))
+            elif any(r.phase == "Running" for r in self.replicas.values()):
+                self.observed = Observed("Running", "Running", "The job's replicas are running.")
+            elif self.before in ACTIVE:
+                self.observed = Observed(self.before, self.before, "Replicas are being recreated.")
+            else:
+                self.observed = Observed("Created", "Created", "The job's objects are created; replicas are starting.")
+        self.status.state = self.observed.state
+
+    # -- the end of a round --------------------------------------------------------------
+
+    def _requeue(self, seconds: float) -> None:
+        seconds = max(0.1, seconds)
+        current = self.actions.requeue_after
+        self.actions.requeue_after = seconds if current is None else min(current, seconds)
+
+    def _done(self, report: bool = True) -> Round:
+        status = self.status
+        if report:
+            status.observed_generation = self.job.metadata.generation
+            status.workers = self.spec.world_size
+            status.replica_statuses = _counts(self.names, self.replicas, self.is_ddp)
+            if self.observed is not None:
+                status.state = self.observed.state
+                new = conditions([schema.to_dict(c) for c in status.conditions], self.observed, iso(self.now),
+                                 self.job.metadata.generation)
+                status.conditions = [read_object(Condition, c) for c in new]
+            if status.state not in TERMINAL:
+                self._requeue(MAX_REQUEUE_SECONDS)
+        return Round(status, self.actions)
+
+    def _final_progress(self) -> None:
+        """At success, the chief's final results complete the progress that the last reading,
+        up to a few seconds old, left behind."""
+        head = self.replicas.get(chief(self.job))
+        final = head.final if head is not None else None
+        if not final:
+            return
+        now = iso(self.now)
+        progress = copy.deepcopy(self.status.progress) or Progress()
+        step = final.get("global_step", final.get("steps"))
+        if _finite(step):
+            progress.step = int(step)
+        if _finite(final.get("final_train_loss")):
+            progress.loss = float(final["final_train_loss"])
+        if _finite(final.get("eval_accuracy")):
+            progress.eval_accuracy = float(final["eval_accuracy"])
+        reported = final.get("metrics")
+        if isinstance(reported, dict):
+            merged = {**(progress.metrics or {}), **{str(k): float(v) for k, v in reported.items() if _finite(v)}}
+            progress.metrics = dict(list(merged.items())[:MAX_REPORTED_METRICS])
+        if isinstance(step, int):
+            progress.total_steps = progress.total_steps if progress.total_steps is not None else step
+            progress.update_time = now
+            self.status.progress = progress
+        # The newest checkpoint: the chief's own (Single, DDP) or the first shard's (ParameterServer).
+        holder = self.replicas.get("ps-0") if self.spec.mode == "ParameterServer" else head
+        held = (holder.final or {}) if holder is not None else {}
+        if isinstance(held.get("checkpoint_step"), int) and held["checkpoint_step"] > 0:
+            when = held.get("checkpoint_time")
+            self.status.last_checkpoint = LastCheckpoint(
+                held["checkpoint_step"], iso(when) if _finite(when) else now
+            )
+
+
+def interrupted(status: JobStatus, now: float) -> JobStatus:
+    """The status of a job whose replicas were all stopped from outside (a local run
+    interrupted): a suspended one, so the next round resumes it, its clocks paused and
+    no replica taken for deleted."""
+    out = copy.deepcopy(status)
+    if out.state in TERMINAL:
+        return out
+    memory = out.memory
+    if memory.active_since is not None:
+        memory.active_seconds += max(0.0, now - memory.active_since)
+        memory.active_since = None
+    memory.pending_restarts = {}
+    memory.identities = {}
+    out.state = "Suspended"
+    return out
+
+
+def _finite(value: Any) -> bool:
+    """A number the status can hold (JSON has no NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _failure(seen: ReplicaObservation) -> policy.Failure | None:
+    """A replica that stopped and must be dealt with; None while it is fine."""
+    if seen.terminating or seen.phase != "Failed":
+        return None
+    if seen.reason == "Evicted":
+        return policy.Failure(seen.replica, reason="Evicted")
+    return policy.Failure(seen.replica, exit_code=seen.exit_code if seen.exit_code is not None else 1)
+
+
+def _restarted_in_place(seen: ReplicaObservation) -> bool:
+    """Running again by itself (a container restarted in place): nothing to stop or start."""
+    return seen.phase in ("Pending", "Running") and not seen.terminating
+
+
+def _succeeded(seen: ReplicaObservation | None, is_ddp: bool) -> bool:
+    if seen is None:
+        return False
+    if seen.phase == "Succeeded":
+        return True
+    # A StatefulSet restarts even a container that exited 0; its resumed
+    # trainer finds the final checkpoint and exits 0 again.
+    return is_ddp and (seen.exit_code == 0 or (seen.last_exit_code == 0 and seen.phase != "Failed"))
+
+
+def _counts(names: list[str], replicas: Mapping[str, ReplicaObservation], is_ddp: bool) -> dict[str, ReplicaCounts]:
+    out: dict[str, ReplicaCounts] = {}
+    for name in names:
+        counts = out.setdefault(name.rsplit("-", 1)[0], ReplicaCounts())
+        seen = replicas.get(name)
+        if seen is None:
+            continue
+        if _succeeded(seen, is_ddp):
+            counts.succeeded += 1
+        elif seen.phase == "Failed":
+            counts.failed += 1
+        elif seen.phase in ("Pending", "Running") and not seen.terminating:
+            counts.active += 1
+    return out
+
+
+def _problem(replicas: Mapping[str, ReplicaObservation], volume_pending: list[str]) -> tuple[str, str] | None:
+    for seen in replicas.values():
+        if seen.waiting_reason in IMAGE_PULL_REASONS:
+            return ("ImagePullFailed",
+                    f"{seen.replica} cannot pull its image ({seen.waiting_reason}): {seen.waiting_message}".rstrip(": "))
+    if volume_pending:
+        return "VolumePending", f"PersistentVolumeClaim {', '.join(volume_pending)} is Pending: check the StorageClass."
+    return None

@@ -1,0 +1,400 @@
+"""spec.podTemplate within Pod Security's bounds: what reaches past the pod is refused unless allowed.
+
+Three places refuse, with one table (api/podtemplate.SECURITY_CHECKS) and the
+same messages: `kubetrain validate` (`--allow`), the API server (the chart's
+ValidatingAdmissionPolicy, `podSecurity.allow`) and the operator
+(`pod_security_problems`, with its `--pod-security-allow`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubetrain_operator.api import crd, from_object, podtemplate
+from kubetrain_operator.api.podtemplate import ALLOWANCES, SECURITY_CHECKS, pod_security_problems
+from kubetrain_operator.cli import main
+
+ROOT = Path(__file__).parents[2]
+CHART = ROOT / "charts" / "kubetrain"
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+PT = "spec.podTemplate.spec"
+
+
+def manifest(pod_spec: dict, name: str = "t") -> dict:
+    return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
+            "spec": {"mode": "Single", "podTemplate": {"spec": pod_spec}}}
+
+
+def message(allowance: str, what: str) -> str:
+    check = next(c for c in SECURITY_CHECKS if c.allowance == allowance and c.what.startswith(what))
+    return check.message
+
+
+@dataclass
+class Case:
+    name: str
+    pod_spec: dict
+    allowance: str
+    path: str
+    what: str  # the start of the check's `what`, to find its message
+
+    @property
+    def problem(self) -> str:
+        return f"{self.path}: {message(self.allowance, self.what)}"
+
+
+def sidecar(name: str = "side", **ctx) -> dict:
+    return {"name": name, "image": "busybox", "securityContext": ctx}
+
+
+CASES = [
+    Case("privileged trainer", {"containers": [{"name": "trainer", "securityContext": {"privileged": True}}]},
+         "privileged", f"{PT}.containers[trainer].securityContext.privileged", "privileged containers"),
+    Case("privileged nameless container (the trainer)", {"containers": [{"securityContext": {"privileged": True}}]},
+         "privileged", f"{PT}.containers[trainer].securityContext.privileged", "privileged containers"),
+    Case("privileged sidecar", {"containers": [sidecar(privileged=True)]},
+         "privileged", f"{PT}.containers[side].securityContext.privileged", "privileged containers"),
+    Case("privileged init container", {"initContainers": [sidecar("fetch", privileged=True)]},
+         "privileged", f"{PT}.initContainers[fetch].securityContext.privileged", "privileged containers"),
+    Case("privilege escalation", {"containers": [sidecar(allowPrivilegeEscalation=True)]},
+         "privileged", f"{PT}.containers[side].securityContext.allowPrivilegeEscalation", "privilege escalation"),
+    Case("hostPID", {"hostPID": True}, "hostNamespaces", f"{PT}.hostPID", "the node's process"),
+    Case("hostIPC", {"hostIPC": True}, "hostNamespaces", f"{PT}.hostIPC", "the node's IPC"),
+    Case("hostNetwork", {"hostNetwork": True}, "hostNamespaces", f"{PT}.hostNetwork", "the node's network"),
+    Case("hostPath volume", {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]},
+         "hostPath", f"{PT}.volumes[root].hostPath", "hostPath"),
+    Case("added capability", {"containers": [{"name": "trainer", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]},
+         "capabilities", f"{PT}.containers[trainer].securityContext.capabilities.add", "added capabilities"),
+    Case("added capability in an init container", {"initContainers": [sidecar("fetch", capabilities={"add": ["NET_ADMIN"]})]},
+         "capabilities", f"{PT}.initContainers[fetch].securityContext.capabilities.add", "added capabilities"),
+    Case("pod runAsUser 0", {"securityContext": {"runAsUser": 0}},
+         "root", f"{PT}.securityContext.runAsUser", "running as root"),
+    Case("pod runAsNonRoot false", {"securityContext": {"runAsNonRoot": False}},
+         "root", f"{PT}.securityContext.runAsNonRoot", "runAsNonRoot: false"),
+    Case("container runAsUser 0", {"containers": [sidecar(runAsUser=0)]},
+         "root", f"{PT}.containers[side].securityContext.runAsUser", "running as root"),
+    Case("container runAsNonRoot false", {"containers": [{"name": "trainer", "securityContext": {"runAsNonRoot": False}}]},
+         "root", f"{PT}.containers[trainer].securityContext.runAsNonRoot", "runAsNonRoot: false"),
+    Case("serviceAccountName", {"serviceAccountName": "admin"},
+         "serviceAccount", f"{PT}.serviceAccountName", "another ServiceAccount"),
+    Case("serviceAccount (deprecated spelling)", {"serviceAccount": "admin"},
+         "serviceAccount", f"{PT}.serviceAccount", "another ServiceAccount"),
+    Case("service account token", {"automountServiceAccountToken": True},
+         "serviceAccount", f"{PT}.automountServiceAccountToken", "a ServiceAccount token"),
+]
+IDS = [c.name for c in CASES]
+
+# What stays allowed: the same fields at values that keep the pod within `restricted`.
+WITHIN_BOUNDS = {
+    "containers": [
+        {"name": "trainer", "securityContext": {"privileged": False, "allowPrivilegeEscalation": False,
+                                                "runAsUser": 1000, "runAsNonRoot": True,
+                                                "capabilities": {"drop": ["ALL"], "add": []}}},
+        sidecar(runAsUser=2000, capabilities={"drop": ["ALL"]}),
+    ],
+    "initContainers": [sidecar("fetch", allowPrivilegeEscalation=False)],
+    "hostPID": False, "hostIPC": False, "hostNetwork": False,
+    "serviceAccountName": "default", "automountServiceAccountToken": False,
+    "securityContext": {"runAsUser": 1000, "runAsNonRoot": True, "runAsGroup": 0},
+    "volumes": [{"name": "dataset", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "x"}}],
+}
+
+
+def write(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+# --- kubetrain validate -------------------------------------------------------------------
+
+def test_every_check_has_a_case():
+    covered = {(c.allowance, c.what) for c in SECURITY_CHECKS
+               for case in CASES if case.allowance == c.allowance and c.what.startswith(case.what)
+               and case.path.endswith("." + ".".join(c.field))}
+    assert covered == {(c.allowance, c.what) for c in SECURITY_CHECKS}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_validate_refuses_what_reaches_past_the_pod_naming_the_field(case, tmp_path, capsys):
+    path = write(tmp_path, manifest(case.pod_spec))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: {case.problem}" in err.splitlines(), err
+    assert f"podSecurity.allow: [{case.allowance}]" in err
+    assert "--allow NAME,..." in err  # how to check for an installation that allows it
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_validate_accepts_it_when_allowed(case, tmp_path, capsys):
+    path = write(tmp_path, manifest(case.pod_spec))
+    assert main(["validate", "--allow", case.allowance, str(path)]) == 0, capsys.readouterr().err
+    others = ",".join(a for a in ALLOWANCES if a != case.allowance)
+    assert main(["validate", "--allow", others, str(path)]) == 2  # only its own allowance lifts it
+
+
+def test_validate_reports_every_refusal_at_once(tmp_path, capsys):
+    pod_spec = {k: v for case in CASES[:1] + CASES[5:9] for k, v in case.pod_spec.items()}
+    assert main(["validate", str(write(tmp_path, manifest(pod_spec)))]) == 2
+    err = capsys.readouterr().err
+    for case in CASES[:1] + CASES[5:9]:
+        assert case.problem in err
+
+
+def test_the_same_fields_within_bounds_pass(tmp_path, capsys):
+    assert main(["validate", str(write(tmp_path, manifest(WITHIN_BOUNDS)))]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_stays_within_bounds(example, capsys):
+    assert main(["validate", "--no-code-check", str(example)]) == 0, capsys.readouterr().err
+
+
+def test_an_unknown_allowance_is_a_usage_error_listing_the_known_ones(tmp_path):
+    path = write(tmp_path, manifest({}))
+    proc = subprocess.run([sys.executable, "-m", "kubetrain_operator.cli", "validate", "--allow", "privileged,sudo",
+                           str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown pod-security allowance 'sudo'" in proc.stderr
+    assert ", ".join(ALLOWANCES) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_validate_exits_2_without_traceback_as_a_command(tmp_path):
+    path = write(tmp_path, manifest({"hostNetwork": True, "serviceAccountName": "admin"}))
+    proc = subprocess.run([sys.executable, "-m", "kubetrain_operator.cli", "validate", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"{PT}.hostNetwork: " in proc.stderr and f"{PT}.serviceAccountName: " in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --- the operator's check (pod_security_problems) -----------------------------------------
+
+def test_the_operators_check_takes_a_spec_and_its_allowances():
+    job = from_object(manifest({"hostPID": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}))
+    assert pod_security_problems(job.spec, frozenset()) == [
+        f"{PT}.hostPID: {message('hostNamespaces', 'the node')}",
+        f"{PT}.volumes[root].hostPath: {message('hostPath', 'hostPath')}",
+    ]
+    assert pod_security_problems(job.spec, {"hostPath"}) == [f"{PT}.hostPID: {message('hostNamespaces', 'the node')}"]
+    assert pod_security_problems(job.spec, podtemplate.parse_allowances(["hostPath,hostNamespaces"])) == []
+    assert pod_security_problems(from_object(manifest({})).spec) == []
+
+
+def test_allowances_parse_from_comma_separated_flags():
+    assert podtemplate.parse_allowances(["privileged, hostPath", "", "root"]) == {"privileged", "hostPath", "root"}
+    with pytest.raises(ValueError, match="'Privileged'"):
+        podtemplate.parse_allowances(["Privileged"])
+
+
+def test_malformed_shapes_refuse_nothing_here():
+    # Types are the schema's and Kubernetes' to refuse; this check never crashes on them.
+    for pod_spec in ({"containers": "x"}, {"containers": [1, None]}, {"securityContext": "x"},
+                     {"containers": [{"securityContext": {"privileged": "true", "runAsUser": False}}]}):
+        assert pod_security_problems({"spec": pod_spec}) == []
+    assert pod_security_problems({"spec": "x"}) == [] and pod_security_problems({}) == []
+
+
+# --- the chart's policy: generated from the same table ------------------------------------
+
+def test_the_charts_policy_rules_are_generated_from_the_table():
+    committed = (ROOT / crd.POD_SECURITY_FILE).read_text()
+    assert committed == crd.render_pod_security(), \
+        f"run: python -m kubetrain_operator.api.crd --pod-security > {crd.POD_SECURITY_FILE}"
+    rules = yaml.safe_load(committed)["validations"]
+    assert {r["allow"] for r in rules} == set(ALLOWANCES)
+    # Every message is a check's message, after the path the API server prints.
+    messages = {c.message for c in SECURITY_CHECKS}
+    assert all(r["message"].split(": ", 1)[1] in messages for r in rules)
+
+
+def test_the_charts_values_schema_lists_the_allowances():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["podSecurity"]["properties"]["allow"]["items"]["enum"] == list(ALLOWANCES)
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["podSecurity"] == {"allow": []}  # off by default
+
+
+def test_everything_allowed_means_no_policy():
+    assert crd.pod_security_policy(allowed=set(ALLOWANCES)) == []
+    policy, binding = crd.pod_security_policy(namespace="ml")
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ml"}
+    assert len(policy["spec"]["validations"]) == len(crd.pod_security_rules()["validations"])
+
+
+# --- on the real API server ----------------------------------------------------------------
+
+CRD = ROOT / "deploy" / "crd" / "trainingjobs.yaml"
+
+
+def helm_policy(cluster, release: str, namespace: str, allow: list[str]) -> list[dict]:
+    """The chart's policy and binding as `helm template` renders them for a namespaced release."""
+    args = ["helm", "template", release, str(CHART), "--namespace", namespace, "--set", "operator.namespaced=true"]
+    if allow:
+        args += ["--set", f"podSecurity.allow={{{','.join(allow)}}}"]
+    return [d for d in yaml.safe_load_all(cluster.run(*args)) if d and d["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def without_labels(objs: list[dict]) -> list[dict]:
+    return [{**o, "metadata": {"name": o["metadata"]["name"]}} for o in objs]
+
+
+def apply(cluster, ns: str, doc: dict, dry_run: bool = True) -> subprocess.CompletedProcess:
+    args = ["kubectl", "-n", ns, "apply", "--server-side", "-f", "-"] + (["--dry-run=server"] if dry_run else [])
+    return subprocess.run(args, input=yaml.safe_dump(doc), env=cluster.env, capture_output=True, text=True, timeout=60)
+
+
+def wait_enforced(cluster, ns: str, timeout: float = 60) -> None:
+    """A new policy binding takes effect within a few seconds: wait until it refuses."""
+    deadline = time.monotonic() + timeout
+    while apply(cluster, ns, manifest({"hostPID": True}, "probe")).returncode == 0:
+        assert time.monotonic() < deadline, f"the pod-security policy of {ns} is not enforced after {timeout} s"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def policies(cluster):
+    """Namespaces `strict` (the chart's defaults) and `lenient` (podSecurity.allow: privileged, hostPath, root)."""
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.dev", "--timeout=60s")
+    tag = uuid.uuid4().hex[:6]
+    spaces = {"strict": (f"ps-strict-{tag}", []), "lenient": (f"ps-lenient-{tag}", ["privileged", "hostPath", "root"])}
+    objs = []
+    for kind, (ns, allow) in spaces.items():
+        cluster.kubectl("create", "namespace", ns)
+        objs += helm_policy(cluster, f"{kind}-{tag}", ns, allow)
+    cluster.run("kubectl", "apply", "-f", "-", input=yaml.safe_dump_all(objs))
+    for ns, _ in spaces.values():
+        wait_enforced(cluster, ns)
+    yield {kind: ns for kind, (ns, _) in spaces.items()}
+    for ns, _ in spaces.values():
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+    for obj in objs:
+        cluster.kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("allow", [[], ["privileged", "hostPath"], list(ALLOWANCES)], ids=["none", "two", "all"])
+def test_the_chart_renders_the_policy_of_the_table_less_what_it_allows(cluster, allow):
+    rendered = helm_policy(cluster, "kubetrain", "ml", allow)
+    expected = crd.pod_security_policy(allowed=set(allow), name="kubetrain-pod-security", namespace="ml")
+    assert without_labels(rendered) == expected
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_api_server_refuses_it_with_the_validators_message(cluster, policies, case):
+    done = apply(cluster, policies["strict"], manifest(case.pod_spec))
+    assert done.returncode != 0, f"{case.name}: accepted"
+    assert case.problem in done.stderr, done.stderr
+    lenient = apply(cluster, policies["lenient"], manifest(case.pod_spec))
+    if case.allowance in ("privileged", "hostPath", "root"):
+        assert lenient.returncode == 0, lenient.stderr
+    else:
+        assert case.problem in lenient.stderr, lenient.stderr
+
+
+@pytest.mark.cluster
+def test_the_api_server_accepts_the_same_fields_within_bounds(cluster, policies):
+    done = apply(cluster, policies["strict"], manifest(WITHIN_BOUNDS))
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.cluster
+def test_only_a_new_spec_is_judged(cluster, policies):
+    """A job admitted before the policy tightened keeps its metadata writable (the operator's
+    finalizers and annotations); a change of its spec is judged."""
+    ns = f"ps-late-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    objs = helm_policy(cluster, f"late-{ns[-6:]}", ns, [])
+    try:
+        assert apply(cluster, ns, manifest({"hostPID": True}, "early"), dry_run=False).returncode == 0
+        cluster.run("kubectl", "apply", "-f", "-", input=yaml.safe_dump_all(objs))
+        wait_enforced(cluster, ns)
+        cluster.kubectl("-n", ns, "label", "trainingjob", "early", "team=a")
+        cluster.kubectl("-n", ns, "annotate", "trainingjob", "early", "kopf.zalando.org/touch=1")
+        done = subprocess.run(["kubectl", "-n", ns, "patch", "trainingjob", "early", "--type=merge", "-p",
+                               json.dumps({"spec": {"podTemplate": {"spec": {"hostNetwork": True}}}})],
+                              env=cluster.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and f"{PT}.hostPID: " in done.stderr, done.stderr
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        for obj in objs:
+            cluster.kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
+
+
+# --- Pod Security `restricted` on the real API server: the pods kubetrain renders pass it --------
+
+@pytest.fixture(scope="module")
+def restricted_ns(cluster):
+    ns = f"ps-restricted-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted",
+                    "pod-security.kubernetes.io/warn=restricted")
+    cluster.kubectl("-n", ns, "create", "serviceaccount", "kubetrain")  # the chart's operator runs as it
+    # A pod is refused until the namespace's `default` ServiceAccount exists (made a moment after the namespace).
+    deadline = time.monotonic() + 60
+    while subprocess.run(["kubectl", "-n", ns, "get", "serviceaccount", "default"], env=cluster.env,
+                         capture_output=True, timeout=30).returncode != 0:
+        assert time.monotonic() < deadline, f"no default ServiceAccount in {ns}"
+        time.sleep(0.2)
+    yield ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def create_dry_run(cluster, ns: str, obj: dict) -> subprocess.CompletedProcess:
+    obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k not in ("ownerReferences", "namespace")}}
+    return subprocess.run(["kubectl", "-n", ns, "create", "--dry-run=server", "-f", "-"], input=yaml.safe_dump(obj),
+                          env=cluster.env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("spec", [
+    {"mode": "Single"},
+    {"mode": "ParameterServer", "parameterServer": {"replicas": 2, "workers": 2}},
+    {"mode": "DDP", "ddp": {"nodes": 2}},
+    {"mode": "Single", "podTemplate": {"spec": {"containers": [
+        {"name": "upload", "image": "busybox",
+         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}},
+], ids=["single", "parameter-server", "ddp", "restricted-sidecar"])
+def test_the_pods_kubetrain_renders_are_admitted_under_pod_security_restricted(cluster, restricted_ns, spec):
+    from kubetrain_operator.core.children import children
+
+    job = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                       "metadata": {"name": "rj", "namespace": restricted_ns}, "spec": spec})
+    workloads = [o for o in children(job, "uid", "token") if o["kind"] in ("Pod", "StatefulSet")]
+    assert workloads
+    for obj in workloads:
+        done = create_dry_run(cluster, restricted_ns, obj)
+        assert done.returncode == 0, done.stderr
+        # A StatefulSet is admitted whatever its template; PodSecurity warns about the pods it would make.
+        assert "PodSecurity" not in done.stderr, done.stderr
+
+
+@pytest.mark.cluster
+def test_the_charts_operator_is_admitted_under_pod_security_restricted(cluster, restricted_ns):
+    docs = yaml.safe_load_all(cluster.run("helm", "template", "kubetrain", str(CHART), "--namespace", restricted_ns))
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator"}, "spec": deployment["spec"]["template"]["spec"]}
+    for obj in (deployment, pod):
+        done = create_dry_run(cluster, restricted_ns, obj)
+        assert done.returncode == 0 and "PodSecurity" not in done.stderr, done.stderr
+
+
+@pytest.mark.cluster
+def test_the_restricted_namespace_does_refuse_what_the_policy_refuses(cluster, restricted_ns):
+    # The control for the two tests above: this API server enforces `restricted`.
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bad"},
+           "spec": {"containers": [{"name": "c", "image": "busybox", "securityContext": {"privileged": True}}]}}
+    done = create_dry_run(cluster, restricted_ns, pod)
+    assert done.returncode != 0 and 'violates PodSecurity "restricted' in done.stderr, done.stderr

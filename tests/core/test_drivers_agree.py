@@ -1,0 +1,172 @@
+"""The two drivers of the job engine agree: the same scripted story, told to the local backend as
+processes and to the operator as pods (the API's JSON), gets the same decisions round by round.
+
+The local side is `LocalBackend.decide` over its process table (`Proc`: phase, exit code as
+`Popen.returncode` gives it, attempt), the cluster side `observe.pod_observation` over pod JSON
+and `reconcile` (pods to create and delete). What is compared per round: replicas started
+(processes started / pods created), replicas stopped (processes stopped / pods deleted), the
+Events' reasons, the state and the restart count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kubetrain_operator.api import from_object
+from kubetrain_operator.controller.observe import pod_observation
+from kubetrain_operator.core.plan import Replica
+from kubetrain_operator.core.reconcile import Progress, reconcile
+from kubetrain_operator.local.backend import LocalBackend, Proc
+from kubetrain_operator.local.rundir import RunDir
+
+T0 = 1_800_000_000.0
+
+
+@dataclass
+class Beat:
+    """What exists at one moment: replica -> Running | Failed:<code> | Succeeded | Absent."""
+
+    t: float
+    replicas: dict[str, str]
+    step: int | None = None
+    suspend: bool = False
+    expect: dict = field(default_factory=dict)  # what both drivers must decide, checked as well
+
+
+def job(mode: str, suspend: bool = False, **spec):
+    return from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                        "metadata": {"name": "j", "generation": 1},
+                        "spec": {"mode": mode, "runPolicy": {"progressDeadlineSeconds": 30, "suspend": suspend},
+                                 "metrics": {"port": 0}, **spec}})
+
+
+def pod_json(replica: str, what: str, attempt: int) -> dict:
+    state, phase = {"running": {}}, "Running"
+    if what.startswith("Failed:"):
+        state, phase = {"terminated": {"exitCode": int(what.split(":")[1])}}, "Failed"
+    elif what == "Succeeded":
+        state, phase = {"terminated": {"exitCode": 0}}, "Succeeded"
+    return {"metadata": {"name": f"j-{replica}", "uid": f"{replica}-{attempt}",
+                         "labels": {"kubetrain.dev/replica": replica}},
+            "spec": {}, "status": {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]}}
+
+
+def set_proc(proc: Proc, what: str) -> None:
+    if what == "Absent":
+        proc.phase, proc.exit_code = "Absent", None
+    elif what == "Running":
+        proc.phase, proc.exit_code = "Running", None
+    elif what == "Succeeded":
+        proc.phase, proc.exit_code = "Succeeded", 0
+    else:
+        code = int(what.split(":")[1])
+        # Popen's returncode for a signal is minus its number: 137 is -9.
+        proc.phase, proc.exit_code = "Failed", (128 - code if code > 128 else code)
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.status: dict = {}
+        self.existing: set[tuple[str, str]] = set()
+        self.attempts: dict[str, int] = {}
+
+    def round(self, j, beat: Beat, names: list[str]) -> dict:
+        pods = {}
+        for n in names:
+            what = beat.replicas.get(n, "Absent")
+            if what != "Absent":
+                seen = pod_observation(pod_json(n, what, self.attempts.get(n, 0)))
+                pods[seen.replica] = seen
+        progress = Progress(step=beat.step) if beat.step is not None else None
+        act = reconcile(j, "uid", "tok", pods, self.status, T0 + beat.t, progress, existing=self.existing)
+        self.existing |= {(o["kind"], o["metadata"]["name"]) for o in act.create if o["kind"] != "Pod"}
+        started = sorted(o["metadata"]["name"][2:] for o in act.create if o["kind"] == "Pod")
+        for n in started:
+            self.attempts[n] = self.attempts.get(n, 0) + 1
+        self.status = act.status
+        return {"start": started, "stop": sorted(p[2:] for p in act.delete_pods),
+                "events": [e[1] for e in act.events], "state": act.status["state"],
+                "restarts": act.status["restarts"]}
+
+
+class Local:
+    def __init__(self, j, tmp_path) -> None:
+        self.backend = LocalBackend(j, RunDir(tmp_path / "run"), echo_logs=False)
+        self.attempts: dict[str, int] = {}
+
+    def round(self, j, beat: Beat, names: list[str]) -> dict:
+        backend = self.backend
+        backend.job = j
+        for n in names:
+            proc = backend.procs.setdefault(n, Proc(Replica(n.rsplit("-", 1)[0], int(n.rsplit("-", 1)[1]), ("true",), {}, {})))
+            proc.attempts = self.attempts.get(n, 0)
+            set_proc(proc, beat.replicas.get(n, "Absent"))
+        if beat.step is not None:
+            backend.progress.step = beat.step
+        done = backend.decide(T0 + beat.t)
+        backend.status = done.status
+        for n in done.actions.start:
+            self.attempts[n] = self.attempts.get(n, 0) + 1
+        return {"start": sorted(done.actions.start), "stop": sorted(done.actions.stop),
+                "events": [e[1] for e in done.actions.events], "state": done.status.state,
+                "restarts": done.status.restarts}
+
+
+R, A = "Running", "Absent"
+PS = ["ps-0", "worker-0", "worker-1"]
+
+PS_STORY = [
+    Beat(0, {}, expect={"start": PS, "state": "Created"}),
+    Beat(1, {"ps-0": R, "worker-0": R, "worker-1": R}, step=5, expect={"state": "Running"}),
+    Beat(2, {"ps-0": R, "worker-0": R, "worker-1": "Failed:137"}, step=6,
+         expect={"stop": ["worker-1"], "events": ["Killed"], "state": "Restarting", "restarts": 1}),
+    Beat(2.5, {"ps-0": R, "worker-0": R}, step=7, expect={"start": ["worker-1"]}),
+    Beat(3, {"ps-0": R, "worker-0": R, "worker-1": R}, step=10, expect={"state": "Running"}),
+    Beat(4, {"ps-0": R, "worker-0": R, "worker-1": "Failed:1"}, step=11,
+         expect={"stop": ["worker-1"], "events": ["Error"], "restarts": 2}),
+    Beat(4.5, {"ps-0": R, "worker-0": R}, step=11, expect={"start": []}),  # its backoff: 1 s
+    Beat(5.1, {"ps-0": R, "worker-0": R}, step=11, expect={"start": ["worker-1"]}),
+    Beat(6, {"ps-0": R, "worker-0": R, "worker-1": R}, step=11),
+    Beat(36.5, {"ps-0": R, "worker-0": R, "worker-1": R}, step=11,
+         expect={"stop": ["worker-0"], "events": ["Hung"], "restarts": 3}),  # no step for 30 s: the chief
+    Beat(37, {"ps-0": R, "worker-1": R}, step=11, expect={"start": []}),  # backoff 2 s
+    Beat(38.6, {"ps-0": R, "worker-1": R}, step=11, expect={"start": ["worker-0"]}),
+    Beat(40, {"ps-0": R, "worker-0": R, "worker-1": R}, step=20),
+    Beat(41, {"ps-0": R, "worker-0": R, "worker-1": R}, step=21, suspend=True,
+         expect={"stop": PS, "events": ["Suspended"], "state": "Suspended"}),
+    Beat(50, {}, suspend=True, expect={"start": [], "state": "Suspended"}),
+    Beat(60, {}, step=21, expect={"start": PS, "events": ["Resumed"]}),
+    Beat(61, {"ps-0": R, "worker-0": "Succeeded", "worker-1": "Succeeded"}, step=30, expect={"state": "Running"}),
+    Beat(122, {"ps-0": R, "worker-0": "Succeeded", "worker-1": "Succeeded"}, step=30,
+         expect={"stop": ["ps-0"], "events": ["Completed"], "state": "Succeeded"}),  # drained 60 s
+]
+
+SINGLE_STORY = [
+    Beat(0, {}, expect={"start": ["single-0"]}),
+    Beat(1, {"single-0": "Failed:2"}, expect={"events": ["InvalidConfiguration"], "state": "Failed", "stop": []}),
+]
+
+
+@pytest.mark.parametrize("mode, story", [("ParameterServer", PS_STORY), ("Single", SINGLE_STORY)], ids=["ps", "single"])
+def test_the_operator_and_the_local_backend_decide_alike(tmp_path, mode, story):
+    cluster, local = Cluster(), None
+    for beat in story:
+        j = job(mode, suspend=beat.suspend)
+        names = [n for n in (PS if mode == "ParameterServer" else ["single-0"])]
+        local = local or Local(j, tmp_path)
+        by_cluster = cluster.round(j, beat, names)
+        by_local = local.round(j, beat, names)
+        assert by_cluster == by_local, f"t={beat.t}: the drivers disagree"
+        for key, want in beat.expect.items():
+            assert by_cluster[key] == want, f"t={beat.t}: {key} {by_cluster[key]} != {want}"
+
+
+def test_a_failed_pod_and_a_failed_process_are_the_same_failure():
+    """The exit code as each driver sees it: 137 in a pod, -9 from Popen; both 'killed by SIGKILL'."""
+    seen_pod = pod_observation(pod_json("worker-0", "Failed:137", 1))
+    proc = Proc(Replica("worker", 0, ("true",), {}, {}))
+    set_proc(proc, "Failed:137")
+    seen_proc = proc.observation()
+    assert (seen_pod.phase, seen_pod.exit_code) == (seen_proc.phase, seen_proc.exit_code) == ("Failed", 137)
