@@ -4,8 +4,9 @@
 (hence samples) as Single, PS Sync, PS Async and DDP through the local
 backend, one after the other, and compares their training throughput.
 `transport` measures the parameter-server transport against a raw loopback
-socket, `contract` what kubetrain.report and kubetrain.save cost a user's
-script (both in the trainer package: they need torch).
+socket, and over mutual TLS against plaintext, `contract` what
+kubetrain.report and kubetrain.save cost a user's script (both in the
+trainer package: they need torch).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import re
 import statistics
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from .api import from_object
-from .local.backend import LocalBackend
+from .core.tls import job_certificates
+from .local.backend import LocalBackend, save_certificates
 from .local.rundir import RunDir
 
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -144,7 +147,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             from kubetrain_trainer.ps.bench import bench_transport
         except ImportError as err:
             raise SystemExit(f"kubetrain bench transport needs the trainer's dependencies (torch, grpcio): {err}")
-        return bench_transport(parse_bytes(args.bytes))
+        # The same transport over mutual TLS in the same rounds (tls_push_ratio, tls_pull_ratio), with
+        # certificates made as for a job; the shards of kubetrain's own jobs always speak it.
+        with tempfile.TemporaryDirectory(prefix="kubetrain-bench-tls-") as tmp:
+            files = job_certificates("bench", "default", [], datetime.now(timezone.utc))
+            return bench_transport(parse_bytes(args.bytes), tls_dir=save_certificates(Path(tmp) / "tls", files))
     if args.bench == "contract":
         try:
             from kubetrain_trainer.bench_contract import bench_save

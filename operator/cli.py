@@ -158,6 +158,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
 
 
+PEER_KEYS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
+
+
+def parse_metrics_from(value: str) -> tuple[dict[str, Any], ...]:
+    """`--metrics-from-json`: a JSON list of NetworkPolicyPeers. A peer that is not one is refused
+    here, at start: the API server would refuse every job's policy, and no job would start."""
+    try:
+        peers = json.loads(value or "[]")
+    except ValueError as err:
+        raise UsageError(f"--metrics-from-json: not JSON ({err})") from None
+    if not isinstance(peers, list):
+        raise UsageError(f"--metrics-from-json: expected a list of NetworkPolicyPeers, got {value!r}")
+    for i, peer in enumerate(peers):
+        if not isinstance(peer, dict) or not peer or set(peer) - PEER_KEYS:
+            raise UsageError(f"--metrics-from-json[{i}]: expected an object with some of "
+                             f"{', '.join(sorted(PEER_KEYS))}, got {json.dumps(peer)}")
+    return tuple(peers)
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     from .api.podtemplate import parse_allowances
     from .controller.run import run
@@ -167,6 +186,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"--pod-security-allow: {err}") from None
     return run(
+        network_policy=not args.no_network_policy,
+        metrics_from=parse_metrics_from(args.metrics_from_json),
         pod_security_allow=allowed,
         namespaces=args.namespace,
         metrics_port=args.metrics_port,
@@ -357,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pod-security-allow", default="", metavar="NAMES",
                    help="comma-separated podTemplate allowances (privileged, hostNamespaces, hostPath, capabilities, "
                         "root, serviceAccount); default: none, a job asking for one fails with PodSecurity")
+    p.add_argument("--no-network-policy", action="store_true",
+                   help="do not give each job a NetworkPolicy (by default its pods accept connections only from "
+                        "the job's own pods, and on the metrics port from --metrics-from-json)")
+    p.add_argument("--metrics-from-json", default="[]", metavar="JSON",
+                   help="JSON list of NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock) that may reach "
+                        "the trainers' metrics port: the operator's own pods, Prometheus; default: none")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("version", help="print the version")

@@ -36,6 +36,9 @@ def cluster() -> Iterator[Cluster]:
     require_tools()
     up = hack_cluster("up", "--nodes", str(FAKE_NODES))
     if up.returncode != 0:
+        if "already up" in up.stderr:
+            # Another session's cluster of this name: never take it down from here.
+            pytest.fail(f"hack/cluster up failed ({up.returncode}):\n{up.stderr}", pytrace=False)
         # A half-built cluster would make every later `up` of this name fail with "already up".
         down = hack_cluster("down")
         pytest.fail(f"hack/cluster up failed ({up.returncode}):\n{up.stderr}"

@@ -5,7 +5,8 @@ counters end in `_total` (prometheus-client appends it), durations are
 histograms. Every series carries the replica's labels (namespace, job, role,
 replica); the few with one more label take it from a small fixed set
 (stage: raw|compressed, direction: sent|received, method: an RPC name;
-name: one of at most MAX_REPORTED_METRICS names a script reports).
+reason: one of REJECT_REASONS; name: one of at most MAX_REPORTED_METRICS
+names a script reports).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ PREFIX = "kubetrain_"
 FAST_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SLOW_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STALENESS_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+# Why a parameter server did not apply a push (docs/parameter-server.md).
+REJECT_REASONS = ("duplicate", "non_finite", "invalid")
 
 
 class Labelled:
@@ -114,6 +117,18 @@ class TrainerMetrics:
             "rpc_duration_seconds", "Wall time of one parameter-server RPC, retries included.", FAST_SECONDS, "method"
         )
         self.rpc_retries_total = self._counter("rpc_retries", "RPC attempts that failed and were retried.", "method")
+        # What a parameter server refuses, and what a worker skips
+        self.ps_rejected_pushes_total = self._counter(
+            "ps_rejected_pushes",
+            "Pushes a parameter server did not apply: duplicate (acknowledged), non_finite or invalid (refused).",
+            "reason",
+        )
+        self.ps_cancelled_streams_total = self._counter(
+            "ps_cancelled_streams", "Streams a parameter server cancelled because their client stalled."
+        )
+        self.non_finite_steps_total = self._counter(
+            "non_finite_steps", "Steps a worker skipped because its gradients held NaN or Inf."
+        )
         # Checkpoints
         self.checkpoint_duration_seconds = self._histogram(
             "checkpoint_duration_seconds", "Time to make one checkpoint durable.", SLOW_SECONDS

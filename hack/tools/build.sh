@@ -3,7 +3,7 @@
 # script, once, into a cache outside the clone, and prints that bin directory.
 #
 # Each tool set is its own module (kubernetes/, etcd/, kwok/, helm/, for
-# the real node coredns/ and local-path/, and prometheus/: Debian's
+# the real node coredns/, local-path/ and kube-router/, and prometheus/: Debian's
 # Prometheus has no Kubernetes service discovery) because
 # their dependency graphs conflict: helm v3.22 wants the v0.37 client
 # libraries, Kubernetes v1.36.3 replaces them with v0.36.3, and etcd and kwok
@@ -48,6 +48,8 @@ done
 # CoreDNS stamps only its commit; local-path-provisioner prints VERSION.
 coredns_ldflags="-s -w -X github.com/coredns/coredns/coremain.GitCommit=v1.14.7"
 local_path_ldflags="-s -w -X main.VERSION=v0.0.30"
+# kube-router: only its firewall (NetworkPolicy) controller runs, on the real node.
+kube_router_ldflags="-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=v2.1.0"
 # Prometheus v3.16.0 is module version v0.316.0. Its build tags leave out
 # every service discovery but Kubernetes' (the cloud SDKs): 3.5 min cold
 # instead of about 9.
@@ -69,6 +71,7 @@ targets=(
   "helm|helm|helm.sh/helm/v3/cmd/helm|helm_ldflags"
   "coredns|coredns|github.com/coredns/coredns|coredns_ldflags"
   "local-path-provisioner|local-path|github.com/rancher/local-path-provisioner|local_path_ldflags"
+  "kube-router|kube-router|github.com/cloudnativelabs/kube-router/v2/cmd/kube-router|kube_router_ldflags"
   "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|prometheus_ldflags|$prometheus_tags"
 )
 
@@ -124,7 +127,7 @@ mkdir -p "$bin"
 start=$SECONDS
 say "building the test cluster's tools with $go_version into $dir (cold: about 20 minutes)"
 
-for module in etcd kwok kubernetes helm coredns local-path prometheus; do
+for module in etcd kwok kubernetes helm coredns local-path kube-router prometheus; do
   t=$SECONDS
   (cd "$here/$module" && go mod download)
   say "downloaded the $module modules ($((SECONDS - t)) s, total $((SECONDS - start)) s)"

@@ -125,6 +125,8 @@ def create(obj: dict[str, Any]) -> bool:
             client.CoreV1Api(api).create_namespaced_persistent_volume_claim(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "StatefulSet":
             client.AppsV1Api(api).create_namespaced_stateful_set(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
+        elif kind == "NetworkPolicy":
+            client.NetworkingV1Api(api).create_namespaced_network_policy(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         else:
             raise ValueError(f"cannot create a {kind}")
     except ApiException as err:
@@ -145,6 +147,7 @@ _READERS = {
     "ConfigMap": lambda api: client.CoreV1Api(api).read_namespaced_config_map,
     "PersistentVolumeClaim": lambda api: client.CoreV1Api(api).read_namespaced_persistent_volume_claim,
     "StatefulSet": lambda api: client.AppsV1Api(api).read_namespaced_stateful_set,
+    "NetworkPolicy": lambda api: client.NetworkingV1Api(api).read_namespaced_network_policy,
 }
 
 

@@ -78,10 +78,13 @@ def run(
     lease_name: str = "kubetrain-operator",
     lease_namespace: str = "",
     pod_security_allow: frozenset[str] = frozenset(),
+    network_policy: bool = True,
+    metrics_from: tuple[dict[str, Any], ...] = (),
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers.CONFIG.settings = Settings(image=trainer_image, pull_policy=pull_policy,
-                                        pod_security_allow=pod_security_allow)
+                                        pod_security_allow=pod_security_allow,
+                                        network_policy=network_policy, metrics_from=metrics_from)
     handlers.CONFIG.scrape_networks = scrape_networks
     handlers.CONFIG.scrape = scrape
     handlers.CONFIG.namespaces = list(namespaces)

@@ -11,7 +11,7 @@ executes; `spec.podTemplate` is merged over each pod.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.launch import RDZV_PORT
@@ -26,7 +26,9 @@ from ..api.podtemplate import (
     TMP_MOUNT,
     TMP_VOLUME,
 )
+from ..api.tls import FILES as TLS_FILES, MOUNT as TLS_MOUNT, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
 from .plan import GRPC_PORT, Replica, plan_replicas
+from .tls import ps_hosts_of, secret_certificates, uses_tls
 
 LABEL_JOB = "kubetrain.dev/job-name"
 LABEL_ROLE = "kubetrain.dev/role"
@@ -48,6 +50,14 @@ class Settings:
     pod_security_allow: frozenset[str] = frozenset()
     """What spec.podTemplate may ask of the node beyond Pod Security `restricted` (`--pod-security-allow`,
     the chart's podSecurity.allow); api/podtemplate.pod_security_problems judges a job by it."""
+    network_policy: bool = False
+    """Give every job a NetworkPolicy (`network_policy`). The operator's `--no-network-policy` (the
+    chart's networkPolicy.enabled) turns it off; off here, so that a caller of these pure functions
+    asks for it."""
+    metrics_from: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    """NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock) that may reach the trainers'
+    metrics port besides the job's own pods (`--metrics-from-json`): the chart passes the operator's
+    own pods and networkPolicy.metricsFrom (Prometheus). Empty: nothing else may."""
 
 
 @dataclass
@@ -158,12 +168,19 @@ def config_map(job: TrainingJob, uid: str) -> dict[str, Any]:
 
 
 def token_secret(job: TrainingJob, uid: str, token: str) -> dict[str, Any]:
+    """The job's token and, with parameter servers, its CA and replica certificate (core/tls.py,
+    docs/parameter-server.md#encryption): made when the Secret is first rendered, created once."""
+    data = {TOKEN_KEY: token}
+    if uses_tls(job):
+        assert job.spec.parameter_server is not None
+        hosts = tuple(ps_hosts_of(job.name, job.spec.parameter_server.replicas))
+        data.update(secret_certificates(job.name, job.metadata.namespace, uid, hosts))
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(job, uid, token_name(job)),
         "type": "Opaque",
-        "stringData": {TOKEN_KEY: token},
+        "stringData": data,
     }
 
 
@@ -260,6 +277,8 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
     env.append({"name": "KUBETRAIN_JOB_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
     env.append({"name": "HOME", "value": TMP_MOUNT})
     env.append({"name": "KUBETRAIN_TERMINATION_LOG", "value": TERMINATION_LOG})
+    if uses_tls(job):
+        env.append({"name": TLS_DIR_VAR, "value": TLS_MOUNT})  # in the config volume (_config_volume)
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
     role_resources = job.spec.resources.ps if replica.role == "ps" else job.spec.resources.worker
     container: dict[str, Any] = {
@@ -290,7 +309,7 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
 
 def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volume: dict[str, Any] | None) -> dict[str, Any]:
     volumes = [
-        {"name": CONFIG_VOLUME, "configMap": {"name": config_name(job)}},
+        _config_volume(job),
         {"name": TMP_VOLUME, "emptyDir": {}},
     ]
     if data_volume is not None:
@@ -309,6 +328,19 @@ def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volum
         "containers": [_container(job, replica, settings)],
         "volumes": volumes,
     }
+
+
+def _config_volume(job: TrainingJob) -> dict[str, Any]:
+    """The job's ConfigMap; with parameter servers, projected with the job's certificates from its
+    Secret (`tls/`, the key readable by the pod's group only; not the token, which is a variable),
+    so that the certificates need no volume or mount path of their own that a template could take."""
+    if not uses_tls(job):
+        return {"name": CONFIG_VOLUME, "configMap": {"name": config_name(job)}}
+    certificates = [{"key": k, "path": f"{TLS_SUBDIR}/{k}", "mode": 0o440} for k in TLS_FILES]
+    return {"name": CONFIG_VOLUME, "projected": {"sources": [
+        {"configMap": {"name": config_name(job)}},
+        {"secret": {"name": token_name(job), "items": certificates}},
+    ]}}
 
 
 def _data_volume(job: TrainingJob, replica: Replica) -> dict[str, Any]:
@@ -452,10 +484,45 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     return sts
 
 
+def network_policy_name(job: TrainingJob) -> str:
+    return f"{job.name}-isolation"
+
+
+def network_policy(job: TrainingJob, uid: str, settings: Settings) -> dict[str, Any]:
+    """The job's pods accept connections only from the job's own pods, and on the metrics port
+    also from `settings.metrics_from` (the operator, Prometheus); everything else is refused.
+
+    The job's pods get all TCP ports from each other, not only the parameter servers' (50051)
+    and the rendezvous (29400): gloo's DDP pairs and torchrun's agents connect on ephemeral
+    ports chosen at run time, so a list of ports would cut a running DDP group apart. Ingress
+    only: what a trainer connects to (DNS, its peers, a dataset's server) is not limited. No
+    metrics rule without a peer: a rule without `from` would admit every source.
+    """
+    own_pods = {"podSelector": {"matchLabels": {LABEL_JOB: job.name}}}
+    ingress: list[dict[str, Any]] = [{"from": [own_pods], "ports": [{"protocol": "TCP"}]}]
+    port = job.spec.metrics.port
+    if port and settings.metrics_from:
+        ingress.append({"from": [copy.deepcopy(peer) for peer in settings.metrics_from],
+                        "ports": [{"protocol": "TCP", "port": port}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, uid, network_policy_name(job)),
+        "spec": {
+            # Every pod of the job: PS shards and workers, Single's pod, the StatefulSet's ranks.
+            "podSelector": {"matchLabels": {LABEL_JOB: job.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
 def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settings()) -> list[dict[str, Any]]:
     """Every object the job owns, in creation order (config first, pods last)."""
     replicas = plan_replicas(job, ClusterEndpoints(job))
     objs = [config_map(job, uid), token_secret(job, uid, token)]
+    if settings.network_policy:
+        objs.append(network_policy(job, uid, settings))  # before any pod, so none runs unfenced
     if job.spec.mode == "ParameterServer":
         objs += ps_services(job, uid)
     objs += claims(job, uid)

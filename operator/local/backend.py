@@ -18,14 +18,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
 from ..api import TrainingJob
+from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
 from ..core.plan import Replica, plan_replicas
 from ..core.status import TERMINAL
+from ..core.tls import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
 from .rundir import RunDir, RunState
 from .summary import build_summary, format_summary
@@ -46,6 +49,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _can_bind(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:port now (as the trainer's does, reusing TIME_WAIT)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -96,6 +110,29 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None)
     names = [f"{r}-{i}" for r, i in replica_names(job)]
     keys = [f"{n}/metrics" for n in names] + [f"{n}/grpc" for n in names if n.startswith("ps-")] + ["rendezvous"]
     return LocalEndpoints(run, dict(zip(keys, free_ports(len(keys)))), job.spec.metrics.port != 0, code_dir)
+
+
+def write_certificates(job: TrainingJob, run: RunDir) -> Path | None:
+    """A parameter-server job's CA and replica certificate for this invocation (core/tls.py), in
+    `<run>/tls/` (0700, files 0600), as the operator puts them in a job's Secret; None for other modes.
+    New ones every invocation, like the token: every replica starts again with them."""
+    if not uses_tls(job):
+        return None
+    assert job.spec.parameter_server is not None
+    hosts = ps_hosts_of(job.name, job.spec.parameter_server.replicas)
+    files = job_certificates(job.name, job.metadata.namespace, hosts, datetime.now(timezone.utc))
+    return save_certificates(run.path / "tls", files)
+
+
+def save_certificates(folder: Path, files: dict[str, str]) -> Path:
+    """Write `job_certificates`' files into `folder`, readable by this user only (0700, 0600)."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    for name, text in files.items():
+        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    return folder
 
 
 @dataclass
@@ -167,6 +204,7 @@ class LocalBackend:
         self.stop_requested = False
         # The shared secret parameter servers check; a Secret in a cluster.
         self.token = secrets.token_hex(16)
+        self.tls_dir: Path | None = None  # the run's certificates (write_certificates), as a pod's Secret
 
     # -- entry ----------------------------------------------------------------
 
@@ -194,6 +232,7 @@ class LocalBackend:
         self.state.state = "Running"
         self.state.restart_log = self.state.restart_log or []
         self._save()
+        self.tls_dir = write_certificates(self.job, self.run)
         endpoints = local_endpoints(self.job, self.run, self.code_dir)
         for replica in plan_replicas(self.job, endpoints):
             self.procs[replica.name] = Proc(replica)
@@ -328,10 +367,13 @@ class LocalBackend:
 
     def _start(self, p: Proc) -> None:
         replica = p.replica
+        self._metrics_port_still_free(p)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(replica.env)
         env["KUBETRAIN_JOB_TOKEN"] = self.token
+        if self.tls_dir is not None:
+            env[TLS_DIR_VAR] = str(self.tls_dir)
         if replica.role == "ddp":
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on loopback too
             # A rank lands on whichever node the rendezvous puts it: every node
@@ -362,6 +404,20 @@ class LocalBackend:
         )
         p.phase = "Running"
         p.exit_code = None
+
+    def _metrics_port_still_free(self, p: Proc) -> None:
+        """Ports are picked free when the run starts, but another process (another `kubetrain run`
+        started at the same moment) may take one before the replica binds it: the replica then
+        exits 75 and is restarted. Before each start, a metrics port taken since is replaced by a
+        free one (Prometheus's targets file follows)."""
+        port = p.replica.ports.get("metrics")
+        if not port or _can_bind(port):
+            return
+        new = free_ports(1)[0]
+        p.replica.ports["metrics"] = new
+        p.replica.env["KUBETRAIN_METRICS_PORT"] = str(new)
+        self.run.write_targets(self.job, [q.replica for q in self.procs.values()])
+        self.display.message(f"[{p.replica.name}] metrics port {port} is taken by another process; using {new}")
 
     def _close_log(self, p: Proc) -> None:
         self._echo_logs(p)

@@ -11,6 +11,8 @@ import yaml
 
 from support import ROOT
 
+from kubetrain_operator.cli import parse_metrics_from
+
 pytestmark = pytest.mark.cluster
 CHART = ROOT / "charts" / "kubetrain"
 
@@ -66,6 +68,7 @@ def test_rbac_is_least_privilege(cluster, namespaced, kind, replicas):
     assert {x for x in g if x[1] == "leases"} == (LEASE_GRANTS if replicas > 1 else set())
     assert not {x for x in g if x[1] == "pods/exec"}
     assert {v for (_, r, v) in g if r == "secrets"} == {"create"}  # never get/list/watch/update
+    assert {v for (_, r, v) in g if r == "networkpolicies"} == {"get", "create"}  # each job's, and the 409 owner check
     assert not {x for x in g if x[0] == "rbac.authorization.k8s.io"}
     assert not {x for x in g if "*" in x}
 
@@ -130,6 +133,41 @@ def test_one_replica_runs_without_leader_election(cluster):
     assert not [a for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"] if "lease" in a]
     forced = next(d for d in rendered(cluster, "operator.leaderElection.enabled=true") if d["kind"] == "Deployment")
     assert "--leader-elect" in forced["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def operator_args(docs: list[dict]) -> list[str]:
+    return next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_network_policy_peers_reach_the_operator_as_flags_it_accepts(cluster):
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    docs = rendered(cluster, "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring",
+                    "networkPolicy.metricsFrom[0].podSelector.matchLabels.app\\.kubernetes\\.io/name=prometheus")
+    [flag] = [a for a in operator_args(docs) if a.startswith("--metrics-from-json=")]
+    # The operator's own pods first (it reads each job's progress there), then the values' peers.
+    assert parse_metrics_from(flag.split("=", 1)[1]) == (
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kt"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kubetrain", "app.kubernetes.io/instance": "kubetrain",
+                                         "app.kubernetes.io/component": "operator"}}},
+        prometheus)
+    assert "--no-network-policy" not in operator_args(docs)
+
+
+@pytest.mark.parametrize("namespaced", [False, True])
+def test_without_network_policies_the_operator_is_told_so_and_may_not_create_them(cluster, namespaced):
+    docs = rendered(cluster, "networkPolicy.enabled=false", f"operator.namespaced={str(namespaced).lower()}")
+    args = operator_args(docs)
+    assert "--no-network-policy" in args and not [a for a in args if a.startswith("--metrics-from-json")]
+    g = set().union(*(grants(d["rules"]) for d in docs if d["kind"] in ("Role", "ClusterRole")))
+    assert not {x for x in g if x[1] == "networkpolicies"}
+
+
+def test_values_schema_refuses_a_metrics_peer_it_does_not_know(cluster):
+    for bad in ("networkPolicy.metricsFrom[0].ports[0].port=80", "networkPolicy.metricsFrom[0].ipBlock.except={10.0.0.0/8}"):
+        done = subprocess.run(["helm", "template", "x", str(CHART), "--set", bad],
+                              env=cluster.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0, bad
 
 
 def test_deploy_manifests_are_rendered_from_the_chart(cluster, tmp_path):

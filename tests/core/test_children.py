@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain_operator.api import from_object, load_one, podtemplate
-from kubetrain_operator.core.children import ClusterEndpoints, children, merge_pod_template
+from kubetrain_operator.core.children import ClusterEndpoints, Settings, children, merge_pod_template
 from kubetrain_operator.core.plan import plan_replicas
 from kubetrain_operator.local.backend import local_endpoints
 from kubetrain_operator.local.rundir import RunDir
@@ -387,3 +387,113 @@ def test_a_claim_of_its_own_keeps_the_checkpoints_at_its_top(mode):
     # The layout retained claims hold (docs/operating.md): checkpoints/ and run/.
     for ckpt, run in checkpoint_dirs(children(job(mode), "u", "t")).values():
         assert (ckpt, run) == ("/kubetrain/data/checkpoints", "/kubetrain/data/run")
+
+
+# Per-job network isolation (the NetworkPolicy, with the operator's --metrics-from-json).
+OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kubetrain"}},
+                 "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}}}
+PROMETHEUS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+ISOLATED = Settings(network_policy=True, metrics_from=(OPERATOR_PEER, PROMETHEUS_PEER))
+
+
+def policy_of(objs):
+    [policy] = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def pod_labels(obj):
+    return (obj["spec"]["template"] if obj["kind"] == "StatefulSet" else obj)["metadata"]["labels"]
+
+
+def admits(policy, labels, namespace, port, peer_namespace_labels=None):
+    """Whether `policy` lets a pod (its labels, its namespace) connect to `port` over TCP: the
+    NetworkPolicy rules for matchLabels peers, as an enforcing network plugin applies them."""
+    def matches(selector, have):
+        return all(have.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+    def peer_matches(peer):
+        if "namespaceSelector" in peer:
+            ns_labels = {"kubernetes.io/metadata.name": namespace, **(peer_namespace_labels or {})}
+            if not matches(peer["namespaceSelector"], ns_labels):
+                return False
+        elif namespace != policy["metadata"]["namespace"]:
+            return False  # a podSelector alone: pods of the policy's namespace
+        return matches(peer.get("podSelector", {}), labels)
+
+    def port_matches(rule):
+        return any(p.get("protocol", "TCP") == "TCP" and p.get("port") in (None, port) for p in rule.get("ports", [{}]))
+
+    return any(port_matches(rule) and any(peer_matches(p) for p in rule["from"]) for rule in policy["spec"]["ingress"])
+
+
+@pytest.mark.parametrize("mode, spec", [
+    ("Single", {}),
+    ("ParameterServer", {"parameterServer": {"replicas": 2, "workers": 2}}),
+    ("DDP", {"ddp": {"nodes": 2}}),
+], ids=["single", "ps", "ddp"])
+def test_every_job_gets_a_network_policy_over_all_its_pods_before_any_pod(mode, spec):
+    objs = children(job(mode, **spec), "uid-1", "t", ISOLATED)
+    order = [o["kind"] for o in objs]
+    policy = policy_of(objs)
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert kinds([policy]) == [("NetworkPolicy", "j-isolation")]
+    assert order.index("NetworkPolicy") < min(i for i, k in enumerate(order) if k in ("Pod", "StatefulSet"))
+    ref = policy["metadata"]["ownerReferences"][0]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("TrainingJob", "j", "uid-1", True)
+    assert policy["metadata"]["namespace"] == "ns"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # what trainers connect to stays open
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for obj in objs:
+        if obj["kind"] in ("Pod", "StatefulSet"):
+            assert selector.items() <= pod_labels(obj).items(), obj["metadata"]["name"]
+
+
+def test_without_the_setting_a_job_gets_no_network_policy():
+    assert "NetworkPolicy" not in [o["kind"] for o in children(job("Single"), "u", "t")]
+    assert "NetworkPolicy" not in [o["kind"] for o in children(job("Single"), "u", "t", Settings(metrics_from=(OPERATOR_PEER,)))]
+
+
+JOB_POD = {"kubetrain.dev/job-name": "j", "kubetrain.dev/role": "worker"}
+OTHER_JOB = {"kubetrain.dev/job-name": "k", "kubetrain.dev/role": "worker"}
+OPERATOR = {"app.kubernetes.io/component": "operator"}
+
+
+@pytest.mark.parametrize("name, labels, namespace, port, admitted", [
+    ("a pod of the job, parameter server", JOB_POD, "ns", 50051, True),
+    ("a pod of the job, rendezvous", JOB_POD, "ns", 29400, True),
+    ("a pod of the job, gloo's ephemeral port", JOB_POD, "ns", 41234, True),
+    ("a pod of the job, metrics", JOB_POD, "ns", 9090, True),
+    ("another job's pod, parameter server", OTHER_JOB, "ns", 50051, False),
+    ("another job's pod, rendezvous", OTHER_JOB, "ns", 29400, False),
+    ("another job's pod, metrics", OTHER_JOB, "ns", 9090, False),
+    ("the job's label in another namespace", JOB_POD, "elsewhere", 50051, False),
+    ("the operator, metrics", OPERATOR, "kubetrain", 9090, True),
+    ("the operator, parameter server", OPERATOR, "kubetrain", 50051, False),
+    ("the operator's labels in another namespace, metrics", OPERATOR, "ns", 9090, False),
+    ("any pod of the monitoring namespace, metrics", {}, "monitoring", 9090, True),
+    ("any pod of the monitoring namespace, rendezvous", {}, "monitoring", 29400, False),
+])
+def test_the_policy_admits_the_job_to_itself_and_the_listed_peers_to_metrics_only(name, labels, namespace, port, admitted):
+    policy = policy_of(children(job("ParameterServer"), "u", "t", ISOLATED))
+    assert admits(policy, labels, namespace, port) is admitted, name
+
+
+def test_the_metrics_rule_follows_spec_metrics_port():
+    policy = policy_of(children(job("Single", metrics={"port": 9191}), "u", "t", ISOLATED))
+    assert policy["spec"]["ingress"][1] == {"from": [OPERATOR_PEER, PROMETHEUS_PEER], "ports": [{"protocol": "TCP", "port": 9191}]}
+    assert not admits(policy, OPERATOR, "kubetrain", 9090)
+
+
+@pytest.mark.parametrize("metrics, peers", [({"port": 0}, (OPERATOR_PEER,)), ({"port": 9090}, ())], ids=["metrics-off", "no-peers"])
+def test_no_metrics_rule_without_a_metrics_port_or_a_peer(metrics, peers):
+    # A rule without `from` would admit every source: never render one.
+    policy = policy_of(children(job("Single", metrics=metrics), "u", "t", Settings(network_policy=True, metrics_from=peers)))
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"kubetrain.dev/job-name": "j"}}}],
+                                          "ports": [{"protocol": "TCP"}]}]
+    assert not admits(policy, OPERATOR, "kubetrain", 9090)
+
+
+def test_the_policy_copies_the_peers_it_is_given():
+    policy = policy_of(children(job("Single"), "u", "t", ISOLATED))
+    policy["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]["x"] = "y"
+    assert "x" not in OPERATOR_PEER["podSelector"]["matchLabels"]

@@ -22,6 +22,9 @@ WRONG_UNITS = re.compile(r"_(milliseconds|ms|millis|kilobytes|kb|mb|megabytes|mi
 
 CONTRACT = {
     "kubetrain_steps": "counter",
+    "kubetrain_ps_rejected_pushes": "counter",
+    "kubetrain_ps_cancelled_streams": "counter",
+    "kubetrain_non_finite_steps": "counter",
     "kubetrain_samples": "counter",
     "kubetrain_step_duration_seconds": "histogram",
     "kubetrain_loss": "gauge",

@@ -1,4 +1,13 @@
-"""A worker's calls to the parameter servers: one reused channel per shard, token, deadlines, retries."""
+"""A worker's calls to the parameter servers: one reused channel per shard, token, deadlines, retries.
+
+Every call has a deadline, so a shard that hangs (or a network that drops
+packets without a reset) costs a worker at most that long per attempt:
+CALL_TIMEOUT_SECONDS for calls a live shard answers at once,
+wait_timeout(syncTimeoutSeconds) for the calls that may wait (a Sync pull
+waits for the step, a push waits for the shard's lock), and
+HEARTBEAT_TIMEOUT_SECONDS for heartbeats. The shard bounds the other side:
+it cancels streams older than the longest of these (server.py).
+"""
 
 from __future__ import annotations
 
@@ -24,9 +33,26 @@ from .transport import (
     invalid,
     open_channel,
 )
+from .tls import TlsFiles
 
 PULL = "/kubetrain.ps.v1.ParameterShard/Pull"
 PUSH = "/kubetrain.ps.v1.ParameterShard/Push"
+
+# Register, Finish, Status: answered at once by a live shard; Finish first
+# makes a checkpoint durable (seconds at most), hence the margin.
+CALL_TIMEOUT_SECONDS = 30.0
+# One try, short: a missed heartbeat is harmless, the next follows in a second.
+HEARTBEAT_TIMEOUT_SECONDS = 2.0
+# The least a Pull or Push is given, however short syncTimeoutSeconds is: a
+# push of a large shard over a busy link takes seconds.
+MIN_WAIT_TIMEOUT_SECONDS = 30.0
+
+
+def wait_timeout(sync_timeout_seconds: float) -> float:
+    """Deadline of a call that may wait: a Sync pull waits up to syncTimeoutSeconds for the step to
+    complete (dropping the silent), and once more when the step it joined was itself late; 10 s for
+    the transfer on top."""
+    return max(MIN_WAIT_TIMEOUT_SECONDS, 2 * sync_timeout_seconds + 10)
 
 
 class PSClient:
@@ -38,10 +64,12 @@ class PSClient:
         token: str,
         chunk_bytes: int,
         backoff: Backoff,
-        call_timeout: float = 30.0,
-        wait_timeout: float = 60.0,
+        call_timeout: float = CALL_TIMEOUT_SECONDS,
+        wait_timeout: float = 2 * MIN_WAIT_TIMEOUT_SECONDS,
         metrics: Any = None,
+        tls: TlsFiles | None = None,
     ):
+        """`tls`: the job's certificates (mutual TLS to every shard); None: plaintext."""
         self.addrs = addrs
         self.chunk_bytes = chunk_bytes
         self.backoff = backoff
@@ -50,7 +78,7 @@ class PSClient:
         self.metrics = metrics
         self.counter = ByteCounter(metrics)
         self.metadata = ((TOKEN_KEY, token),)
-        self.channels = [open_channel(a) for a in addrs]
+        self.channels = [open_channel(a, tls) for a in addrs]
         self._pull = [
             ch.unary_stream(PULL, request_serializer=pb.PullRequest.SerializeToString, response_deserializer=self._decode)
             for ch in self.channels
@@ -91,7 +119,7 @@ class PSClient:
     def heartbeat(self, worker: int, incarnation: int, worker_step: int) -> pb.HeartbeatReply:
         """One try, short deadline: a missed heartbeat is harmless, the next one follows."""
         request = pb.HeartbeatRequest(worker=worker, incarnation=incarnation, worker_step=worker_step)
-        return self.coordinator.Heartbeat(request, timeout=2.0, metadata=self.metadata)
+        return self.coordinator.Heartbeat(request, timeout=HEARTBEAT_TIMEOUT_SECONDS, metadata=self.metadata)
 
     def pull(self, shard: int, request: pb.PullRequest, assembler: Callable[[], Assembler]) -> tuple[pb.PullHeader, dict]:
         """The shard's parameters into a fresh assembler per attempt; returns the header and the tensors."""
@@ -117,8 +145,15 @@ class PSClient:
             frames_for(tensors, self.chunk_bytes, pb.Frame(push=header)),
             timeout=self.wait_timeout, metadata=self.metadata))
 
-    def finish(self, shard: int, worker: int, cursor_json: str) -> pb.FinishReply:
-        request = pb.FinishRequest(worker=worker, cursor_json=cursor_json)
+    def report_progress(self, shard: int, header: pb.PushHeader) -> pb.PushReply:
+        """A push without a gradient: the step counts for the worker (Sync stops waiting for it), nothing is applied."""
+        marked = pb.PushHeader()
+        marked.CopyFrom(header)
+        marked.no_gradient = True
+        return self.push(shard, marked, [])
+
+    def finish(self, shard: int, worker: int, incarnation: int, cursor_json: str) -> pb.FinishReply:
+        request = pb.FinishRequest(worker=worker, incarnation=incarnation, cursor_json=cursor_json)
         return self._call("Finish", shard, lambda: self.shards[shard].Finish(
             request, timeout=self.call_timeout, metadata=self.metadata))
 

@@ -28,7 +28,7 @@ class TensorPiece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_index: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "incarnation", "worker_step", "base_step", "ps_incarnation", "cursor_json", "loss")
+    __slots__ = ("worker", "incarnation", "worker_step", "base_step", "ps_incarnation", "cursor_json", "loss", "no_gradient")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class PushHeader(_message.Message):
     PS_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CURSOR_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    NO_GRADIENT_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
     worker_step: int
@@ -43,7 +44,8 @@ class PushHeader(_message.Message):
     ps_incarnation: int
     cursor_json: str
     loss: float
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., worker_step: _Optional[int] = ..., base_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., cursor_json: _Optional[str] = ..., loss: _Optional[float] = ...) -> None: ...
+    no_gradient: bool
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., worker_step: _Optional[int] = ..., base_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., cursor_json: _Optional[str] = ..., loss: _Optional[float] = ..., no_gradient: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("step", "ps_incarnation", "done")
@@ -90,11 +92,13 @@ class PushReply(_message.Message):
         DUPLICATE: _ClassVar[PushReply.Outcome]
         STALE: _ClassVar[PushReply.Outcome]
         DONE: _ClassVar[PushReply.Outcome]
+        SKIPPED: _ClassVar[PushReply.Outcome]
     OUTCOME_UNSPECIFIED: PushReply.Outcome
     APPLIED: PushReply.Outcome
     DUPLICATE: PushReply.Outcome
     STALE: PushReply.Outcome
     DONE: PushReply.Outcome
+    SKIPPED: PushReply.Outcome
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
@@ -140,12 +144,14 @@ class StatusReply(_message.Message):
     def __init__(self, replica: _Optional[str] = ..., step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., aggregation: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., dropped_total: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("worker", "cursor_json")
+    __slots__ = ("worker", "cursor_json", "incarnation")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     CURSOR_JSON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker: int
     cursor_json: str
-    def __init__(self, worker: _Optional[int] = ..., cursor_json: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, worker: _Optional[int] = ..., cursor_json: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class FinishReply(_message.Message):
     __slots__ = ("job_finished",)

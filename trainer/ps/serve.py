@@ -17,6 +17,7 @@ from ..training import log_interval
 from .coordinator import Coordinator
 from .job import chunk_bytes, model_and_data, ps_spec, shards_of
 from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
+from .tls import from_env as tls_from_env
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,17 @@ def planned_global_steps(ctx: ReplicaContext, steps_per_epoch: int) -> int:
         return training.max_steps
     local = (training.effective_epochs or 0) * steps_per_epoch
     return local if ps.aggregation == "Sync" else local * ps.workers
+
+
+def planned_worker_steps(ctx: ReplicaContext, steps_per_epoch: int) -> int | None:
+    """Steps each worker runs: its epochs of its data shard; None with maxSteps (the shards' step ends training).
+
+    The worker stops there, and a shard takes its Finish only once it pushed that far.
+    """
+    training = ctx.spec.training
+    if training.max_steps is not None or not training.effective_epochs:
+        return None
+    return training.effective_epochs * steps_per_epoch
 
 
 def run_ps(ctx: ReplicaContext) -> int:
@@ -72,6 +84,7 @@ def run_ps(ctx: ReplicaContext) -> int:
         max_steps=spec.training.max_steps,
         interval_steps=spec.checkpoint.interval_steps,
         chunk_bytes=chunk_bytes(),
+        worker_steps=planned_worker_steps(ctx, steps_per_epoch),
     )
     coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds) if ctx.index == 0 else None
     shard = ParameterShard(
@@ -85,8 +98,13 @@ def run_ps(ctx: ReplicaContext) -> int:
     metrics.serve(ctx.metrics_port, ctx.listen_address)
     # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish.
     server = build_server(shard, ctx.token, max_workers=2 * ps.workers + 8)
+    tls = tls_from_env()  # the job's certificates: mutual TLS with every worker (tls.py)
+    address = f"{ctx.listen_address}:{ctx.ps_port}"
     try:
-        server.add_insecure_port(f"{ctx.listen_address}:{ctx.ps_port}")
+        if tls is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as err:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     server.start()
@@ -94,8 +112,8 @@ def run_ps(ctx: ReplicaContext) -> int:
                  parameter_bytes=sum(e.nbytes for e in shard.expected.values()), incarnation=shard.incarnation)
     if resumed:
         events.write("resume", step=shard.step)
-    log.info("%s: serving %d tensors on port %d from step %d%s", ctx.replica, len(params), ctx.ps_port,
-             shard.step, " (resumed)" if resumed else "")
+    log.info("%s: serving %d tensors on port %d (%s) from step %d%s", ctx.replica, len(params), ctx.ps_port,
+             "mutual TLS" if tls else "plaintext", shard.step, " (resumed)" if resumed else "")
     try:
         while not shard.job_finished.wait(TICK_SECONDS):
             shard.tick()

@@ -23,17 +23,30 @@ Aggregation:
 Bad input on the wire (a wrong token, unknown tensors, wrong dtypes or
 shapes, truncated or oversized chunks, steps from the future) is refused with
 a gRPC status before anything changes: a push is received and checked whole
-before it touches the parameters.
+before it touches the parameters. Beyond well-formed, a shard refuses what
+would corrupt the model or the job (docs/parameter-server.md):
+
+- a gradient with a NaN or an Inf (checked after decoding, whatever the codec):
+  INVALID_ARGUMENT naming the tensor, nothing applied, counted;
+- a second push of one (worker, worker_step), whatever the worker's
+  incarnation: acknowledged as DUPLICATE, not applied, counted (TakenSteps);
+- a Finish from a worker whose pushes have not reached the end of its
+  planned steps while training is not over, or from another process than the
+  one that made its latest push: FAILED_PRECONDITION;
+- a stream that stalls: a push silent for PUSH_STALL_SECONDS, or any stream
+  older than the longest deadline an honest worker gives it, is cancelled.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +58,12 @@ from ..compression import as_bytes
 from ..metrics import TrainerMetrics
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
+from .client import wait_timeout
 from .coordinator import Coordinator
 from .transport import (
     GRPC_OPTIONS,
+    NON_FINITE,
+    REFUSAL_KEY,
     Assembler,
     ByteCounter,
     Expected,
@@ -58,7 +74,9 @@ from .transport import (
     decode_frame,
     dtype_name,
     encode_frame,
+    first_non_finite,
     frames_for,
+    invalid,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +88,70 @@ TICK_SECONDS = 0.05
 # not silent, for this long: Sync waits for it (syncTimeoutSeconds per step at
 # most), Async holds the others for it. One that never comes is dropped after.
 STARTUP_GRACE_SECONDS = 60.0
+# A push stream silent this long between two frames is stalled, and cancelled.
+# A frame is at most MAX_MESSAGE_BYTES (5 MiB): even at 10 MB/s it arrives in
+# half a second, so 10 s of silence is a client that stopped sending (hung,
+# paused, or hostile), not a slow one. Until then the stream holds one server
+# thread, nothing else: it never holds the shard's lock or its worker's buffers
+# against another push (a concurrent push of the same worker gets fresh ones).
+PUSH_STALL_SECONDS = 10.0
+# Any stream (Pull, Push) this much older than the longest deadline an honest
+# worker gives its calls (client.wait_timeout) was abandoned by its caller or
+# has no deadline at all (a hand-made client): the shard cancels it, so no
+# caller holds a server thread longer than an honest one could.
+STREAM_GRACE_SECONDS = 5.0
+# How many of each worker's pushes a shard remembers exactly (TakenSteps).
+# An honest worker's pushes to a shard only go forward (it waits for each
+# reply, and a restarted worker resumes after the last step ps-0 recorded,
+# with ps-0's checkpoint), so everything at or below the remembered window
+# counts as taken. The window is there for pushes out of order, a buggy or
+# hostile client's far-future steps: up to this many sit beside the honest
+# sequence without raising the floor past it. Memory: about 100 bytes per
+# entry, 6.4 KB per worker, 6.5 MB for the largest job (1024 workers).
+DEDUP_WINDOW_STEPS = 64
+
+
+class TakenSteps:
+    """The worker_steps of one worker this shard has taken a push for: each is taken once.
+
+    Exact for the last DEDUP_WINDOW_STEPS steps taken; a step at or below
+    `floor` (the highest step evicted from the window) counts as taken, so a
+    replay is never applied twice however old it is. Evicting the smallest
+    step first keeps a few far-future steps from lifting the floor over the
+    worker's honest sequence.
+    """
+
+    def __init__(self, window: int = DEDUP_WINDOW_STEPS, floor: int = 0, steps: list[int] | None = None):
+        self.window = window
+        self.floor = floor
+        self._steps: set[int] = set()
+        self._heap: list[int] = []
+        for step in steps or ():
+            self.add(step)
+
+    def __contains__(self, step: int) -> bool:
+        return step <= self.floor or step in self._steps
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, step: int) -> None:
+        if step in self:
+            return
+        self._steps.add(step)
+        heapq.heappush(self._heap, step)
+        while len(self._heap) > self.window:
+            evicted = heapq.heappop(self._heap)
+            self._steps.discard(evicted)
+            self.floor = max(self.floor, evicted)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"floor": self.floor, "steps": sorted(self._steps)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None, window: int = DEDUP_WINDOW_STEPS) -> "TakenSteps":
+        state = state or {}
+        return cls(window, state.get("floor", 0), state.get("steps", []))
 
 
 @dataclass
@@ -79,10 +161,28 @@ class WorkerState:
     worker_step: int = 0
     finished: bool = False
     done_pushing: bool = False
+    progress: int = 0
+    """The highest worker_step this worker pushed (any outcome, gradient or not): what Finish is checked against."""
     incarnation: int = 0
-    pushed_step: int = 0
+    """The incarnation of its latest push: only that process may finish it. Not persisted: after a
+    restart the worker reports its progress once more (worker.py, _finish_shard)."""
+    taken: TakenSteps = field(default_factory=TakenSteps)
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
     receive_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class StreamWatch:
+    """A stream in progress, as the shard's watchdog (ParameterShard.tick) sees it."""
+
+    kind: str
+    worker: int
+    context: grpc.ServicerContext
+    started: float
+    last_message: float
+    stall_seconds: float | None
+    """None: the stream may be silent (a Pull waiting for a step); only its age counts."""
+    cancelled: bool = False
 
 
 @dataclass
@@ -97,6 +197,15 @@ class ShardConfig:
     max_steps: int | None
     interval_steps: int
     chunk_bytes: int
+    worker_steps: int | None = None
+    """Steps each worker runs (epochs x steps per epoch); None with maxSteps, where the shard's step ends training."""
+    push_stall_seconds: float = PUSH_STALL_SECONDS
+    stream_seconds: float | None = None
+    """Age at which any stream is cancelled; None: the longest honest deadline plus STREAM_GRACE_SECONDS."""
+
+    def __post_init__(self) -> None:
+        if self.stream_seconds is None:
+            self.stream_seconds = wait_timeout(self.sync_timeout) + STREAM_GRACE_SECONDS
 
 
 class ParameterShard:
@@ -133,9 +242,14 @@ class ParameterShard:
         self.started = clock()
         self.workers = {w: WorkerState() for w in range(config.workers)}
         self.pending: set[int] = set()
+        """Sync: workers counted in the current step (with a gradient, or a push without one)."""
+        self.contributors = 0
+        """Sync: gradients summed in pending_sum for the current step."""
         self.pending_sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.first_push_at: float | None = None
         self.job_finished = threading.Event()
+        self.streams: set[StreamWatch] = set()
+        self.streams_lock = threading.Lock()
         self._publish()
 
     # --- state -------------------------------------------------------------------
@@ -149,7 +263,13 @@ class ParameterShard:
             "step": self.step,
             "params": {n: p.detach() for n, p in self.params.items()},
             "optimizer": self.optimizer.state_dict(),
-            "workers": {w: {"finished": s.finished, "worker_step": s.worker_step} for w, s in self.workers.items()},
+            # What was taken travels with the parameters it went into: a shard
+            # restored to this step takes again exactly what the checkpoint lacks.
+            "workers": {
+                w: {"finished": s.finished, "worker_step": s.worker_step, "progress": s.progress,
+                    "taken": s.taken.state_dict()}
+                for w, s in self.workers.items()
+            },
             "coordinator": self.coordinator.state_dict() if self.coordinator else {},
             "dropped_total": self.dropped_total,
         }
@@ -165,8 +285,13 @@ class ParameterShard:
                 param.copy_(state["params"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         for w, saved in state["workers"].items():
-            self.workers[int(w)].finished = saved["finished"]
-            self.workers[int(w)].worker_step = saved["worker_step"]
+            worker = self.workers[int(w)]
+            worker.finished = saved["finished"]
+            worker.worker_step = saved["worker_step"]
+            # Checkpoints from before progress and taken steps were kept: the
+            # worker's step is the best record of both.
+            worker.progress = saved.get("progress", saved["worker_step"])
+            worker.taken = TakenSteps.from_state(saved.get("taken", {"floor": saved["worker_step"]}))
         if self.coordinator is not None:
             self.coordinator.load_state_dict(state["coordinator"])
         self.step = step
@@ -205,12 +330,14 @@ class ParameterShard:
         """Workers a Sync step waits for: alive, and neither finished nor done pushing."""
         return {w for w, s in self.workers.items() if not s.finished and not s.done_pushing and self._alive(s)}
 
-    def _apply(self, grads: dict[str, torch.Tensor], scale: float = 1.0) -> None:
-        for name, param in self.params.items():
-            param.grad = grads[name] if scale == 1.0 else grads[name] * scale
-        self.optimizer.step()
-        for param in self.params.values():
-            param.grad = None
+    def _apply(self, grads: dict[str, torch.Tensor] | None, scale: float = 1.0) -> None:
+        """One step: an update with `grads` (times `scale`), or with None a step without one."""
+        if grads is not None:
+            for name, param in self.params.items():
+                param.grad = grads[name] if scale == 1.0 else grads[name] * scale
+            self.optimizer.step()
+            for param in self.params.values():
+                param.grad = None
         self.step += 1
         self._publish()
         if self.metrics:
@@ -234,17 +361,33 @@ class ParameterShard:
             if self.metrics:
                 self.metrics.sync_dropped_workers_total.inc(len(missing))
             log.warning("%s: step %d: dropped silent workers %s", self.config.replica, self.step, sorted(missing))
-        contributors = len(self.pending)
-        self._apply(self.pending_sum, 1.0 / contributors)
+        if self.contributors:
+            self._apply(self.pending_sum, 1.0 / self.contributors)
+        else:
+            # Every worker counted in had no finite gradient: the step passes
+            # without an update, so the workers waiting for it go on.
+            log.warning("%s: step %d: no finite gradient from any worker; no update", self.config.replica, self.step)
+            self._apply(None)
         self.pending.clear()
+        self.contributors = 0
         for buffer in self.pending_sum.values():
             buffer.zero_()
         self.first_push_at = None
 
-    def _accept(self, header: pb.PushHeader, grads: dict[str, torch.Tensor]) -> pb.PushReply:
+    def _reject(self, reason: str) -> None:
+        """Count a push not applied: `duplicate`, `non_finite` or `invalid` (metrics.REJECT_REASONS)."""
+        if self.metrics:
+            self.metrics.ps_rejected_pushes_total.labels(reason=reason).inc()
+
+    def _accept(self, header: pb.PushHeader, grads: dict[str, torch.Tensor] | None) -> pb.PushReply:
+        """Take a push that arrived whole and finite (grads None: a push without a gradient)."""
         worker = self._touch(header.worker)
+        worker.incarnation = header.incarnation
         if self.done:
             return pb.PushReply(outcome=pb.PushReply.DONE, step=self.step)
+        # Before the refusals below: a worker whose last push met a restarted
+        # shard has still reached that step, and Finish is checked against it.
+        worker.progress = max(worker.progress, header.worker_step)
         if header.ps_incarnation and header.ps_incarnation != self.incarnation:
             raise WireError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -256,30 +399,41 @@ class ParameterShard:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"push for step {header.base_step} is from the future: {self.config.replica} is at step {self.step}",
             )
-        if header.incarnation == worker.incarnation and header.worker_step <= worker.pushed_step:
+        # At most once per (worker, worker_step), whatever the incarnation: a
+        # retry, or a replay by a restarted (or impersonated) worker, of a step
+        # already taken is acknowledged and not applied.
+        if header.worker_step in worker.taken:
+            self._reject("duplicate")
             return pb.PushReply(outcome=pb.PushReply.DUPLICATE, step=self.step)
-        worker.incarnation, worker.pushed_step = header.incarnation, header.worker_step
+        if self.config.aggregation == "Sync" and header.base_step >= self.step and header.worker in self.pending:
+            # One push per worker and Sync step: another worker_step for a step it is already counted in.
+            self._reject("duplicate")
+            return pb.PushReply(outcome=pb.PushReply.DUPLICATE, step=self.step)
+        worker.taken.add(header.worker_step)
         worker.worker_step = header.worker_step
         worker.done_pushing = False
         if self.coordinator is not None:
             self.coordinator.record(header.worker, header.worker_step, header.cursor_json)
+        taken = pb.PushReply.SKIPPED if grads is None else pb.PushReply.APPLIED
         if self.config.aggregation == "Sync":
             if header.base_step < self.step:
                 return pb.PushReply(outcome=pb.PushReply.STALE, step=self.step)
-            if header.worker in self.pending:
-                return pb.PushReply(outcome=pb.PushReply.DUPLICATE, step=self.step)
-            for name, grad in grads.items():
-                self.pending_sum[name].add_(grad)
+            if grads is not None:
+                for name, grad in grads.items():
+                    self.pending_sum[name].add_(grad)
+                self.contributors += 1
             self.pending.add(header.worker)
             if self.first_push_at is None:
                 self.first_push_at = self.clock()
             self.maybe_complete_sync_step()
-            return pb.PushReply(outcome=pb.PushReply.APPLIED, step=self.step)
+            return pb.PushReply(outcome=taken, step=self.step)
+        if grads is None:
+            return pb.PushReply(outcome=taken, step=self.step)
         staleness = self.step - header.base_step
         if self.metrics:
             self.metrics.staleness_steps.observe(staleness)
         self._apply(grads)
-        return pb.PushReply(outcome=pb.PushReply.APPLIED, step=self.step, staleness=staleness)
+        return pb.PushReply(outcome=taken, step=self.step, staleness=staleness)
 
     def _held(self, request: pb.PullRequest) -> bool:
         """Whether a pull must wait before it gets parameters."""
@@ -304,55 +458,114 @@ class ParameterShard:
                 f"worker {worker} is outside this job's {self.config.workers} workers (0..{self.config.workers - 1})",
             )
 
+    @contextmanager
+    def _watched(self, kind: str, worker: int, context: grpc.ServicerContext,
+                 stall_seconds: float | None) -> Iterator[StreamWatch]:
+        """Register a stream with the watchdog (tick) for as long as its handler runs."""
+        now = self.clock()
+        watch = StreamWatch(kind, worker, context, now, now, stall_seconds)
+        with self.streams_lock:
+            self.streams.add(watch)
+        try:
+            yield watch
+        finally:
+            with self.streams_lock:
+                self.streams.discard(watch)
+
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[WireFrame]:
         try:
             self._check_worker(request.worker)
         except WireError as err:
             context.abort(err.code, str(err))
-        with self.cond:
-            worker = self._touch(request.worker)
-            worker.worker_step = max(worker.worker_step, request.worker_step)
-            if request.final:
-                worker.done_pushing = True
-                self.maybe_complete_sync_step()
-            while self._held(request) and context.is_active():
-                self.cond.wait(TICK_SECONDS)
-                self._touch(request.worker)
-            step, tensors = self.published
-            header = pb.PullHeader(step=step, ps_incarnation=self.incarnation, done=self.done)
-        out = [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), "None", as_bytes(t)) for n, t in tensors.items()]
-        yield from frames_for(out, self.config.chunk_bytes, pb.Frame(pull=header))
+        with self._watched("Pull", request.worker, context, stall_seconds=None):
+            with self.cond:
+                worker = self._touch(request.worker)
+                worker.worker_step = max(worker.worker_step, request.worker_step)
+                if request.final:
+                    worker.done_pushing = True
+                    self.maybe_complete_sync_step()
+                while self._held(request) and context.is_active():
+                    self.cond.wait(TICK_SECONDS)
+                    self._touch(request.worker)
+                if not context.is_active():
+                    return  # cancelled while held: by its client, or by tick()
+                step, tensors = self.published
+                header = pb.PullHeader(step=step, ps_incarnation=self.incarnation, done=self.done)
+            out = [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), "None", as_bytes(t)) for n, t in tensors.items()]
+            yield from frames_for(out, self.config.chunk_bytes, pb.Frame(pull=header))
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        # A cancelled stream (by its client, or by tick() as stalled) raises the
+        # request iterator's grpc.RpcError out of here: gRPC knows it as its own
+        # and ends the call quietly. Nothing was taken.
         try:
-            return self._push(request_iterator)
+            return self._push(request_iterator, context)
         except WireError as err:
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+                self._reject(err.reason or "invalid")
+            if err.reason:
+                context.set_trailing_metadata(((REFUSAL_KEY, err.reason),))
             context.abort(err.code, str(err))
 
-    def _push(self, messages: Iterator[bytes]) -> pb.PushReply:
-        first = next(messages, None)
-        if first is None:
-            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "empty push: the first frame must carry a PushHeader")
-        self.counter.add(received=len(first))
-        frame = decode_frame(first)
-        if not frame.header.HasField("push"):
-            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, "the first frame of a push must carry a PushHeader")
-        header = frame.header.push
-        self._check_worker(header.worker)
-        worker = self.workers[header.worker]
-        # One push per worker at a time: its scratch buffers are reused from push to push.
-        with worker.receive_lock:
-            assembler = Assembler(self.expected, worker.scratch)
-            assembler.add(frame)
-            for message in messages:
-                self.counter.add(received=len(message))
-                assembler.add(decode_frame(message))
-            grads = assembler.finish()
-            with self.cond:
-                reply = self._accept(header, grads)
-                self.raw_gradient_bytes += sum(e.nbytes for e in self.expected.values())
-                self.compressed_gradient_bytes += assembler.payload_bytes
-        return reply
+    def _push(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+        # Watched from the start: a client may stall before its first frame too.
+        with self._watched("Push", -1, context, self.config.push_stall_seconds) as watch:
+            first = next(messages, None)
+            if first is None:
+                raise invalid("empty push: the first frame must carry a PushHeader")
+            self.counter.add(received=len(first))
+            frame = decode_frame(first)
+            if not frame.header.HasField("push"):
+                raise invalid("the first frame of a push must carry a PushHeader")
+            header = frame.header.push
+            self._check_worker(header.worker)
+            watch.worker = header.worker
+            watch.last_message = self.clock()
+            worker = self.workers[header.worker]
+            if header.no_gradient:
+                if frame.header.pieces or next(messages, None) is not None:
+                    raise invalid(f"worker {header.worker}: a push without a gradient (no_gradient) carries no tensors")
+                with self.cond:
+                    return self._accept(header, None)
+            # One push per worker at a time uses its scratch buffers, reused from
+            # push to push. Another one at the same time (a retry racing a stalled
+            # attempt, or an impersonator) gets buffers of its own instead of
+            # waiting: no stream holds up another.
+            owned = worker.receive_lock.acquire(blocking=False)
+            try:
+                assembler = Assembler(self.expected, worker.scratch if owned else {})
+                assembler.add(frame)
+                for message in messages:
+                    watch.last_message = self.clock()
+                    self.counter.add(received=len(message))
+                    assembler.add(decode_frame(message))
+                grads = assembler.finish()
+                self._check_finite(header, grads)
+                with self.cond:
+                    reply = self._accept(header, grads)
+                    self.raw_gradient_bytes += sum(e.nbytes for e in self.expected.values())
+                    self.compressed_gradient_bytes += assembler.payload_bytes
+                return reply
+            finally:
+                if owned:
+                    worker.receive_lock.release()
+
+    def _check_finite(self, header: pb.PushHeader, grads: dict[str, torch.Tensor]) -> None:
+        """Refuse a gradient with a NaN or an Inf: applied, it would make every parameter it touches NaN for good.
+
+        Checked on the decoded tensors, so a compressed payload is judged by
+        what it decodes to (an Int8 scale of NaN, a PowerSGD product that overflows).
+        """
+        name = first_non_finite(grads)
+        if name is None:
+            return
+        log.warning("%s: refused worker %d's push of its step %d: tensor %r is not finite",
+                    self.config.replica, header.worker, header.worker_step, name)
+        raise invalid(
+            f"tensor {name!r} of worker {header.worker}'s push for its step {header.worker_step} holds NaN or Inf: "
+            "refused, nothing applied (a worker skips a step whose gradients are not finite)",
+            reason=NON_FINITE,
+        )
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         with self.cond:
@@ -372,14 +585,49 @@ class ParameterShard:
                 last_checkpoint_step=max(self.checkpoint_step, 0),
             )
 
+    def _finish_refusal(self, worker: int, incarnation: int) -> str | None:
+        """Why `worker` may not finish yet (None: it may), from this shard's own record of its pushes.
+
+        A Finish ends a worker's part of the job for good: the shard stops
+        waiting for it, and once every worker finished, the job ends. So it
+        is taken only when the shard's view agrees: training is over
+        (maxSteps reached), or the worker pushed its last planned step.
+        Every shard receives every push, so each one's view is the
+        coordinator's (ps-0); checkpoints keep it across restarts. And only
+        from the process that made the worker's latest push: finishing a
+        worker that pushed its last step but has more to do (the chief still
+        pulls the final parameters and evaluates) would end the job under it.
+        """
+        state = self.workers[worker]
+        if not incarnation or incarnation != state.incarnation:
+            # The worker's incarnation is not named: a caller that knows it could learn nothing new.
+            return (f"worker {worker} cannot finish: the Finish does not come from the process that made its "
+                    f"latest push to {self.config.replica}; a worker finishes after its last step")
+        if self.done:
+            return None
+        plan, progress = self.config.worker_steps, state.progress
+        if plan is not None and progress >= plan:
+            return None
+        planned = f"of {plan} planned" if plan is not None else f"and training runs to step {self.config.max_steps}"
+        return (
+            f"worker {worker} cannot finish: {self.config.replica} has its pushes up to its step {progress} on "
+            f"record, {planned} (shard step {self.step}); a worker finishes after its last step"
+        )
+
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
         try:
             self._check_worker(request.worker)
         except WireError as err:
             context.abort(err.code, str(err))
         with self.cond:
-            worker = self._touch(request.worker)
+            worker = self.workers[request.worker]
+            # Asked again of a finished worker too: its answer (job_finished) is the worker's to hear.
+            refusal = self._finish_refusal(request.worker, request.incarnation)
+            if refusal is not None:
+                log.warning("%s: refused Finish: %s", self.config.replica, refusal)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
             if not worker.finished:
+                self._touch(request.worker)
                 worker.finished = True
                 if self.coordinator is not None:
                     self.coordinator.record(request.worker, worker.worker_step, request.cursor_json, finished=True)
@@ -394,9 +642,37 @@ class ParameterShard:
             return pb.FinishReply(job_finished=finished)
 
     def tick(self) -> None:
-        """Re-check the Sync timeout (called periodically; pushes alone cannot notice silence)."""
+        """Periodic work (serve.py calls it every TICK_SECONDS): the Sync timeout, and stalled streams.
+
+        Pushes alone cannot notice silence; and a stream's handler, blocked
+        waiting for its client, cannot notice it is stalled.
+        """
         with self.cond:
             self.maybe_complete_sync_step()
+        self.cancel_stalled_streams()
+
+    def cancel_stalled_streams(self) -> list[StreamWatch]:
+        """Cancel streams silent past their stall limit or older than stream_seconds; returns them."""
+        now = self.clock()
+        limit = self.config.stream_seconds
+        with self.streams_lock:
+            overdue = [
+                w for w in self.streams
+                if not w.cancelled and (
+                    (w.stall_seconds is not None and now - w.last_message > w.stall_seconds)
+                    or (limit is not None and now - w.started > limit)
+                )
+            ]
+            for watch in overdue:
+                watch.cancelled = True
+        for watch in overdue:
+            silent, age = now - watch.last_message, now - watch.started
+            log.warning("%s: cancelled a %s stream of worker %d: silent %.1f s, open %.1f s (a stalled client)",
+                        self.config.replica, watch.kind, watch.worker, silent, age)
+            if self.metrics:
+                self.metrics.ps_cancelled_streams_total.inc()
+            watch.context.cancel()
+        return overdue
 
 
 def encode_counted(counter: ByteCounter) -> Callable[[WireFrame], bytes]:

@@ -32,6 +32,7 @@ import torch
 from .. import compression
 from ..compression import CompressionError
 from . import ps_pb2 as pb
+from .tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,51 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class WireError(Exception):
-    """Bad input on the wire: answered with `code` and the message, the server's state untouched."""
+# Trailing metadata of a refused push: why, as one word a client can act on
+# without parsing the message (a worker skips a step refused as non_finite).
+REFUSAL_KEY = "x-kubetrain-refusal"
+NON_FINITE = "non_finite"
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+
+class WireError(Exception):
+    """Bad input on the wire: answered with `code` and the message, the server's state untouched.
+
+    `reason`, when set, travels as the call's trailing metadata (REFUSAL_KEY).
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = ""):
         super().__init__(message)
         self.code = code
+        self.reason = reason
 
 
-def invalid(message: str) -> WireError:
-    return WireError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, reason: str = "") -> WireError:
+    return WireError(grpc.StatusCode.INVALID_ARGUMENT, message, reason)
+
+
+def refusal_reason(err: grpc.RpcError) -> str:
+    """The REFUSAL_KEY a server sent with an error status ('' when none)."""
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    return dict(trailing or ()).get(REFUSAL_KEY, "")
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN or an Inf; None when all are finite.
+
+    One pass of torch.aminmax per tensor: a NaN anywhere makes both NaN, a
+    +Inf the max, a -Inf the min, and finite values cannot overflow a min or
+    a max (a sum can: float16 beyond 65504). It reads memory once and writes
+    nothing: 5 ms per 64 MiB here, against 200 ms for isfinite().all(), which
+    writes a bool per element first. `kubetrain bench transport` prints what
+    it costs a push (finite_check_ratio).
+    """
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        low, high = torch.aminmax(tensor)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            return name
+    return None
 
 
 class ByteCounter:
@@ -386,8 +422,11 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return factory(deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A channel to a shard: mutual TLS with the job's certificates when given (tls.py), else plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS)
 
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

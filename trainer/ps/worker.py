@@ -5,6 +5,13 @@ shards, and its data cursor travels with every push to ps-0 (the
 coordinator). A restarted worker registers, receives its cursor and goes on
 with the next batch. worker-0 is the chief: when training ends it waits for
 the final parameters of every shard and evaluates them.
+
+A step whose gradients hold NaN or Inf (the loss exploded, a bad batch) is
+skipped, as torch.amp's GradScaler skips one: the worker pushes no gradient
+for it (the shards would refuse one), tells the shards the step is done so a
+Sync step does not wait for it, counts it and goes on. Checked before
+compression, so error feedback never carries a NaN into later steps.
+MAX_CONSECUTIVE_NON_FINITE_STEPS in a row end the worker: training diverged.
 """
 
 from __future__ import annotations
@@ -31,14 +38,22 @@ from ..metrics import TrainerMetrics
 from ..models import evaluate
 from ..training import compute_gradients, log_interval
 from . import ps_pb2 as pb
-from .client import PSClient
+from .client import PSClient, wait_timeout
 from .job import chunk_bytes, model_and_data, ps_spec, shards_of
-from .serve import planned_global_steps
-from .transport import Assembler, Backoff, Expected, OutTensor, dtype_name
+from .serve import planned_global_steps, planned_worker_steps
+from .tls import from_env as tls_from_env
+from .transport import NON_FINITE, Assembler, Backoff, Expected, OutTensor, dtype_name, first_non_finite, refusal_reason
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 1.0
+# Non-finite steps in a row after which a worker gives up. A loss spike gives
+# isolated ones (an outlier batch; the next batch is fine), and the shards
+# never applied a NaN, so their parameters are intact. Ten in a row, each on
+# freshly pulled parameters and a new batch, means those parameters
+# themselves give NaN: the run diverged (a learning rate too high, data with
+# NaN), and a restart would replay the same steps. Exit 2, permanent.
+MAX_CONSECUTIVE_NON_FINITE_STEPS = 10
 
 
 class Worker:
@@ -71,23 +86,24 @@ class Worker:
         self.train_y = self.data.train_y.to(self.device)
         self.cursor = ShardCursor(len(self.train_x), ctx.index, self.ps.workers, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
-        epochs = spec.training.effective_epochs
-        self.local_total = epochs * self.cursor.steps_per_epoch if spec.training.max_steps is None and epochs else None
+        self.local_total = planned_worker_steps(ctx, self.cursor.steps_per_epoch)
         self.compressor = GradientCompressor(self.ps.compression)
         self.metrics = TrainerMetrics(ctx)
         self.events = EventLog(ctx.run_dir, ctx.replica)
         self.incarnation = random.getrandbits(63) or 1
-        wait_timeout = max(30.0, 2 * self.ps.sync_timeout_seconds + 10)
         self.client = PSClient(
             ctx.ps_addrs, ctx.token, chunk_bytes(),
             Backoff(budget=float(spec.run_policy.progress_deadline_seconds)),
-            wait_timeout=wait_timeout, metrics=self.metrics,
+            wait_timeout=wait_timeout(self.ps.sync_timeout_seconds), metrics=self.metrics,
+            tls=tls_from_env(),  # the job's certificates: mutual TLS to every shard (tls.py)
         )
         self.pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="shard")
         self.ps_step = [0] * len(self.shards)
         self.ps_incarnation = [0] * len(self.shards)
         self.min_step = [0] * len(self.shards)
+        self.shard_done = [False] * len(self.shards)
         self.worker_step = 0
+        self.non_finite_streak = 0
         self.samples = 0
         self.loss = float("nan")
         self._stop_heartbeat = threading.Event()
@@ -111,6 +127,7 @@ class Worker:
             header, _ = self.client.pull(
                 s, request, lambda: Assembler(expected, self.scratch[s], {n: self.landing[n] for n in names}))
             self.ps_step[s], self.ps_incarnation[s] = header.step, header.ps_incarnation
+            self.shard_done[s] = header.done
             return header
 
         headers = self._each_shard(one)
@@ -120,16 +137,30 @@ class Worker:
                     param.copy_(self.landing[name])
         return headers
 
-    def push(self, grads: dict[str, torch.Tensor]) -> list[pb.PushReply | None]:
-        encoded = {n: self.compressor.compress(n, g, self.worker_step - 1) for n, g in grads.items()}
+    def _header(self, s: int, cursor_json: str) -> pb.PushHeader:
+        return pb.PushHeader(
+            worker=self.ctx.index, incarnation=self.incarnation, worker_step=self.worker_step,
+            base_step=self.ps_step[s], ps_incarnation=self.ps_incarnation[s],
+            cursor_json=cursor_json if s == 0 else "", loss=self.loss,
+        )
+
+    def push(self, grads: dict[str, torch.Tensor] | None) -> list[pb.PushReply | None]:
+        """Push this step's gradients to every shard not done yet (None: a step without a gradient).
+
+        A shard that refuses the gradient as not finite (finite here, but not
+        once a codec made it so: FP16 beyond 65504) gets the step without a
+        gradient instead; the reply then says SKIPPED.
+        """
+        encoded = {} if grads is None else {
+            n: self.compressor.compress(n, g, self.worker_step - 1) for n, g in grads.items()}
         cursor_json = json.dumps(self.cursor.state_dict())
 
         def one(s: int) -> pb.PushReply | None:
-            header = pb.PushHeader(
-                worker=self.ctx.index, incarnation=self.incarnation, worker_step=self.worker_step,
-                base_step=self.ps_step[s], ps_incarnation=self.ps_incarnation[s],
-                cursor_json=cursor_json if s == 0 else "", loss=self.loss,
-            )
+            if self.shard_done[s]:
+                return None  # training is over there: nothing to push
+            header = self._header(s, cursor_json)
+            if grads is None:
+                return self.client.report_progress(s, header)
             tensors = [
                 OutTensor(n, dtype_name(grads[n].dtype), tuple(grads[n].shape), encoded[n].codec, encoded[n].payload)
                 for n in self.shards[s]
@@ -137,6 +168,10 @@ class Worker:
             try:
                 return self.client.push(s, header, tensors)
             except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT and refusal_reason(err) == NON_FINITE:
+                    log.warning("%s: shard %d refused its step %d: %s", self.ctx.replica, s, self.worker_step,
+                                err.details())
+                    return self.client.report_progress(s, header)
                 if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 # The shard restarted from a checkpoint: this gradient belongs to
@@ -145,12 +180,42 @@ class Worker:
                 return None
 
         replies = self._each_shard(one)
+        counted = (pb.PushReply.APPLIED, pb.PushReply.DUPLICATE, pb.PushReply.SKIPPED)
         for s, reply in enumerate(replies):
-            applied = reply is not None and reply.outcome in (pb.PushReply.APPLIED, pb.PushReply.DUPLICATE)
+            applied = reply is not None and reply.outcome in counted
             self.min_step[s] = self.ps_step[s] + 1 if applied and self.ps.aggregation == "Sync" else 0
-        self.metrics.gradient_bytes_total.labels(stage="raw").inc(sum(g.numel() * g.element_size() for g in grads.values()))
-        self.metrics.gradient_bytes_total.labels(stage="compressed").inc(sum(e.payload.numel() for e in encoded.values()))
+        if grads is not None:
+            self.metrics.gradient_bytes_total.labels(stage="raw").inc(
+                sum(g.numel() * g.element_size() for g in grads.values()))
+            self.metrics.gradient_bytes_total.labels(stage="compressed").inc(
+                sum(e.payload.numel() for e in encoded.values()))
         return replies
+
+    def step(self, grads: dict[str, torch.Tensor]) -> None:
+        """Push one step's gradients, or, when they are not finite, skip the step (module docstring)."""
+        bad = first_non_finite(grads)
+        replies = self.push(None if bad is not None else grads)
+        if bad is None and not any(r is not None and r.outcome == pb.PushReply.SKIPPED for r in replies):
+            self.non_finite_streak = 0
+            return
+        if bad is None:
+            # The codec made the gradient non-finite, and error feedback kept
+            # what it dropped (an Inf) for the next step: forget it, or every
+            # later step would be refused too. One step's deferred error is lost.
+            self.compressor.residuals.clear()
+        self.non_finite_streak += 1
+        self.metrics.non_finite_steps_total.inc()
+        what = f"tensor {bad!r} holds NaN or Inf" if bad is not None else "a shard refused its gradient as not finite"
+        log.warning("%s: skipped its step %d (loss %s): %s; %d in a row", self.ctx.replica, self.worker_step,
+                    self.loss, what, self.non_finite_streak)
+        self.events.write("skip", step=self.ps_step[0], worker_step=self.worker_step, loss=self.loss,
+                          reason="non_finite", in_a_row=self.non_finite_streak)
+        if self.non_finite_streak >= MAX_CONSECUTIVE_NON_FINITE_STEPS:
+            raise ConfigError(
+                f"{self.ctx.replica}: gradients not finite (NaN or Inf) for {self.non_finite_streak} steps in a row, "
+                f"up to its step {self.worker_step} (loss {self.loss}): training diverged; lower "
+                "spec.training.optimizer.learningRate, or look for NaN or Inf in the data"
+            )
 
     def _heartbeat(self) -> None:
         while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
@@ -188,14 +253,16 @@ class Worker:
             if self.local_total is not None and self.worker_step >= self.local_total:
                 break
             headers = self.pull()
-            if any(h.done for h in headers):
+            # Every shard: one restarted from a checkpoint may lag the others,
+            # and it takes no Finish before it reaches maxSteps too.
+            if all(h.done for h in headers):
                 break
             step_start = time.perf_counter()
             batch = self.cursor.next_batch().to(self.device)
             self.loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective)
             self.worker_step += 1
             grads = {n: p.grad.detach().to("cpu") for n, p in self.params.items()}
-            self.push(grads)
+            self.step(grads)
             now = time.perf_counter()
             train_seconds += now - step_start
             self.samples += len(batch)
@@ -235,7 +302,7 @@ class Worker:
                          self.ps_step[0])
             result = {"eval_accuracy": eval_accuracy, "eval_loss": eval_loss}
         cursor_json = json.dumps(self.cursor.state_dict())
-        self._each_shard(lambda s: self.client.finish(s, ctx.index, cursor_json))
+        self._each_shard(lambda s: self._finish_shard(s, cursor_json))
         wall = time.monotonic() - self.started
         write_result(ctx.run_dir, ctx.replica, {
             "steps": self.worker_step,
@@ -254,6 +321,32 @@ class Worker:
         }, termination_log=ctx.termination_log)
         self.events.write("end", step=self.ps_step[0], worker_step=self.worker_step, wall_seconds=wall)
         return EXIT_OK
+
+    def _finish_shard(self, s: int, cursor_json: str) -> pb.FinishReply:
+        """Finish on one shard; a shard without this worker's last push on record is told it first.
+
+        That happens when the shard restarted from a checkpoint after the
+        worker's last push (its record is the checkpoint's), or when this
+        process is a restart of a worker that had pushed its last step (the
+        shard knows the previous incarnation). The progress report (a push
+        without a gradient at the worker's last step) brings it up to date,
+        and the second Finish goes through.
+        """
+        try:
+            return self.client.finish(s, self.ctx.index, self.incarnation, cursor_json)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("%s: shard %d refused Finish (%s); reporting its step %d", self.ctx.replica, s,
+                        err.details(), self.worker_step)
+        header = self._header(s, cursor_json)
+        header.base_step, header.ps_incarnation = 0, 0  # a report: no parameters behind it to check
+        try:
+            self.client.report_progress(s, header)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        return self.client.finish(s, self.ctx.index, self.incarnation, cursor_json)
 
     def close(self) -> None:
         # Join before closing the channel: a thread still inside gRPC when the

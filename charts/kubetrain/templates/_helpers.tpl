@@ -46,3 +46,14 @@ app.kubernetes.io/component: operator
 {{- define "kubetrain.leaseName" -}}
 {{- printf "%s-leader" (include "kubetrain.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{- /*
+The peers that may reach the trainers' metrics port (the operator's --metrics-from-json): the
+operator's own pods (it reads each job's progress there) and networkPolicy.metricsFrom.
+*/ -}}
+{{- define "kubetrain.metricsFrom" -}}
+{{- $namespace := dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace) -}}
+{{- $pods := dict "matchLabels" (include "kubetrain.selectorLabels" . | fromYaml) -}}
+{{- $operator := dict "namespaceSelector" $namespace "podSelector" $pods -}}
+{{- prepend .Values.networkPolicy.metricsFrom $operator | toJson -}}
+{{- end -}}
