@@ -211,24 +211,28 @@ def claim_event(event: dict[str, Any], **_: Any) -> None:
         QUEUE.add(key)
 
 
-def _index_pod(kind: str | None, raw: dict[str, Any]) -> Key | None:
+def _job_of(raw: dict[str, Any]) -> tuple[Key, str] | None:
+    """(the job's key, the object's name) of a pod or claim labelled with its job; None otherwise."""
     meta = raw.get("metadata") or {}
     job = (meta.get("labels") or {}).get(LABEL_JOB)
-    if not job:
+    return ((meta.get("namespace", ""), job), meta.get("name", "")) if job else None
+
+
+def _index_pod(kind: str | None, raw: dict[str, Any]) -> Key | None:
+    found = _job_of(raw)
+    if found is None:
         return None
-    key = (meta.get("namespace", ""), job)
-    INDEX.set_pod(key, meta.get("name", ""), None if kind == "DELETED" else observe.pod_observation(raw))
+    key, name = found
+    INDEX.set_pod(key, name, None if kind == "DELETED" else observe.pod_observation(raw))
     return key
 
 
 def _index_claim(kind: str | None, raw: dict[str, Any]) -> Key | None:
-    meta = raw.get("metadata") or {}
-    job = (meta.get("labels") or {}).get(LABEL_JOB)
-    if not job:
+    found = _job_of(raw)
+    if found is None:
         return None
-    key = (meta.get("namespace", ""), job)
-    phase = None if kind == "DELETED" else ((raw.get("status") or {}).get("phase") or "Pending")
-    INDEX.set_claim(key, meta.get("name", ""), phase)
+    key, name = found
+    INDEX.set_claim(key, name, None if kind == "DELETED" else ((raw.get("status") or {}).get("phase") or "Pending"))
     return key
 
 
