@@ -235,6 +235,8 @@ class LocalBackend:
         self.tls_dir = write_certificates(self.job, self.run)
         endpoints = local_endpoints(self.job, self.run, self.code_dir)
         for replica in plan_replicas(self.job, endpoints):
+            if self.tls_dir is not None:  # in the plan, as a pod's environment has it
+                replica.env[TLS_DIR_VAR] = str(self.tls_dir)
             self.procs[replica.name] = Proc(replica)
             self.tails[replica.name] = JsonlTail(self.run.metrics_file(replica.name))
         self.run.write_targets(self.job, [p.replica for p in self.procs.values()])
@@ -372,8 +374,6 @@ class LocalBackend:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(replica.env)
         env["KUBETRAIN_JOB_TOKEN"] = self.token
-        if self.tls_dir is not None:
-            env[TLS_DIR_VAR] = str(self.tls_dir)
         if replica.role == "ddp":
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on loopback too
             # A rank lands on whichever node the rendezvous puts it: every node
