@@ -429,7 +429,9 @@ def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     return grpc.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS)
 
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+"""CANCELLED too: a shard cancels the calls still in flight when it stops (SIGTERM, then its restart)
+and a stream it takes for stalled; for an honest worker both are transient, and repeating is safe."""
 
 T = TypeVar("T")
 
@@ -453,10 +455,10 @@ def call_with_retry(
     backoff: Backoff,
     on_retry: Callable[[grpc.RpcError, int], None] | None = None,
 ) -> T:
-    """Run `call` until it succeeds, retrying UNAVAILABLE and DEADLINE_EXCEEDED within the budget.
+    """Run `call` until it succeeds, retrying RETRYABLE statuses within the budget.
 
     Only calls that are safe to repeat come here: pulls, and pushes (the server
-    applies a push once per (incarnation, worker_step)). Any other status is
+    applies a push at most once per (worker, worker_step)). Any other status is
     raised at once; the last retryable one is raised when the budget is spent.
     """
     started = time.monotonic()
