@@ -98,16 +98,6 @@ def list_labelled(resource: str, namespaces: list[str]) -> list[dict[str, Any]]:
     return items
 
 
-def pending_claims(namespace: str, job: str) -> list[str]:
-    try:
-        resp = client.CoreV1Api(_api()).list_namespaced_persistent_volume_claim(
-            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False, _request_timeout=API_TIMEOUT
-        )
-    except ApiException as err:
-        raise KubeError("list", f"persistentvolumeclaims of {namespace}/{job}", err) from None
-    return [c["metadata"]["name"] for c in _json(resp)["items"] if (c.get("status") or {}).get("phase") == "Pending"]
-
-
 def create(obj: dict[str, Any]) -> bool:
     """Create an object; False when it exists already (another round created it)."""
     kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]

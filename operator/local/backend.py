@@ -201,7 +201,6 @@ class LocalBackend:
         self.display = ProgressDisplay(out, job.name)
         self.state = RunState()
         self.status = JobStatus()  # the engine's view of the job, memory included
-        self.stop_requested = False
         # The shared secret parameter servers check; a Secret in a cluster.
         self.token = secrets.token_hex(16)
         self.tls_dir: Path | None = None  # the run's certificates (write_certificates), as a pod's Secret
@@ -446,7 +445,6 @@ class LocalBackend:
         self._close_log(p)
 
     def _stop_all(self) -> None:
-        self.stop_requested = True
         running = [p for p in self.procs.values() if p.popen is not None and p.popen.poll() is None]
         for p in running:
             self._signal(p, signal.SIGTERM)
