@@ -42,8 +42,17 @@ def restore() -> tuple[Any, int]:
     return session().restore()
 
 
-def save(state: dict[str, Any], step: int) -> None:
-    """Write `state` as the checkpoint of `step`: atomic, verified, durable when this returns.
+def save(state: dict[str, Any], step: int, wait: bool = False) -> None:
+    """Checkpoint `state` as step `step`: copied now, written, verified and made durable in the background.
+
+    It returns once `state` is copied into memory (later in-place changes of
+    your tensors or lists do not reach the file); the file is written
+    atomically, read back and checked in a background thread, and only then
+    does the job report it. At most one write is in flight: a `save` while the
+    previous one is still being written waits for it, and raises the previous
+    one's failure. The process waits for the last write at a normal exit (and
+    exits with 75, retried, if it failed); `wait=True` makes this call return
+    only once the checkpoint is durable (before `os._exit`, or to copy the file).
 
     `state` is a dict of tensors and plain values (numbers, strings, lists and
     dicts of them), what `torch.load(weights_only=True)` reads back: save a
@@ -53,7 +62,7 @@ def save(state: dict[str, Any], step: int) -> None:
     """
     from kubetrain_trainer.userapi import session
 
-    session().save(state, step)
+    session().save(state, step, wait)
 
 
 def report(step: int, total_steps: int | None = None, **metrics: float) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .api import InvalidSpec, load_file, load_one
+from .api.spec import DNS1123_PATTERN
 from .api.podtemplate import ALLOWANCES, parse_allowances, pod_security_problems
 
 EXIT_USAGE = 2
@@ -177,6 +178,24 @@ def parse_metrics_from(value: str) -> tuple[dict[str, Any], ...]:
     return tuple(peers)
 
 
+def parse_gang_schedulers(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--gang-scheduler KIND[=SCHEDULER_NAME]` (repeatable) as (kind, the pods' schedulerName) pairs,
+    the first the default; an unknown kind is refused here, at start, naming the ones there are."""
+    from .core.gang import SCHEDULERS
+
+    out: list[tuple[str, str]] = []
+    for value in values:
+        kind, _, name = value.partition("=")
+        if kind not in SCHEDULERS:
+            raise UsageError(f"--gang-scheduler: expected {' or '.join(SCHEDULERS)}[=SCHEDULER_NAME], got {value!r}")
+        if kind in dict(out):
+            raise UsageError(f"--gang-scheduler: {kind} given twice")
+        if "=" in value and not re.fullmatch(DNS1123_PATTERN, name):
+            raise UsageError(f"--gang-scheduler: the scheduler name must be a DNS-1123 name, got {name!r}")
+        out.append((kind, name or SCHEDULERS[kind].default_scheduler_name))
+    return tuple(out)
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     from .api.podtemplate import parse_allowances
     from .controller.run import run
@@ -186,7 +205,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(f"--pod-security-allow: {err}") from None
     return run(
+        gang_schedulers=parse_gang_schedulers(args.gang_scheduler),
         network_policy=not args.no_network_policy,
+        kueue=args.kueue,
         metrics_from=parse_metrics_from(args.metrics_from_json),
         pod_security_allow=allowed,
         namespaces=args.namespace,
@@ -381,9 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-network-policy", action="store_true",
                    help="do not give each job a NetworkPolicy (by default its pods accept connections only from "
                         "the job's own pods, and on the metrics port from --metrics-from-json)")
+    p.add_argument("--kueue", action="store_true",
+                   help="queue jobs labelled kueue.x-k8s.io/queue-name through Kueue: each gets a Workload and "
+                        "stays suspended until Kueue admits it (docs/scheduling.md)")
     p.add_argument("--metrics-from-json", default="[]", metavar="JSON",
                    help="JSON list of NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock) that may reach "
                         "the trainers' metrics port: the operator's own pods, Prometheus; default: none")
+    p.add_argument("--gang-scheduler", action="append", default=[], metavar="KIND[=SCHEDULER_NAME]",
+                   help="make PodGroups for jobs with spec.runPolicy.schedulingPolicy: volcano or scheduler-plugins "
+                        "(repeatable; the first is the default), optionally with the pods' schedulerName "
+                        "(volcano, scheduler-plugins-scheduler); default: none, such a job fails with "
+                        "GangSchedulingDisabled")
     p.set_defaults(func=cmd_operator)
 
     p = sub.add_parser("version", help="print the version")
@@ -394,16 +423,36 @@ def build_parser() -> argparse.ArgumentParser:
     bsub.required = True
     b = bsub.add_parser("transport", help="PS transport throughput vs a raw loopback socket, in one run")
     b.add_argument("--bytes", default="64MiB", help="tensor size, e.g. 64MiB")
-    b = bsub.add_parser("modes", help="samples/s of Single, PS Sync, PS Async and DDP on the same work, in one run")
+    b = bsub.add_parser("modes", help="samples/s and time to an accuracy of Single, PS Sync, PS Async and DDP "
+                        "on the same work, in one run")
+    b.add_argument("--case", choices=("small", "cnn", "straggler", "all"), default="all",
+                   help="small: the MLP; cnn: the built-in CNN; straggler: the CNN with one PS worker or DDP rank slowed")
     b.add_argument("--epochs", type=int, default=5, help="epochs of digits per mode (the same samples for every mode)")
     b.add_argument("--batch", type=int, default=64, help="global batch; 2-replica modes use half per replica")
-    b.add_argument("--model-hidden", type=int, default=128)
+    b.add_argument("--model-hidden", type=int, default=128, help="the small case's MLP width")
+    b.add_argument("--slow-factor", type=float, default=3.0, help="straggler: how many times slower worker-1 / ddp-1 is")
+    b.add_argument("--target", type=float, default=0.9, help="eval accuracy the time to target is measured to")
+    b.add_argument("--rounds", type=int, default=1, help="rounds of every mode, in alternating order (medians)")
     b.add_argument("--modes", help="comma-separated subset of Single,PS-Sync,PS-Async,DDP")
     b.add_argument("--out", help="also write the JSON here")
     b = bsub.add_parser("contract", help="what kubetrain.report and kubetrain.save cost a script, in one run")
     b.add_argument("--rounds", type=int, default=3, help="alternating rounds of each variant (medians are compared)")
     b.add_argument("--steps", type=int, default=400, help="timed steps of the DDP script per round")
     b.add_argument("--save-mib", type=int, default=100, help="size of the state kubetrain.save writes")
+    b.add_argument("--out", help="also write the JSON here")
+    b = bsub.add_parser("compression", help="push and pull bytes per step and accuracy of every compression algorithm")
+    b.add_argument("--manifest", default="examples/quickstart.yaml", help="a ParameterServer TrainingJob")
+    b.add_argument("--algorithms", default="None,FP16,Int8,TopK,PowerSGD", help="comma-separated")
+    b.add_argument("--ratio", type=float, default=0.01, help="TopK's fraction of elements")
+    b.add_argument("--rank", type=int, default=2, help="PowerSGD's rank")
+    b.add_argument("--min-tensor-bytes", type=int, default=0, help="tensors below this travel uncompressed")
+    b.add_argument("--out", help="also write the JSON here")
+    b = bsub.add_parser("checkpoint", help="what a checkpoint costs the training loop, background against synchronous")
+    b.add_argument("--model-mb", type=int, default=100, help="parameter megabytes of the model (at least 100)")
+    b.add_argument("--steps", type=int, default=60, help="timed training steps per round and variant")
+    b.add_argument("--every", type=int, default=20, help="a checkpoint every this many steps")
+    b.add_argument("--rounds", type=int, default=2, help="alternating rounds (none, checkpoints) and synchronous saves")
+    b.add_argument("--dir", help="write the checkpoints under this directory (default: a temporary one under /tmp)")
     b.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
     return parser

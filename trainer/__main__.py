@@ -16,17 +16,19 @@ from collections.abc import Callable
 
 from .context import ReplicaContext
 from .errors import TrainerError
+from .events import startup
 
 PROG = "python -m kubetrain_trainer"
 
-# Each role is a package-level function `run_*(ctx) -> int`, imported only when
-# chosen, so a Single replica never loads gRPC, a PS replica never loads DDP and
-# a script's supervisor never loads torch.
+# Each role is a function `run_*(ctx) -> int` of the module that implements it,
+# imported only when chosen, so a Single replica never loads gRPC, a PS replica
+# never loads DDP and a script's supervisor never loads torch; importing it is
+# the `imports` start-up milestone.
 ROLES = {
     "single": "kubetrain_trainer.single:run_single",
-    "ps": "kubetrain_trainer.ps:run_ps",
-    "worker": "kubetrain_trainer.ps:run_worker",
-    "ddp": "kubetrain_trainer.ddp:run_ddp",
+    "ps": "kubetrain_trainer.ps.serve:run_ps",
+    "worker": "kubetrain_trainer.ps.worker:run_worker",
+    "ddp": "kubetrain_trainer.ddp.runtime:run_ddp",
     "script": "kubetrain_trainer.script:run_script",  # the user's own command (spec.script)
 }
 
@@ -40,11 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description="Run one replica of a TrainingJob.")
     parser.add_argument("role", choices=sorted(ROLES), help="the replica's role")
     args = parser.parse_args(argv)
+    startup("main", role=args.role)  # the interpreter and kubetrain's own light imports
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         ctx = ReplicaContext.from_env(args.role)
         ctx.install_signal_handlers()
-        return runner(args.role)(ctx)
+        run = runner(args.role)
+        startup("imports")  # the role's modules (torch, grpc)
+        return run(ctx)
     except TrainerError as err:
         print(f"{PROG} {args.role}: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -46,9 +46,12 @@ class JobCheckpoints:
     `reader`: this process reads the checkpoint directory (in DDP the first
     rank of each node: ranks of one node share its volume, and only one may
     set a corrupt file aside). `writer`: this process writes (global rank 0 in
-    DDP: every rank may call `save`, exactly one writes). `background`: saves
-    return after the in-memory snapshot and persist in a thread (the built-in
-    loops); False makes every save durable when it returns (`kubetrain.save`).
+    DDP: every rank may call `save`, exactly one writes). `background` (the
+    built-in loops and `kubetrain.save`): saves return after the copy into
+    memory and are written, verified and made durable by a writer thread, at
+    most one at a time; False makes every save durable when it returns.
+    Metrics and the `checkpoint` event report a checkpoint only once it is
+    durable and verified.
     """
 
     def __init__(self, ctx: ReplicaContext, metrics: TrainerMetrics, events: EventLog, *,
@@ -63,7 +66,7 @@ class JobCheckpoints:
             if reader or writer else None
         )
         self.step = -1
-        """Step of the last checkpoint saved or restored by this process; -1: none."""
+        """Step of the last checkpoint saved (maybe still being written) or restored by this process; -1: none."""
 
     def load_local(self) -> tuple[int, dict[str, Any]] | None:
         """(step, state) of the newest valid checkpoint in this process's own directory."""
@@ -108,6 +111,7 @@ class JobCheckpoints:
         if self.writer:
             assert self.store is not None
             self.store.save(step, state)
+            self.metrics.checkpoint_stall_seconds.observe(self.store.stall_seconds)
         self.step = step
 
     def wait(self) -> None:

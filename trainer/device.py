@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -46,5 +47,24 @@ def make_deterministic() -> int:
     # cuBLAS is deterministic only with a fixed workspace; it reads this before its first call.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # warn_only: a user model with an op lacking a deterministic kernel still trains (with a warning).
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic_kernels()
     return threads
+
+
+def deterministic_kernels() -> None:
+    """torch.use_deterministic_algorithms(True, warn_only=True), without its import of
+    torch._inductor.config.
+
+    The public call imports the inductor's config (sympy, mpmath and ~900
+    modules) to set one flag for torch.compile: 1-2 s on an idle machine and
+    7.6 s on this loaded one (measured), paid by every replica at every start,
+    on the way to a restarted replica's first step. kubetrain's loops never
+    compile; the flag is still set when the inductor is loaded already (a
+    user's plug-in that compiles imports it first). Where the private setter
+    is gone (another torch), the public call.
+    """
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return
+    setter(True, warn_only=True)

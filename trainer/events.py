@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -117,3 +118,56 @@ def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+# --- start-up milestones ---------------------------------------------------------------
+#
+# How long a replacement replica takes from its container's start to its first
+# step, in parts: the interpreter, the imports (torch), the model and data, the
+# connection to its peers (a worker's registration, a shard's restore, a rank's
+# rendezvous), the checkpoint, the first step. Each milestone is one line on
+# stderr, which the pod's log keeps (a PS worker has no volume for an event
+# log), read by tests/e2e (helpers/recovery.py) to break a recovery down.
+
+STARTUP_TAG = "kubetrain-startup"
+"""The prefix of a milestone line: `kubetrain-startup {"milestone": ..., "time": <unix s>, ...}`."""
+_STARTUP_SEEN: set[str] = set()
+
+
+def process_start_time() -> float:
+    """When this process was started (exec'd), in unix seconds, to the kernel's clock tick (10 ms).
+
+    /proc/self/stat's start time counts ticks since boot (CLOCK_BOOTTIME), so
+    the process's age is that clock now minus it; the wall clock now minus the
+    age is the start. /proc/stat's `btime` would do the same to a whole second
+    only. time.time() now where /proc is missing (not Linux).
+    """
+    try:
+        stat = open("/proc/self/stat", "rb").read().decode()
+        # The command name (field 2) may hold spaces and parentheses: fields count after its last ')'.
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+def startup(milestone: str, **fields: Any) -> None:
+    """Record a start-up milestone of this process, once per process and name (a loop may call it
+    every step): one flushed line on stderr. The first milestone of a process is preceded by
+    `process`, the process's own start time."""
+    if milestone in _STARTUP_SEEN:
+        return
+    now = time.time()
+    lines = []
+    if not _STARTUP_SEEN:
+        _STARTUP_SEEN.add("process")
+        lines.append({"milestone": "process", "time": round(process_start_time(), 3), "pid": os.getpid()})
+    _STARTUP_SEEN.add(milestone)
+    lines.append({"milestone": milestone, "time": round(now, 3), "pid": os.getpid(), **_plain(fields)})
+    try:
+        for record in lines:
+            sys.stderr.write(f"{STARTUP_TAG} {json.dumps(record, allow_nan=False)}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed: the milestones are only for measuring
+        pass

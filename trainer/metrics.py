@@ -133,6 +133,11 @@ class TrainerMetrics:
         self.checkpoint_duration_seconds = self._histogram(
             "checkpoint_duration_seconds", "Time to make one checkpoint durable.", SLOW_SECONDS
         )
+        self.checkpoint_stall_seconds = self._histogram(
+            "checkpoint_stall_seconds",
+            "Time the training loop waited in one checkpoint save (copy into memory, and any wait for the write before).",
+            FAST_SECONDS,
+        )
         self.checkpoint_size_bytes = self._gauge("checkpoint_size_bytes", "Size of the last checkpoint file.")
         self.checkpoint_last_success_timestamp_seconds = self._gauge(
             "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint became durable."

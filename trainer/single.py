@@ -13,9 +13,10 @@ from .contract import JobCheckpoints, ProgressReporter
 from .data import ShardCursor
 from .device import make_deterministic, select_device
 from .errors import EXIT_OK, EXIT_TERMINATED, TransientError
-from .events import EventLog, write_result
+from .events import EventLog, startup, write_result
 from .metrics import TrainerMetrics
 from .models import build_optimizer, evaluate, model_and_data
+from .slowdown import Slowdown
 from .training import planned_steps, train_step
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class SingleTrainer:
         self.threads = make_deterministic()
         self.device = select_device(spec.training.device)
         self.model, self.data = model_and_data(spec)
+        startup("model")
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
         self.model.to(self.device)
@@ -50,6 +52,7 @@ class SingleTrainer:
         self.checkpoint_step = -1
         # Throughput of this process, for its results.
         self.run_samples, self.train_seconds = 0, 0.0
+        self.slowdown = Slowdown.for_replica(ctx.replica)  # a benchmark's straggler (trainer/slowdown.py)
 
     # --- state -------------------------------------------------------------
 
@@ -101,6 +104,7 @@ class SingleTrainer:
         self.metrics.process_starts_total.inc()
         self.metrics.serve(self.ctx.metrics_port, self.ctx.listen_address)
         resumed = self.restore()
+        startup("restored", step=self.step, resumed=resumed)
         self.events.write("start", step=self.step, total_steps=self.total_steps, device=str(self.device),
                           threads=self.threads)
         if resumed:
@@ -129,11 +133,14 @@ class SingleTrainer:
     def train_one(self) -> int:
         """One optimizer step; returns the batch's samples."""
         started = time.perf_counter()
+        self.slowdown.begin()
         batch = self.cursor.next_batch().to(self.device)
         self.loss = train_step(self.model, self.optimizer, self.train_x[batch], self.train_y[batch],
                                self.data.objective)
+        self.slowdown.after()
         seconds = time.perf_counter() - started
         self.step += 1
+        startup("first_step", step=self.step)
         self.samples += len(batch)
         self.run_samples += len(batch)
         self.train_seconds += seconds

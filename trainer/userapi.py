@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 from .context import ReplicaContext
 from .contract import JobCheckpoints, ProgressReporter, number
 from kubetrain_operator.api.launch import fault_armed, rank_replica
-from .errors import TrainerError
+from .errors import EXIT_TRANSIENT, TrainerError, TransientError
 from .events import EventLog
 from .metrics import TrainerMetrics
 
@@ -74,14 +75,16 @@ class Session:
         self.ctx = ctx
         self.metrics = TrainerMetrics(ctx)
         self.events = EventLog(ctx.run_dir, ctx.replica)
+        # Saves are written in the background, as the built-in loops' are: the
+        # script's next step runs while the file is written and verified.
         self.checkpoints = JobCheckpoints(ctx, self.metrics, self.events, reader=self.rank.local_rank == 0,
-                                          writer=self.rank.rank == 0, background=False)
+                                          writer=self.rank.rank == 0)
         self.reporter = ProgressReporter(ctx, self.metrics, self.events)
         self.metrics.process_starts_total.inc()
         port = ctx.metrics_port
         self.metrics.serve(port + self.rank.local_rank if port else 0, ctx.listen_address)
         self.events.write("start", step=0, pid=os.getpid(), rank=self.rank.rank, world_size=self.rank.world_size)
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     def restore(self) -> tuple[Any, int]:
         if self.rank.world_size > 1:
@@ -103,9 +106,11 @@ class Session:
         self.metrics.training_step.set(step)
         return state, step
 
-    def save(self, state: Any, step: int) -> None:
+    def save(self, state: Any, step: int, wait: bool = False) -> None:
         check_state(state)
         self.checkpoints.save(_step(step, "save"), state)
+        if wait:
+            self.checkpoints.wait()
 
     def report(self, step: int, total_steps: int | None, values: dict[str, Any]) -> None:
         step = _step(step, "report")
@@ -115,10 +120,31 @@ class Session:
         self.reporter.report(step, total_steps, **floats)
 
     def close(self) -> None:
-        """At exit: the last reported step reaches the event log (the progress line, the results)."""
-        self.reporter.flush()
-        self.metrics.close()
-        self.events.close()
+        """The last save durable (TransientError if it failed); the last reported step in the event log."""
+        try:
+            self.checkpoints.wait()
+        finally:
+            self.reporter.flush()
+            self.metrics.close()
+            self.events.close()
+
+    def _at_exit(self) -> None:
+        """At the interpreter's exit: a last save that failed in the background fails the process.
+
+        The script has returned (its `save` returned after the copy into
+        memory), so nothing else would tell the job that its newest checkpoint
+        is missing. Exiting with 75 (transient) makes the restart policy run
+        it again from the newest durable checkpoint. An exception raised here
+        would not change the exit code, hence os._exit (after flushing).
+        """
+        try:
+            self.close()
+        except TransientError as err:
+            print(f"kubetrain: {err}; exiting with {EXIT_TRANSIENT} so that the job resumes from the newest "
+                  "durable checkpoint", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_TRANSIENT)
 
 
 def _step(value: Any, call: str, name: str = "step") -> int:

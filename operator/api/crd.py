@@ -122,7 +122,9 @@ def object_schema(cls: type) -> dict[str, Any]:
         if info.kind == "object":
             assert info.cls is not None
             prop = object_schema(info.cls)
-            if name not in NO_DEFAULT:
+            # An optional block (default None) means "not asked for": defaulting it to {} would ask
+            # for it in every job (spec.runPolicy.schedulingPolicy would give each a PodGroup).
+            if name not in NO_DEFAULT and f.default is not None:
                 prop["default"] = {}
         elif cls is Spec and name == "podTemplate":
             prop = pod_template_schema()

@@ -25,6 +25,10 @@ RDZV_PORT = 29400
 # environment, so KUBETRAIN_FAULT alone would fire on every rank that sees it.
 FAULT_REPLICA_VAR = "KUBETRAIN_FAULT_REPLICA"
 
+# A benchmark knob, no spec field: `worker-1:3` slows that replica 3x
+# (trainer/slowdown.py reads it; `kubetrain bench modes` sets it).
+SLOWDOWN_VAR = "KUBETRAIN_BENCH_SLOWDOWN"
+
 
 def rank_replica(rank: int) -> str:
     """The replica name of a global rank: its metric label, event log and results file."""

@@ -6,6 +6,7 @@ the CRD schema (`crd.py`) and the reference docs all read these classes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +25,8 @@ MODES: tuple[str, ...] = ("Single", "ParameterServer", "DDP")
 ENTRYPOINT_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
 ENTRYPOINT_HINT = "expected 'package.module:function'"
 QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
+# Resource quantities as a ResourceList holds them: CPUs in millicores too (500m).
+RESOURCE_QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
 DNS1123_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 BUILTIN_LOSSES: tuple[str, ...] = ("crossEntropy", "mse", "l1", "smoothL1", "bceWithLogits")
 LOSS_PATTERN = "(" + "|".join(BUILTIN_LOSSES) + ")|" + ENTRYPOINT_PATTERN
@@ -267,6 +270,88 @@ class RestartPolicy:
     )
 
 
+GANG_SCHEDULERS: tuple[str, ...] = ("volcano", "scheduler-plugins")
+# Fields only one scheduler's PodGroup holds: (attribute, YAML name, that scheduler).
+SCHEDULER_ONLY_FIELDS = (
+    ("queue", "queue", "volcano"),
+    ("priority_class", "priorityClass", "volcano"),
+    ("schedule_timeout_seconds", "scheduleTimeoutSeconds", "scheduler-plugins"),
+)
+
+
+@dataclass
+class SchedulingPolicy:
+    """Gang scheduling: a PodGroup for Volcano or the scheduler-plugins coscheduling plugin
+    (cluster only; names as Kubeflow's RunPolicy.SchedulingPolicy). See docs/scheduling.md."""
+
+    gang_scheduler: Literal["volcano", "scheduler-plugins"] | None = field(
+        "The scheduler that reads the job's PodGroup: volcano (scheduling.volcano.sh/v1beta1) or "
+        "scheduler-plugins (the coscheduling plugin's scheduling.x-k8s.io/v1alpha1). Unset: the first "
+        "one the operator is started with (`--gang-scheduler`, the chart's gangScheduling); a job naming "
+        "one the operator does not serve fails with GangSchedulingDisabled.",
+        None,
+    )
+    min_available: int | None = field(
+        "Pods that must be placed together before any starts (the PodGroup's minMember); default: all "
+        "of the job's pods (Single 1, ParameterServer replicas + workers, DDP nodes).",
+        None,
+        minimum=1,
+    )
+    queue: str = field(
+        "Volcano: the queue the PodGroup waits in (Volcano's own default queue when empty).",
+        "",
+        pattern=DNS1123_PATTERN,
+        pattern_hint="expected a DNS-1123 name",
+        max_length=253,
+    )
+    min_resources: dict[str, Any] | None = field(
+        "Resources the gang needs before any pod starts (the PodGroup's minResources), e.g. {cpu: 4, "
+        "memory: 8Gi}; "
+        "default: the sum of the requests of the first minAvailable pods (parameter servers first).",
+        None,
+    )
+    priority_class: str = field(
+        "Volcano: PriorityClass of the PodGroup (its priorityClassName), the order in which Volcano "
+        "takes gangs. The pods' own priority is podTemplate.spec.priorityClassName.",
+        "",
+        pattern=DNS1123_PATTERN,
+        pattern_hint="expected a DNS-1123 name",
+        max_length=253,
+    )
+    schedule_timeout_seconds: int | None = field(
+        "scheduler-plugins: how long the coscheduling plugin waits for the whole gang before it "
+        "gives up on this attempt and retries (the PodGroup's scheduleTimeoutSeconds).",
+        None,
+        minimum=1,
+        maximum=2**31 - 1,
+    )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for name, value in (self.min_resources or {}).items():
+            if isinstance(value, bool) or not isinstance(value, (str, int)) or not re.fullmatch(
+                    RESOURCE_QUANTITY_PATTERN, str(value)):
+                problems.append((f"minResources.{name}", f"expected a quantity such as 2, 500m or 4Gi, got {value!r}"))
+        if self.gang_scheduler is not None:
+            problems += self.inapplicable(self.gang_scheduler)
+        return problems
+
+    def inapplicable(self, scheduler: str) -> list[tuple[str, str]]:
+        """Fields set that `scheduler`'s PodGroup has no place for: refused rather than dropped.
+        Checked here when the job names its scheduler, and by the operator when it picks one."""
+        problems = []
+        for attr, name, only in SCHEDULER_ONLY_FIELDS:
+            if only != scheduler and getattr(self, attr) not in (None, ""):
+                problems.append((name, f"applies to gangScheduler {only} only; {scheduler}'s PodGroup has no such field"))
+        return problems
+
+    def pods_problems(self, pods: int) -> list[tuple[str, str]]:
+        """minAvailable against the job's pod count: a gang larger than the job is never placed."""
+        if self.min_available is not None and self.min_available > pods:
+            return [("minAvailable", f"must be at most the job's {pods} pod(s), got {self.min_available}")]
+        return []
+
+
 @dataclass
 class RunPolicy:
     """Lifetime of the job."""
@@ -281,8 +366,19 @@ class RunPolicy:
     progress_deadline_seconds: int = field(
         "No new step for this long means the job hangs; handled as a failure.", 600, minimum=1
     )
+    scheduling_timeout_seconds: int | None = field(
+        "The job fails with reason Unschedulable when one of its pods could not be scheduled for this long "
+        "(the scheduler's PodScheduled=False, Unschedulable); unset: it waits for room as long as it takes.",
+        None, minimum=1,
+    )
     clean_pod_policy: Literal["All", "Running", "None"] = field(
         "Pods deleted when the job finishes: All, the still Running ones, or None.", "Running"
+    )
+    scheduling_policy: SchedulingPolicy | None = field(
+        "Gang scheduling (cluster only): the operator creates a PodGroup for Volcano or scheduler-plugins "
+        "before the pods, and the pods wait until all of them fit. Immutable: the PodGroup is made once.",
+        None,
+        immutable=True,
     )
 
 
@@ -392,6 +488,9 @@ class Spec:
                     )
                 )
         problems += pod_template_problems(self.pod_template)
+        if self.run_policy.scheduling_policy is not None:
+            problems += [(f"runPolicy.schedulingPolicy.{p}", m)
+                         for p, m in self.run_policy.scheduling_policy.pods_problems(self.pod_count)]
         return problems
 
     def complete(self) -> "Spec":
@@ -410,6 +509,16 @@ class Spec:
         if self.training.epochs is None and self.training.max_steps is None:
             self.training.epochs = 10
         return self
+
+    @property
+    def pod_count(self) -> int:
+        """Pods of the job in a cluster: Single 1, ParameterServer shards + workers, DDP nodes."""
+        if self.mode == "ParameterServer":
+            ps = self.parameter_server or ParameterServer()
+            return ps.replicas + ps.workers
+        if self.mode == "DDP":
+            return (self.ddp or DDP()).nodes
+        return 1
 
     @property
     def world_size(self) -> int:

@@ -83,6 +83,9 @@ class JobMemory:
     workers_done_time: float | None = field("When every worker of a PS job had finished (unix seconds).", None)
     active_seconds: float = field("Time the job ran before activeSince (seconds; suspended time excluded).", 0.0)
     active_since: float | None = field("When the current active period began (unix seconds); None while stopped.", None)
+    unschedulable_since: float | None = field(
+        "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None
+    )
 
 
 @dataclass

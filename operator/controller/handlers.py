@@ -18,6 +18,7 @@ workers reconciles the jobs that changed.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import secrets
 import threading
@@ -29,8 +30,10 @@ import kopf
 
 from ..api import GROUP, PLURAL, VERSION, InvalidSpec, from_spec_dict
 from ..api.podtemplate import pod_security_problems
+from ..core import kueue
 from ..core.children import LABEL_JOB, Settings
-from ..core.engine import ReplicaObservation
+from ..core.engine import WAITING_REASONS, ReplicaObservation
+from ..core.gang import gang_problem
 from ..core.plan import chief
 from ..core.reconcile import reconcile
 from ..core.status import TERMINAL, Observed, conditions
@@ -62,6 +65,7 @@ class OperatorConfig:
     scrape: bool = True
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
     workers: int = WORKERS
+    kueue: bool = False  # jobs labelled kueue.x-k8s.io/queue-name wait for Kueue's admission (enable_kueue)
 
 
 CONFIG = OperatorConfig()
@@ -78,6 +82,7 @@ class JobState:
     expected: dict[str, float] = field(default_factory=dict)  # replica -> when its pod was created (monotonic)
     last_resync: float = field(default_factory=time.monotonic)
     problem: str | None = None  # the API problem reason shown on the job, if any
+    placements: tuple[str, dict[str, Any]] | None = None  # (the Workload's admission as JSON, role -> Placement)
 
 
 Key = tuple[str, str]  # (namespace, job name)
@@ -91,6 +96,7 @@ class Index:
         self.jobs: dict[Key, dict[str, Any]] = {}
         self.pods: dict[Key, dict[str, ReplicaObservation]] = {}  # job -> pod name -> observation
         self.claims: dict[Key, dict[str, str]] = {}  # job -> claim name -> phase
+        self.workloads: dict[Key, dict[str, dict[str, Any]]] = {}  # job -> Kueue Workload name -> object
 
     def job(self, key: Key) -> dict[str, Any] | None:
         with self.lock:
@@ -129,6 +135,20 @@ class Index:
             else:
                 claims[name] = phase
 
+    def workload(self, key: Key, name: str) -> dict[str, Any] | None:
+        with self.lock:
+            return (self.workloads.get(key) or {}).get(name)
+
+    def set_workload(self, key: Key, name: str, raw: dict[str, Any] | None) -> None:
+        with self.lock:
+            workloads = self.workloads.setdefault(key, {})
+            if raw is None:
+                workloads.pop(name, None)
+                if not workloads:
+                    del self.workloads[key]
+            else:
+                workloads[name] = raw
+
     def forget(self, key: Key) -> None:
         with self.lock:
             self.jobs.pop(key, None)
@@ -165,6 +185,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _index_pod("ADDED", raw)
     for raw in kube.list_labelled("persistentvolumeclaims", CONFIG.namespaces):
         _index_claim("ADDED", raw)
+    if CONFIG.kueue:
+        for raw in kube.list_workloads(CONFIG.namespaces):
+            _index_workload("ADDED", raw)
     start_workers(CONFIG.workers)
 
 
@@ -209,6 +232,35 @@ def claim_event(event: dict[str, Any], **_: Any) -> None:
     key = _index_claim(event.get("type"), event.get("object") or {})
     if key is not None:
         QUEUE.add(key)
+
+
+def enable_kueue() -> None:
+    """Kueue admission on (`--kueue`): watch the jobs' Workloads. Registered only then, so that an
+    operator without it neither needs Kueue's CRDs nor asks for permissions on them."""
+    CONFIG.kueue = True
+    kopf.on.event(kueue.GROUP, kueue.VERSION, "workloads", labels={LABEL_JOB: kopf.PRESENT})(workload_event)
+
+
+def workload_event(event: dict[str, Any], **_: Any) -> None:
+    key = _index_workload(event.get("type"), event.get("object") or {})
+    if key is not None:
+        QUEUE.add(key)
+
+
+def _index_workload(kind: str | None, raw: dict[str, Any]) -> Key | None:
+    found = _job_of(raw)
+    if found is None:
+        return None
+    key, name = found
+    INDEX.set_workload(key, name, None if kind == "DELETED" else raw)
+    if kind == "DELETED":
+        # Deleted from outside (the job's own deletion removes the job first): the next round
+        # creates it again and the job waits for its admission, as Kueue's own jobs do.
+        with JOBS_LOCK:
+            state = JOBS.get(key)
+        if state is not None:
+            state.existing.discard(("Workload", name))
+    return key
 
 
 def _job_of(raw: dict[str, Any]) -> tuple[Key, str] | None:
@@ -266,6 +318,13 @@ def _process(key: Key) -> None:
     except kube.NotOurs as err:
         metrics.RECONCILE_ERRORS.inc()
         _report_problem(body, state, "ChildConflict", str(err))
+        QUEUE.add_after(key, QUEUE.backoff(key))
+    except kube.NotServed as err:
+        # The PodGroup's CRD is missing: nothing of the job past its PodGroup is made (no pod runs
+        # ungrouped). Retried with backoff, so installing the scheduler lets the job go on by itself.
+        metrics.RECONCILE_ERRORS.inc()
+        _report_problem(body, state, "PodGroupCRDMissing",
+                        f"{err} Install it, or remove spec.runPolicy.schedulingPolicy; retrying with backoff.")
         QUEUE.add_after(key, QUEUE.backoff(key))
     except Exception:  # a bug must not stop the worker: log it and retry the job later
         metrics.RECONCILE_ERRORS.inc()
@@ -366,12 +425,21 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         return None
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = uid
+    job.metadata.labels = dict(meta.get("labels") or {})
     refused = pod_security_problems(job.spec, CONFIG.settings.pod_security_allow)
     if refused and old_status.get("state") not in TERMINAL:
         # The chart's admission policy refuses these at the API; a cluster without it still gets no such pod.
         _write_condition(body, state, old_status, Observed("Failed", "PodSecurity", "; ".join(refused)), state="Failed",
                          completionTime=_iso_now())
         kube.record_event(body, "Warning", "PodSecurity", "; ".join(refused)[:1024])
+        return None
+    unserved = gang_problem(job, CONFIG.settings.gang_schedulers)
+    if unserved and old_status.get("state") not in TERMINAL:
+        # Pods without their PodGroup would be scheduled one by one: the gang the job asked for
+        # would not hold, so none is made (as an operator setting refuses a podTemplate above).
+        _write_condition(body, state, old_status, Observed("Failed", "GangSchedulingDisabled", unserved),
+                         state="Failed", completionTime=_iso_now())
+        kube.record_event(body, "Warning", "GangSchedulingDisabled", unserved[:1024])
         return None
     if not state.counted_created:
         state.counted_created = True
@@ -384,17 +452,29 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         pods = observed_replicas((ns, name), state)
         progress = _progress(job, pods)
     pvc_pending = INDEX.pending_claims((ns, name)) if old_status.get("state") in (None, "Created") and pods else None
+    workload, admission, placements = _queue(job, uid, state, old_status)
     act = reconcile(
-        job, uid, state.token, pods, old_status, _now(), progress, CONFIG.settings, pvc_pending, state.existing
+        job, uid, state.token, pods, old_status, _now(), progress, CONFIG.settings, pvc_pending, state.existing,
+        admission, placements,
     )
+    for restarted in act.restarted:  # before its pod goes: tests/e2e time the operator's reaction from here
+        log.info("%s/%s: %s failed (%s); restarting it in %.1f s", ns, name, restarted.replica, restarted.reason,
+                 restarted.delay_seconds)
     for obj in act.create:
-        kube.create(obj)
+        created = kube.create(obj)
         if obj["kind"] == "Pod":
             state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
+            if created:
+                log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
         else:
             state.existing.add((obj["kind"], obj["metadata"]["name"]))
     for pod in act.delete_pods:
-        kube.delete_pod(ns, pod)
+        seen = pods.get(pod[len(name) + 1 :])
+        # A dead trainer (not a DDP rank: its StatefulSet pod restarts in place) needs no grace.
+        dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
+        kube.delete_pod(ns, pod, force=dead)
+    for pod in act.force_delete_pods:
+        kube.delete_pod(ns, pod, force=True)
     if act.scale_statefulset is not None:
         kube.scale_statefulset(ns, f"{name}-ddp", act.scale_statefulset)
     for type_, reason, message in act.events:
@@ -408,9 +488,61 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         metrics.JOBS_FAILED.labels(ns, job.spec.mode).inc()
     _write_status(ns, name, state, old_status, act.status)
     state.problem = None
+    if workload is not None:
+        _tell_kueue(workload, admission, act.status, pods, act.delete_pods)
     if act.delete_job:
         kube.delete_job(ns, name)
     return act.requeue_after
+
+
+def _queue(job, uid: str, state: JobState, old_status: dict[str, Any]):
+    """(the job's Workload, Kueue's admission, the admission's placements) for a job in a Kueue
+    queue; (None, None, None) for any other. The Workload is created on the first round."""
+    if not CONFIG.kueue or kueue.queue_name(job) is None:
+        return None, None, None
+    key = (job.metadata.namespace, job.name)
+    wl_name = kueue.workload_name(job, uid)
+    workload = INDEX.workload(key, wl_name)
+    if old_status.get("state") in TERMINAL:
+        return workload, None, None
+    if workload is None and ("Workload", wl_name) not in state.existing:
+        # Kueue's WorkloadPriorityClass controller sets spec.priority only when the class changes;
+        # a Workload created after it gets its value from its creator, as Kueue's own jobs do.
+        pc = kueue.priority_class(job)
+        priority = None
+        if pc:
+            found = kube.get_kueue_object("workloadpriorityclasses", pc)
+            priority = int(found["value"]) if found and "value" in found else None
+        kube.create(kueue.workload(job, uid, CONFIG.settings, priority))
+        state.existing.add(("Workload", wl_name))
+    admission = kueue.admission(workload)
+    placements = None
+    if admission.admitted and workload is not None:
+        assigned = json.dumps((workload.get("status") or {}).get("admission"), sort_keys=True)
+        if state.placements is None or state.placements[0] != assigned:
+            flavors = {}
+            for flavor in kueue.flavor_names(workload):
+                found = kube.get_kueue_object("resourceflavors", flavor)
+                flavors[flavor] = (found or {}).get("spec") or {}
+            state.placements = (assigned, kueue.placements(workload, flavors))
+        placements = state.placements[1]
+    return workload, admission, placements
+
+
+def _tell_kueue(workload: dict[str, Any], admission, status: dict[str, Any], pods: dict[str, ReplicaObservation],
+                deleting: list[str]) -> None:
+    """What Kueue expects back: an evicted Workload's quota once the job's replicas are gone, and
+    Finished once the job ended."""
+    meta = workload["metadata"]
+    patch = None
+    if status.get("state") in TERMINAL:
+        observed = next((c for c in status.get("conditions") or [] if c.get("type") == status["state"]), {})
+        patch = kueue.finish(workload, status["state"], observed.get("message", ""), _iso_now())
+    elif admission is not None and admission.evicted and not deleting and not any(
+            p.phase in ("Pending", "Running") for p in pods.values()):
+        patch = kueue.release_quota(workload, _iso_now())
+    if patch is not None:
+        kube.patch_workload_status(meta["namespace"], meta["name"], patch)
 
 
 def _write_status(ns: str, name: str, state: JobState, old: dict[str, Any], new: dict[str, Any]) -> None:
@@ -427,14 +559,32 @@ def _write_status(ns: str, name: str, state: JobState, old: dict[str, Any], new:
 
 def _update_state_gauge() -> None:
     counts: dict[tuple[str, str], int] = {}
+    waiting: dict[tuple[str, str], int] = {}
     with JOBS_LOCK:
         items = list(JOBS.items())
     for (ns, _), st in items:
         s = (st.status or {}).get("state", "Created")
         counts[(ns, s)] = counts.get((ns, s), 0) + 1
+        why = _waiting_reason(st.status or {})
+        if why is not None:
+            waiting[(ns, why)] = waiting.get((ns, why), 0) + 1
     metrics.JOBS_BY_STATE.clear()
     for (ns, s), n in counts.items():
         metrics.JOBS_BY_STATE.labels(ns, s).set(n)
+    metrics.JOBS_WAITING.clear()
+    for (ns, why), n in waiting.items():
+        metrics.JOBS_WAITING.labels(ns, why).set(n)
+
+
+def _waiting_reason(status: dict[str, Any]) -> str | None:
+    """Why the job's replicas wait (one of WAITING_REASONS, read from its state's condition), or None.
+    A finished job waits for nothing, whatever its reason (Failed: Unschedulable)."""
+    if status.get("state") in TERMINAL:
+        return None
+    for c in status.get("conditions") or []:
+        if c.get("type") == status.get("state") and c.get("status") == "True" and c.get("reason") in WAITING_REASONS:
+            return c["reason"]
+    return None
 
 
 def _iso_now() -> str:

@@ -19,6 +19,7 @@ from kubernetes.client.rest import ApiException
 
 from ..api import GROUP, PLURAL, VERSION
 from ..core.children import LABEL_JOB
+from ..core.kueue import GROUP as KUEUE_GROUP, VERSION as KUEUE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +118,43 @@ def create(obj: dict[str, Any]) -> bool:
             client.AppsV1Api(api).create_namespaced_stateful_set(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         elif kind == "NetworkPolicy":
             client.NetworkingV1Api(api).create_namespaced_network_policy(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
+        elif kind == "Workload":
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, ns, "workloads", obj, _preload_content=False, _request_timeout=API_TIMEOUT)
+        elif kind in CUSTOM_PLURALS:
+            group, version = _group_version(obj)
+            client.CustomObjectsApi(api).create_namespaced_custom_object(
+                group, version, ns, CUSTOM_PLURALS[kind], obj, _preload_content=False, _request_timeout=API_TIMEOUT)
         else:
             raise ValueError(f"cannot create a {kind}")
     except ApiException as err:
         if err.status == 409:
             _check_ours(obj)
             return False
+        if err.status == 404 and kind in CUSTOM_PLURALS:
+            # The namespace exists (the job is in it): what is missing is the resource, its CRD.
+            raise NotServed(kind, obj["apiVersion"], CUSTOM_PLURALS[kind], f"{ns}/{name}") from None
         raise KubeError("create", f"{kind.lower()} {ns}/{name}", err) from None
     return True
+
+
+CUSTOM_PLURALS = {"PodGroup": "podgroups"}
+"""Children of other projects' CRDs (core/gang.py): created and read through CustomObjectsApi."""
+
+
+def _group_version(obj: dict[str, Any]) -> tuple[str, str]:
+    group, _, version = obj["apiVersion"].rpartition("/")
+    return group, version
+
+
+class NotServed(Exception):
+    """The API server does not serve a child's resource: its CRD is not installed."""
+
+    def __init__(self, kind: str, api_version: str, plural: str, where: str):
+        group, _, version = api_version.rpartition("/")
+        self.resource = f"{plural}.{group}"
+        super().__init__(f"create {kind.lower()} {where}: the API server does not serve {plural}.{group} "
+                         f"({version}); is the scheduler that defines it (its CRD) installed?")
 
 
 class NotOurs(Exception):
@@ -148,14 +178,20 @@ def _check_ours(obj: dict[str, Any]) -> None:
     same name by whenDeleted: Retain is labelled with the job name and has no owner: mounting
     it is the point of keeping it (training resumes from its checkpoints). The token Secret is
     never read (the operator has no read access to Secrets); its name carries the job's uid,
-    so only this job's rounds create it.
+    so only this job's rounds create it. The same holds for a Kueue Workload (the operator may
+    list and watch Workloads, not get one by name).
     """
     kind, meta = obj["kind"], obj["metadata"]
-    if kind == "Secret":
+    if kind in ("Secret", "Workload"):
         return
     ns, name = meta.get("namespace", "default"), meta["name"]
     try:
-        resp = _READERS[kind](_api())(name, ns, _preload_content=False, _request_timeout=API_TIMEOUT)
+        if kind in CUSTOM_PLURALS:
+            group, version = _group_version(obj)
+            resp = client.CustomObjectsApi(_api()).get_namespaced_custom_object(
+                group, version, ns, CUSTOM_PLURALS[kind], name, _preload_content=False, _request_timeout=API_TIMEOUT)
+        else:
+            resp = _READERS[kind](_api())(name, ns, _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
         if err.status == 404:
             return  # gone again (being deleted): the next round creates it
@@ -172,10 +208,61 @@ def _check_ours(obj: dict[str, Any]) -> None:
     raise NotOurs(f"{kind} {ns}/{name} exists and is {whose}; the job will not adopt it: delete or rename it")
 
 
-def delete_pod(namespace: str, name: str) -> None:
-    """Graceful delete: the trainer gets SIGTERM, checkpoints and exits within the grace period."""
+def list_workloads(namespaces: list[str]) -> list[dict[str, Any]]:
+    """Every Kueue Workload that carries a job label (the index's first fill, as list_labelled)."""
+    api = client.CustomObjectsApi(_api())
+    items: list[dict[str, Any]] = []
     try:
-        client.CoreV1Api(_api()).delete_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT)
+        if not namespaces:
+            resp = api.list_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "workloads", label_selector=LABEL_JOB,
+                                                  _preload_content=False, _request_timeout=LIST_TIMEOUT)
+            items += _json(resp)["items"]
+        for ns in namespaces:
+            resp = api.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, ns, "workloads",
+                                                     label_selector=LABEL_JOB, _preload_content=False,
+                                                     _request_timeout=LIST_TIMEOUT)
+            items += _json(resp)["items"]
+    except ApiException as err:
+        raise KubeError("list", "Kueue workloads of TrainingJobs (is Kueue installed?)", err) from None
+    return items
+
+
+def get_kueue_object(plural: str, name: str) -> dict[str, Any] | None:
+    """A cluster-scoped Kueue object (a ResourceFlavor, a WorkloadPriorityClass); None if missing."""
+    try:
+        resp = client.CustomObjectsApi(_api()).get_cluster_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, plural, name, _preload_content=False, _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise KubeError("get", f"{plural} {name}", err) from None
+    return _json(resp)
+
+
+def patch_workload_status(namespace: str, name: str, patch: dict[str, Any]) -> bool:
+    """A merge patch of a Workload's status carrying the resourceVersion it was computed from:
+    False when Kueue changed the Workload in between (409) or it is gone; the next round,
+    queued by the watch event, computes the patch again."""
+    try:
+        client.CustomObjectsApi(_api()).patch_namespaced_custom_object_status(
+            KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name, patch, _preload_content=False,
+            _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status in (404, 409):
+            return False
+        raise KubeError("patch", f"status of workload {namespace}/{name}", err) from None
+    return True
+
+
+def delete_pod(namespace: str, name: str, force: bool = False) -> None:
+    """Graceful delete: the trainer gets SIGTERM, checkpoints and exits within the grace period.
+    `force`: gone from the API at once, whatever its kubelet does (a pod on a lost node, or one
+    whose trainer has ended already: its replacement of the same name need not wait for the
+    kubelet to tear the old sandbox down)."""
+    extra = {"grace_period_seconds": 0} if force else {}
+    try:
+        client.CoreV1Api(_api()).delete_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT,
+                                                       **extra)
     except ApiException as err:
         if err.status != 404:
             raise KubeError("delete", f"pod {namespace}/{name}", err) from None

@@ -27,6 +27,11 @@ REPLICA_RESTARTS = Counter(
 JOBS_BY_STATE = Gauge(
     "kubetrain_operator_jobs", "TrainingJobs the operator manages, by state.", ["namespace", "state"], registry=REGISTRY
 )
+JOBS_WAITING = Gauge(
+    "kubetrain_operator_jobs_waiting",
+    "TrainingJobs whose replicas wait, by why: Unschedulable (no node fits), ImagePullFailed, VolumePending.",
+    ["namespace", "reason"], registry=REGISTRY,
+)  # fmt: skip
 RECONCILE_SECONDS = Histogram(
     "kubetrain_operator_reconcile_duration_seconds", "Wall time of one reconciliation, I/O included.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=REGISTRY,

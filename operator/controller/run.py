@@ -80,14 +80,19 @@ def run(
     pod_security_allow: frozenset[str] = frozenset(),
     network_policy: bool = True,
     metrics_from: tuple[dict[str, Any], ...] = (),
+    kueue: bool = False,
+    gang_schedulers: tuple[tuple[str, str], ...] = (),
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers.CONFIG.settings = Settings(image=trainer_image, pull_policy=pull_policy,
                                         pod_security_allow=pod_security_allow,
-                                        network_policy=network_policy, metrics_from=metrics_from)
+                                        network_policy=network_policy, metrics_from=metrics_from,
+                                        gang_schedulers=gang_schedulers)
     handlers.CONFIG.scrape_networks = scrape_networks
     handlers.CONFIG.scrape = scrape
     handlers.CONFIG.namespaces = list(namespaces)
+    if kueue:
+        handlers.enable_kueue()
     metrics.serve(metrics_port)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
     elector = None

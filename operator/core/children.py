@@ -27,6 +27,7 @@ from ..api.podtemplate import (
     TMP_VOLUME,
 )
 from ..api.tls import FILES as TLS_FILES, MOUNT as TLS_MOUNT, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
+from . import gang
 from .plan import GRPC_PORT, Replica, plan_replicas
 from .tls import ps_hosts_of, secret_certificates, uses_tls
 
@@ -58,6 +59,10 @@ class Settings:
     """NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock) that may reach the trainers'
     metrics port besides the job's own pods (`--metrics-from-json`): the chart passes the operator's
     own pods and networkPolicy.metricsFrom (Prometheus). Empty: nothing else may."""
+    gang_schedulers: tuple[tuple[str, str], ...] = ()
+    """The gang schedulers whose PodGroups this operator makes, as (kind, the pods' schedulerName),
+    the first the default of a job that names none (`--gang-scheduler`, the chart's gangScheduling).
+    Empty: a job with spec.runPolicy.schedulingPolicy fails with GangSchedulingDisabled (core/gang.py)."""
 
 
 @dataclass
@@ -412,6 +417,32 @@ def _merge_keyed(base: list[Any], over: list[Any], key: str) -> None:
             base.append(copy.deepcopy(item))
 
 
+NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+NODE_LOST_TOLERATION_SECONDS = 30
+"""How long a pod stays on a node the control plane declared NotReady or unreachable before the taint
+manager evicts it and the operator replaces it elsewhere (reason NodeLost). The node is declared so only
+after the kube-controller-manager's node-monitor-grace-period (50 s by default) without a heartbeat, so a
+kubelet that merely restarted is already forgiven; 30 s more lets a brief partition heal. Kubernetes'
+own default (DefaultTolerationSeconds) is 300 s: five minutes in which every synchronous step of the job
+waits for the lost replica, where a replacement costs at most the steps since the last checkpoint.
+A template's own toleration for these taints (any tolerationSeconds, or none: forever) replaces this."""
+
+
+def _tolerate_node_loss_briefly(spec: dict[str, Any]) -> None:
+    """Tolerate NODE_LOST_TAINTS for NODE_LOST_TOLERATION_SECONDS, unless the template's tolerations
+    already cover a taint (same key, or a key-less Exists; effect NoExecute or any)."""
+    tolerations = spec.setdefault("tolerations", [])
+    for key in NODE_LOST_TAINTS:
+        covered = any(
+            isinstance(t, dict) and (t.get("key") == key or (not t.get("key") and t.get("operator") == "Exists"))
+            and t.get("effect") in (None, "", "NoExecute")
+            for t in tolerations
+        )
+        if not covered:
+            tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute",
+                                "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS})
+
+
 def pod(job: TrainingJob, uid: str, replica: Replica, settings: Settings) -> dict[str, Any]:
     labels = {LABEL_ROLE: replica.role, LABEL_REPLICA: replica.name}
     body = {
@@ -421,7 +452,9 @@ def pod(job: TrainingJob, uid: str, replica: Replica, settings: Settings) -> dic
         "spec": _pod_spec(job, replica, settings, _data_volume(job, replica)),
     }
     body["metadata"]["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.spec.metrics.port)}
-    return merge_pod_template(body, job.spec.pod_template)
+    body = merge_pod_template(body, job.spec.pod_template)
+    _tolerate_node_loss_briefly(body["spec"])
+    return body
 
 
 def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: Settings) -> dict[str, Any]:
@@ -461,6 +494,7 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
         },
         job.spec.pod_template,
     )
+    _tolerate_node_loss_briefly(template["spec"])
     sts: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -518,7 +552,8 @@ def network_policy(job: TrainingJob, uid: str, settings: Settings) -> dict[str, 
 
 
 def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settings()) -> list[dict[str, Any]]:
-    """Every object the job owns, in creation order (config first, pods last)."""
+    """Every object the job owns, in creation order (config first, the PodGroup before the pods,
+    pods last)."""
     replicas = plan_replicas(job, ClusterEndpoints(job))
     objs = [config_map(job, uid), token_secret(job, uid, token)]
     if settings.network_policy:
@@ -527,7 +562,36 @@ def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settin
         objs += ps_services(job, uid)
     objs += claims(job, uid)
     if job.spec.mode == "DDP":
-        objs += [ddp_service(job, uid), statefulset(job, uid, replicas, settings)]
+        workload = [statefulset(job, uid, replicas, settings)]
+        objs.append(ddp_service(job, uid))
     else:
-        objs += [pod(job, uid, r, settings) for r in replicas]
-    return objs
+        workload = [pod(job, uid, r, settings) for r in replicas]
+    objs += _gang(job, uid, settings, workload)
+    return objs + workload
+
+
+def _gang(job: TrainingJob, uid: str, settings: Settings, workload: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The job's PodGroup, with its pods (or the StatefulSet's template) joined to it in place;
+    nothing without spec.runPolicy.schedulingPolicy. Created before the pods: a pod that names a
+    group the scheduler cannot find yet waits for it, but one created without a group would be
+    scheduled alone."""
+    policy = job.spec.run_policy.scheduling_policy
+    if policy is None:
+        return []
+    pick = gang.chosen(policy, settings.gang_schedulers)
+    if pick is None:
+        # The operator fails such a job before rendering (gang.gang_problem); a caller that did not
+        # check gets this rather than pods that would be scheduled one by one.
+        raise ValueError(gang.gang_problem(job, settings.gang_schedulers))
+    scheduler, scheduler_name = pick
+    if job.spec.mode == "DDP":
+        template = workload[0]["spec"]["template"]
+        specs = [template["spec"]] * workload[0]["spec"]["replicas"]
+        members = [template]
+    else:
+        specs = [p["spec"] for p in workload]
+        members = workload
+    group = gang.pod_group(job, _meta(job, uid, gang.podgroup_name(job)), scheduler, specs)
+    for member in members:
+        gang.join_group(member, job, scheduler, scheduler_name)
+    return [group]

@@ -14,13 +14,16 @@ The round runs in phases, each a function below:
 
 1. `_fold_progress`: the newest step, loss, checkpoint; the hang clock.
 2. finished already: only the TTL is left (`_after_the_end`).
-3. suspended: stop everything (`_suspend`).
+3. suspended: stop everything (`_suspend`); likewise while a queue (Kueue) has not admitted
+   the job or evicted it (`_wait_for_admission`).
 4. the deadline, on the job's active time (suspended time excluded).
-5. `_failures`: which replicas stopped, by failure, deletion, replacement or hang.
+5. `_failures`: which replicas stopped, by failure, deletion, replacement, a lost node or hang.
 6. `_decide`: the restart policy for each; a restart stops the replica now and
    starts it when its backoff is due.
 7. `_starts`: replicas that should run and do not, once any backoff is due.
-8. `_outcome`: success, the parameter servers' drain, or the state to report.
+8. `_unschedulable_too_long`: the schedulingTimeoutSeconds clock.
+9. `_outcome`: success, the parameter servers' drain, or the state to report (with why
+   replicas wait, `_problem`: an image that does not pull, a claim not bound, no node).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ PS_DRAIN_SECONDS = 60.0
 checkpoint; one still running this long afterwards is stopped and the job succeeds."""
 
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+WAITING_REASONS = ("ImagePullFailed", "VolumePending", "Unschedulable")
+"""Why a job's replicas wait (the reason on its condition while they do; `_problem`): a fixed set, so
+that the operator's gauge of waiting jobs has bounded labels."""
 MAX_REQUEUE_SECONDS = 10.0
 """A running job is looked at again at least this often (progress, the hang and deadline clocks)."""
 
@@ -69,6 +75,9 @@ class ReplicaObservation:
     ip: str = ""
     uid: str = ""  # the incarnation (a pod uid): the same name can come back as another one
     final: Mapping[str, Any] | None = None  # the replica's final results (a pod's termination message)
+    unschedulable: str = ""  # why the scheduler cannot place it (PodScheduled=False, Unschedulable): its message
+    node_lost: bool = False  # the control plane evicted it because its node stopped answering
+    deletion_due: float | None = None  # when its graceful deletion's grace period ends (unix seconds)
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,17 @@ class Restarted:
     delay_seconds: float
     step: int | None
     checkpoint_step: int
+
+
+@dataclass(frozen=True)
+class QueueAdmission:
+    """What a queue (Kueue, core/kueue.py) says of the job: may it run now, and if not why.
+    A job outside any queue has none and always may."""
+
+    admitted: bool
+    reason: str = ""  # WorkloadPending | QueuedForAdmission | Evicted | Preempted | Admitted | Finished
+    message: str = ""
+    evicted: bool = False  # admitted once, now evicted: stopped with a checkpoint, then queued again
 
 
 @dataclass
@@ -135,10 +155,11 @@ def step(
     now: float,
     progress: ProgressReading | None = None,
     volume_pending: list[str] | None = None,
+    admission: QueueAdmission | None = None,
 ) -> Round:
     """One round of the state machine. Pure: the old status is not changed."""
     old = status if isinstance(status, JobStatus) else read_status(status)
-    return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [])
+    return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [], admission)
 
 
 class _Round:
@@ -157,13 +178,17 @@ class _Round:
         self.is_ddp = self.spec.mode == "DDP"
         self.observed: Observed | None = None
 
-    def run(self, progress: ProgressReading | None, volume_pending: list[str]) -> Round:
+    def run(self, progress: ProgressReading | None, volume_pending: list[str],
+            admission: QueueAdmission | None = None) -> Round:
         self._fold_progress(progress)
         if self.before in TERMINAL:
             self._after_the_end()
             return self._done(report=False)
         if self.spec.run_policy.suspend:
             self._suspend()
+            return self._done()
+        if admission is not None and not admission.admitted:
+            self._wait_for_admission(admission)
             return self._done()
         self._resume_if_suspended()
         if self._deadline_passed():
@@ -172,6 +197,8 @@ class _Round:
             if not self._decide(failure):
                 return self._done()
         self._starts()
+        if self._unschedulable_too_long():
+            return self._done()
         self._outcome(volume_pending)
         return self._done()
 
@@ -240,6 +267,23 @@ class _Round:
         self._pause_clock()
         self.memory.pending_restarts = {}
         self.memory.identities = {}  # the replicas that come back on resume are new, not replacements
+        self.memory.unschedulable_since = None  # its pods are gone; the clock starts again with new ones
+
+    def _wait_for_admission(self, admission: QueueAdmission) -> None:
+        """Held as a suspended job is, with the queue's reason: never started until admitted; once
+        evicted or preempted, its replicas stop gracefully (the trainers' final checkpoint) and
+        the job resumes from that checkpoint when the queue admits it again."""
+        self.actions.stop = [n for n, r in self.replicas.items() if r.phase in ("Pending", "Running") and not r.terminating]
+        self.actions.hold = True
+        old = next((c for c in self.status.conditions if c.type == "Suspended"), None)
+        if self.before != "Suspended" or old is None or old.reason != admission.reason:
+            kind = "Warning" if admission.evicted else "Normal"
+            self.actions.events.append((kind, admission.reason, admission.message))
+        self.observed = Observed("Suspended", admission.reason, admission.message)
+        self.status.state = "Suspended"
+        self._pause_clock()
+        self.memory.pending_restarts = {}
+        self.memory.identities = {}
 
     def _resume_if_suspended(self) -> None:
         if self.status.start_time is None:
@@ -282,6 +326,11 @@ class _Round:
             if name in memory.pending_restarts:
                 continue
             seen = self.replicas.get(name)
+            if seen is not None and seen.node_lost:
+                # Evicted from a node that stopped answering: replaced elsewhere, once (its name is
+                # in pending_restarts until the replacement runs, however long the old pod lingers).
+                failures.append(policy.Failure(name, reason="NodeLost"))
+                continue
             if seen is None:
                 # Gone without the engine asking: deleted (a DDP replica's StatefulSet
                 # brings it back, seen below as a new incarnation).
@@ -375,7 +424,31 @@ class _Round:
             elif due is not None:
                 self._requeue(1.0)  # the old one is still being stopped
 
-    # -- 8. outcome ----------------------------------------------------------------------
+    # -- 8. waiting for room ------------------------------------------------------------
+
+    def _unschedulable_too_long(self) -> bool:
+        """The schedulingTimeoutSeconds clock: it runs while some replica cannot be scheduled and
+        starts again once every one could; the job fails when it runs out."""
+        memory = self.memory
+        waiting = _unschedulable(self.replicas)
+        if not waiting:
+            memory.unschedulable_since = None
+            return False
+        if memory.unschedulable_since is None:
+            memory.unschedulable_since = self.now
+        limit = self.spec.run_policy.scheduling_timeout_seconds
+        if limit is None:
+            return False
+        left = limit - (self.now - memory.unschedulable_since)
+        if left > 0:
+            self._requeue(left)
+            return False
+        names = ", ".join(seen.replica for seen in waiting)
+        self._finish("Failed", "Unschedulable",
+                     f"{names} could not be scheduled for schedulingTimeoutSeconds ({limit} s): {waiting[0].unschedulable}")
+        return True
+
+    # -- 9. outcome ----------------------------------------------------------------------
 
     def _outcome(self, volume_pending: list[str]) -> None:
         phases = {n: ("Succeeded" if _succeeded(self.replicas.get(n), self.is_ddp) else "Running") for n in self.names}
@@ -398,8 +471,10 @@ class _Round:
         if self.observed is None:
             problem = _problem(self.replicas, volume_pending)
             if problem:
-                self.observed = Observed("Created", problem[0], problem[1])
-                self.actions.events.append(("Warning", problem[0], problem[1]))
+                # A job that ran keeps its state (a replacement that waits), a new one stays Created.
+                self.observed = Observed(self.before if self.before in ACTIVE else "Created", *problem)
+                if not any(c.status == "True" and c.reason == problem[0] for c in self.status.conditions):
+                    self.actions.events.append(("Warning", problem[0], problem[1]))  # once, when it begins
             elif any(r.phase == "Running" for r in self.replicas.values()):
                 self.observed = Observed("Running", "Running", "The job's replicas are running.")
             elif self.before in ACTIVE:
@@ -496,8 +571,10 @@ def _failure(seen: ReplicaObservation) -> policy.Failure | None:
 
 
 def _restarted_in_place(seen: ReplicaObservation) -> bool:
-    """Running again by itself (a container restarted in place): nothing to stop or start."""
-    return seen.phase in ("Pending", "Running") and not seen.terminating
+    """Running again by itself (a container restarted in place): nothing to stop or start. Never a
+    replica on a lost node: the taint manager marks it (DisruptionTarget) a moment before it deletes
+    it, and in that moment it still reads Running."""
+    return seen.phase in ("Pending", "Running") and not seen.terminating and not seen.node_lost
 
 
 def _succeeded(seen: ReplicaObservation | None, is_ddp: bool) -> bool:
@@ -533,4 +610,14 @@ def _problem(replicas: Mapping[str, ReplicaObservation], volume_pending: list[st
                     f"{seen.replica} cannot pull its image ({seen.waiting_reason}): {seen.waiting_message}".rstrip(": "))
     if volume_pending:
         return "VolumePending", f"PersistentVolumeClaim {', '.join(volume_pending)} is Pending: check the StorageClass."
+    waiting = _unschedulable(replicas)
+    if waiting:
+        names = ", ".join(seen.replica for seen in waiting)
+        return "Unschedulable", f"{names} cannot be scheduled: {waiting[0].unschedulable}"
     return None
+
+
+def _unschedulable(replicas: Mapping[str, ReplicaObservation]) -> list[ReplicaObservation]:
+    """The replicas the scheduler reports it cannot place, by name."""
+    return sorted((seen for seen in replicas.values() if seen.unschedulable and seen.phase == "Pending"
+                   and not seen.terminating), key=lambda seen: seen.replica)

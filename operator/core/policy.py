@@ -25,7 +25,7 @@ class Failure:
 
     replica: str
     exit_code: int | None = None  # None: no exit code (evicted, deleted, hung)
-    reason: str = ""  # Evicted | Deleted | Hung | ... when exit_code is None
+    reason: str = ""  # Evicted | Deleted | Hung | NodeLost | ... when exit_code is None
 
     def describe(self) -> str:
         if self.exit_code is None:
@@ -33,6 +33,7 @@ class Failure:
                 "Hung": f"{self.replica} made no progress and was stopped",
                 "Evicted": f"{self.replica} was evicted",
                 "Deleted": f"{self.replica} was deleted",
+                "NodeLost": f"{self.replica}'s node stopped answering (NotReady or unreachable)",
             }.get(self.reason, f"{self.replica} stopped ({self.reason})")
         if self.exit_code > 128:
             return f"{self.replica} was killed by {signal_name(self.exit_code - 128)}"
@@ -125,7 +126,12 @@ def decide(spec: Spec, failure: Failure, counters: Counters, progressed: bool) -
             Decision("fail", "BackoffLimitExceeded", f"{what}; backoffLimit {rp.backoff_limit} reached."),
             counters,
         )
-    without = 0 if progressed else counters.restarts_without_progress + 1
+    if failure.reason == "NodeLost":
+        # The node failed, not the job: one lost node takes every replica on it at once, and
+        # those restarts must not use up maxRestartsWithoutProgress (a crash loop's budget).
+        without = counters.restarts_without_progress
+    else:
+        without = 0 if progressed else counters.restarts_without_progress + 1
     if without > rp.max_restarts_without_progress:
         return (
             Decision(

@@ -15,19 +15,27 @@ from typing import Any
 
 from ..api import TrainingJob
 from ..api.status import to_dict
-from . import engine
-from .children import Settings, children, pod_name
+from . import engine, kueue
+from .children import LABEL_ROLE, Settings, children, pod_name
 from .engine import IMAGE_PULL_REASONS, Restarted, iso, parse_iso  # noqa: F401  (re-exported)
 
 PodObservation = engine.ReplicaObservation  # a pod, as the engine sees a replica
 Progress = engine.ProgressReading
 PS_DRAIN_SECONDS = engine.PS_DRAIN_SECONDS
+FORCE_DELETE_AFTER_SECONDS = 10.0
+"""A pod evicted from a lost node (`node_lost`) that still exists this long after its grace period
+ended is deleted forcibly. A kubelet that answers kills the container at the end of the grace period
+and reports it within a few seconds, so a pod left beyond that has no kubelet to finish it: it would
+stay Terminating for ever, and its replacement (the same name: a PS replica's pod, a StatefulSet's
+ordinal) could never start. A kubelet that comes back afterwards finds the pod gone and kills what
+is left of it."""
 
 
 @dataclass
 class Actions:
     create: list[dict[str, Any]] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)  # pod names, deleted gracefully
+    force_delete_pods: list[str] = field(default_factory=list)  # pod names, deleted at once (lost nodes)
     scale_statefulset: int | None = None
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
@@ -47,10 +55,14 @@ def reconcile(
     settings: Settings = Settings(),
     pvc_pending: list[str] | None = None,
     existing: set[tuple[str, str]] | None = None,
+    admission: engine.QueueAdmission | None = None,
+    placements: dict[str, Any] | None = None,
 ) -> Actions:
     """`existing` names the (kind, name) of non-pod children known to exist; they
-    are not created again (None: create all, the I/O layer ignores its own)."""
-    done = engine.step(job, old_status, pods, now, progress, pvc_pending)
+    are not created again (None: create all, the I/O layer ignores its own).
+    `admission` is what the job's queue (Kueue) says, None outside any queue; `placements`
+    (role -> kueue.Placement) what its admission adds to the pods it lets start."""
+    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission)
     act = done.actions
     out = Actions(
         delete_job=act.delete_job,
@@ -59,6 +71,7 @@ def reconcile(
         status=to_dict(done.status),
         requeue_after=act.requeue_after,
     )
+    _force_deletes(job, pods, now, out)
     if done.status.state in ("Succeeded", "Failed") and act.hold is False and not act.stop and not act.start:
         return out
     is_ddp = job.spec.mode == "DDP"
@@ -78,9 +91,31 @@ def reconcile(
         return out
     start = set(act.start)
     for obj in children(job, uid, token, settings):
+        if obj["kind"] in ("Pod", "StatefulSet") and placements:
+            placement = placements.get(obj["metadata"]["labels"].get(LABEL_ROLE, ""))
+            if placement is not None:
+                obj = kueue.place(obj, placement)
         if obj["kind"] == "Pod":
             if obj["metadata"]["name"][len(job.name) + 1 :] in start:
                 out.create.append(obj)
         elif existing is None or (obj["kind"], obj["metadata"]["name"]) not in existing:
             out.create.append(obj)
     return out
+
+
+def _force_deletes(job: TrainingJob, pods: dict[str, PodObservation], now: float, out: Actions) -> None:
+    """Pods stuck Terminating on a lost node, FORCE_DELETE_AFTER_SECONDS past their grace period: deleted
+    at once, with an Event; the others are looked at again when they are due."""
+    for seen in pods.values():
+        if not (seen.node_lost and seen.terminating and seen.deletion_due is not None):
+            continue
+        left = seen.deletion_due + FORCE_DELETE_AFTER_SECONDS - now
+        if left > 0:
+            out.requeue_after = left if out.requeue_after is None else min(out.requeue_after, left)
+            continue
+        name = pod_name(job, seen.replica)
+        out.force_delete_pods.append(name)
+        out.events.append(("Warning", "NodeLost",
+                           f"Pod {name} stayed Terminating on node {seen.node or '(unknown)'}, which does not answer, "
+                           f"{FORCE_DELETE_AFTER_SECONDS:.0f} s past its grace period: deleted it forcibly so that its "
+                           "replacement can start."))

@@ -15,8 +15,8 @@ STATES = CONDITION_TYPES  # the state is the condition that is True, last one wi
 TERMINAL = ("Succeeded", "Failed")
 # Reasons that hold only while the problem lasts: once the job moves on, the
 # condition they were reported on goes back to its plain reason.
-PROBLEM_REASONS = frozenset({"ImagePullFailed", "VolumePending", "Forbidden", "ApiInvalid", "ApiThrottled", "ApiError",
-                             "ChildConflict"})
+PROBLEM_REASONS = frozenset({"ImagePullFailed", "VolumePending", "Unschedulable", "Forbidden", "ApiInvalid",
+                             "ApiThrottled", "ApiError", "ChildConflict"})
 
 
 @dataclass(frozen=True)

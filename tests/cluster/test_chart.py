@@ -11,7 +11,7 @@ import yaml
 
 from support import ROOT
 
-from kubetrain_operator.cli import parse_metrics_from
+from kubetrain_operator.cli import parse_gang_schedulers, parse_metrics_from
 
 pytestmark = pytest.mark.cluster
 CHART = ROOT / "charts" / "kubetrain"
@@ -45,6 +45,9 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 
 LEASE_GRANTS = {("coordination.k8s.io", "leases", v) for v in ("create", "get", "update")}
+KUEUE_GRANTS = {("kueue.x-k8s.io", "workloads", v) for v in ("create", "list", "watch")} | {
+    ("kueue.x-k8s.io", "workloads/status", "patch"), ("kueue.x-k8s.io", "resourceflavors", "get"),
+    ("kueue.x-k8s.io", "workloadpriorityclasses", "get")}
 GRANTS_LIMIT = 39
 """Issue 15's ceiling on the verb-resource grants of every role together, leader election included
 (Kubeflow's training operator v1.8.1: 131)."""
@@ -52,12 +55,16 @@ GRANTS_LIMIT = 39
 
 @pytest.mark.parametrize("namespaced, kind", [(False, "ClusterRole"), (True, "Role")])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_rbac_is_least_privilege(cluster, namespaced, kind, replicas):
-    docs = rendered(cluster, f"operator.namespaced={str(namespaced).lower()}", f"operator.replicas={replicas}")
+@pytest.mark.parametrize("kueue", [False, True])
+def test_rbac_is_least_privilege(cluster, namespaced, kind, replicas, kueue):
+    docs = rendered(cluster, f"operator.namespaced={str(namespaced).lower()}", f"operator.replicas={replicas}",
+                    f"kueue.enabled={str(kueue).lower()}")
     roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
     # The operator's own (Role or ClusterRole), kopf's discovery (a ClusterRole), and with two
     # replicas the leader election's Role in the release's namespace.
-    assert sorted(r["kind"] for r in roles) == sorted([kind, "ClusterRole"] + ["Role"] * (replicas > 1))
+    # With kueue.enabled a namespaced operator also gets a ClusterRole for Kueue's cluster-scoped objects.
+    assert sorted(r["kind"] for r in roles) == sorted([kind, "ClusterRole"] + ["Role"] * (replicas > 1)
+                                                      + ["ClusterRole"] * (kueue and namespaced))
     discovery = next(r for r in roles if r["metadata"]["name"].endswith("-discovery"))
     assert grants(discovery["rules"]) == {  # what kopf reads at start, read-only
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"), ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
@@ -71,6 +78,9 @@ def test_rbac_is_least_privilege(cluster, namespaced, kind, replicas):
     assert {v for (_, r, v) in g if r == "networkpolicies"} == {"get", "create"}  # each job's, and the 409 owner check
     assert not {x for x in g if x[0] == "rbac.authorization.k8s.io"}
     assert not {x for x in g if "*" in x}
+    # Kueue's objects only with kueue.enabled: its Workloads created and watched, their status
+    # patched (quota given back, Finished), flavors and priority classes read, nothing deleted.
+    assert {x for x in g if x[0] == "kueue.x-k8s.io"} == (KUEUE_GRANTS if kueue else set())
 
 
 def test_two_replicas_elect_a_leader_on_a_lease_they_alone_may_update(cluster):
@@ -161,6 +171,42 @@ def test_without_network_policies_the_operator_is_told_so_and_may_not_create_the
     assert "--no-network-policy" in args and not [a for a in args if a.startswith("--metrics-from-json")]
     g = set().union(*(grants(d["rules"]) for d in docs if d["kind"] in ("Role", "ClusterRole")))
     assert not {x for x in g if x[1] == "networkpolicies"}
+
+
+PODGROUP_GRANTS = {(group, "podgroups", verb) for group in ("scheduling.volcano.sh", "scheduling.x-k8s.io")
+                   for verb in ("get", "create")}
+
+
+@pytest.mark.parametrize("namespaced", [False, True])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_gang_scheduling_adds_podgroup_grants_and_flags_only_for_the_enabled_schedulers(cluster, namespaced, replicas):
+    base = (f"operator.namespaced={str(namespaced).lower()}", f"operator.replicas={replicas}")
+    off = rendered(cluster, *base)
+    assert not {x for d in off if d["kind"] in ("Role", "ClusterRole") for x in grants(d["rules"]) if x[1] == "podgroups"}
+    assert not [a for a in operator_args(off) if a.startswith("--gang-scheduler")]
+    on = rendered(cluster, *base, "gangScheduling.volcano.enabled=true", "gangScheduling.schedulerPlugins.enabled=true",
+                  "gangScheduling.schedulerPlugins.schedulerName=default-scheduler")
+    g = set().union(*(grants(d["rules"]) for d in on if d["kind"] in ("Role", "ClusterRole")))
+    print(f"\ngang scheduling on, namespaced={namespaced}, {replicas} replica(s): {len(g)} verb-resource grants")
+    assert {x for x in g if x[1] == "podgroups"} == PODGROUP_GRANTS  # create, and get for the 409 owner check
+    assert len(g) <= GRANTS_LIMIT
+    # The flags the operator parses, the first (Volcano) the default of a job that names none.
+    args = [a for a in operator_args(on) if a.startswith("--gang-scheduler")]
+    assert args == ["--gang-scheduler=volcano=volcano", "--gang-scheduler=scheduler-plugins=default-scheduler"]
+    assert parse_gang_schedulers([a.split("=", 1)[1] for a in args]) == (
+        ("volcano", "volcano"), ("scheduler-plugins", "default-scheduler"))
+    one = rendered(cluster, *base, "gangScheduling.schedulerPlugins.enabled=true")
+    g = set().union(*(grants(d["rules"]) for d in one if d["kind"] in ("Role", "ClusterRole")))
+    assert {x for x in g if x[1] == "podgroups"} == {("scheduling.x-k8s.io", "podgroups", v) for v in ("get", "create")}
+    assert [a for a in operator_args(one) if a.startswith("--gang-scheduler")] == [
+        "--gang-scheduler=scheduler-plugins=scheduler-plugins-scheduler"]
+
+
+def test_values_schema_refuses_a_scheduler_name_that_is_no_name(cluster):
+    for bad in ("gangScheduling.volcano.schedulerName=Not_A_Name", "gangScheduling.kueue.enabled=true"):
+        done = subprocess.run(["helm", "template", "x", str(CHART), "--set", bad],
+                              env=cluster.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0, bad
 
 
 def test_values_schema_refuses_a_metrics_peer_it_does_not_know(cluster):

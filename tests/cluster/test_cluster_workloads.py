@@ -32,9 +32,10 @@ def test_deployment_gets_running_pods_on_fake_nodes(cluster):
 
 
 def test_kwok_manages_only_nodes_annotated_fake(cluster):
-    """A real kubelet's node (no annotation) must stay the kubelet's: kwok leaves it alone."""
-    for name, annotations in (("real-like", {}), ("fake-extra", {"kwok.x-k8s.io/node": "fake"})):
-        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": annotations}}
+    """A real kubelet's node (no annotation, no type=kwok label) must stay the kubelet's: kwok leaves it alone."""
+    fake = {"annotations": {"kwok.x-k8s.io/node": "fake"}, "labels": {"type": "kwok"}}
+    for name, meta in (("real-like", {}), ("fake-extra", fake)):
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, **meta}}
         cluster.run("kubectl", "create", "-f", "-", input=json.dumps(node))
     try:
         # Once kwok has made the annotated node Ready, it has seen both.

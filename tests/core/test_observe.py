@@ -77,3 +77,19 @@ def test_a_nan_or_infinite_reported_value_is_left_out():
                       'kubetrain_reported_metric{job="j",name="bad"} NaN',
                       'kubetrain_reported_metric{job="j",name="worse"} -Inf'])
     assert progress_from(parse_metrics(text)).metrics == {"acc": 0.75}
+
+
+def test_a_dead_trainer_under_restart_policy_never_has_failed_before_the_kubelet_says_so():
+    """The kubelet reports the container's exit first and the pod's phase Failed once the sandbox is
+    torn down (a second later): the replica has failed at the first report."""
+    dead = pod({"state": {"terminated": {"exitCode": 137, "reason": "Error"}}}, {"kubetrain.dev/replica": "worker-1"})
+    dead["spec"]["restartPolicy"] = "Never"
+    obs = pod_observation(dead)
+    assert (obs.phase, obs.exit_code) == ("Failed", 137)
+    finished = pod({"state": {"terminated": {"exitCode": 0}}}, {"kubetrain.dev/replica": "worker-1"})
+    finished["spec"]["restartPolicy"] = "Never"
+    assert pod_observation(finished).phase == "Running"  # success waits for the kubelet's phase
+    # A StatefulSet's rank (restartPolicy Always) comes back in place: not failed.
+    rank = pod({"state": {"terminated": {"exitCode": 137}}})
+    rank["spec"]["restartPolicy"] = "Always"
+    assert pod_observation(rank).phase == "Running"

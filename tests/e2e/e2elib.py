@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,10 @@ import yaml
 from helpers.jsonl import json_objects
 from helpers.kube import Cluster, Kubectl
 from helpers.metrics import try_scrape
+from helpers.recovery import (
+    Breakdown, breakdown, json_stream, kind_of, operator_marks, trainer_marks, watch_marks, workers_back,
+)
+from kubetrain_operator.core.children import LABEL_JOB
 from helpers.wait import wait_for
 from kubetrain_operator.controller.observe import parse_metrics
 
@@ -39,6 +44,8 @@ CHIEF = {"single.yaml": "single-0", "parameter-server.yaml": "worker-0", "ddp.ya
 # The replica that writes the job's checkpoints and its claim.
 HOLDER = {"single.yaml": ("single-0", "{job}-ckpt-single-0"), "parameter-server.yaml": ("ps-0", "{job}-ckpt-ps-0"),
           "ddp.yaml": ("ddp-0", "data-{job}-ddp-0")}
+# Where recovery() leaves what it read (the watch, the operator's and the job's pods' logs); unset: nowhere.
+RECOVERY_DIR = os.environ.get("KUBETRAIN_E2E_RECOVERY_DIR", "")
 FIGURES: list[str] = []  # timings and accuracies, printed at the end of the session (conftest.py)
 FAULT_FREE: dict[str, float] = {}  # manifest -> final accuracy of its fault-free run in this session
 
@@ -297,3 +304,66 @@ def logs(e2e, pod: str) -> str:
                             check=False)
         out.append(done.stdout if done.returncode == 0 else "")
     return "".join(out)
+
+
+# Recovery in parts (helpers/recovery.py): the pods' watch, the operator's log, the replacement's log.
+
+
+class PodWatch:
+    """`kubectl get pod -w` of one pod name (every incarnation of it), each event timed as it
+    arrives: started before a fault, read after the replacement's first step."""
+
+    def __init__(self, e2e, pod: str):
+        self.events: list[tuple[float, str, dict]] = []
+        self._proc = subprocess.Popen(
+            ["kubectl", "-n", NAMESPACE, "get", "pods", "--field-selector", f"metadata.name={pod}", "-w",
+             "--output-watch-events", "-o", "json"],
+            env=e2e.cluster.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        self._thread = threading.Thread(target=self._read, name=f"watch-{pod}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        pending = ""
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            pending += line
+            docs, pending = json_stream(pending)
+            now = time.time()
+            self.events += [(now, d.get("type", ""), d.get("object") or {}) for d in docs if isinstance(d, dict)]
+
+    def stop(self) -> list[tuple[float, str, dict]]:
+        """Ends the watch (again: nothing); the events it saw."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._thread.join(timeout=10)
+        return list(self.events)
+
+
+def recovery(e2e, job: str, replica: str, fault_at: float, old_uid: str, watch: PodWatch) -> Breakdown:
+    """The break-down of `replica`'s recovery from a fault at `fault_at` (unix s): call it once the
+    replacement made its first step (its log holds every milestone by then)."""
+    events = watch.stop()
+    marks = {"fault": fault_at, **watch_marks(events, old_uid)}
+    operator = e2e.kube.run("logs", e2e.operator_pod(), timeout=60, check=False).stdout
+    marks.update(operator_marks(operator, NAMESPACE, job, replica, after=fault_at))
+    pods = {p["metadata"]["name"] for p in e2e.kube.items("pods", "-l", f"{LABEL_JOB}={job}")}
+    pod_logs = {p: e2e.kube.run("logs", p, "-c", "trainer", timeout=60, check=False).stdout for p in sorted(pods)}
+    marks.update(trainer_marks(pod_logs.get(f"{job}-{replica}", "")))
+    kind = kind_of(replica)
+    if kind == "ps":  # a shard's first step waits for every worker to reach it again
+        marks.update(workers_back([log for p, log in pod_logs.items() if p.startswith(f"{job}-worker-")],
+                                  after=fault_at))
+    if RECOVERY_DIR:  # what the break-down was read from, to look into by hand
+        out = Path(RECOVERY_DIR) / f"{job}-{replica}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "marks.json").write_text(json.dumps(marks, indent=1))
+        (out / "watch.jsonl").write_text("".join(json.dumps([t, k, o]) + "\n" for t, k, o in events))
+        (out / "operator.log").write_text(operator)
+        for name, log in pod_logs.items():
+            (out / f"{name}.log").write_text(log)
+    return breakdown(kind, marks)

@@ -14,8 +14,8 @@ import time
 
 import pytest
 from e2elib import (
-    EPOCHS, FAULT_FREE, HOLDER, apply, events_of, example, figure, first_checkpoint, first_step, succeeded,
-    warning_reasons,
+    EPOCHS, FAULT_FREE, HOLDER, PodWatch, apply, events_of, example, figure, first_checkpoint, first_step, recovery,
+    succeeded, warning_reasons,
 )
 
 pytestmark = pytest.mark.e2e
@@ -45,18 +45,16 @@ def faulty_run(e2e, manifest: str, name: str, victim: str, fault) -> dict:
     """Run the example as `name`; at its first checkpoint apply `fault` to the victim's pod; wait for success.
 
     Returns what the test checks: the status, the checkpoint step at the fault,
-    the replacement's first step (time after the fault, the step it saw)."""
+    the replacement's first step (time after the fault, the step it saw), and
+    the recovery in parts (helpers/recovery.py), printed among the figures."""
     reference = fault_free(e2e, manifest)
     doc = example(manifest, EPOCHS[manifest])
     doc["metadata"]["name"] = name
     holder, _ = HOLDER[manifest]
     apply(e2e, doc)
     checkpoint = first_checkpoint(e2e, f"{name}-{holder}")
-    pod = f"{name}-{victim}"
-    old_uid = e2e.get("pod", pod)["metadata"]["uid"]
-    fault(e2e, pod)
-    faulted = time.monotonic()
-    after = first_step(e2e, pod, not_uid=old_uid)
+    faulted, after, parts = strike(e2e, name, victim, fault)
+    figure(f"{name}: {parts.describe()}")
     status = succeeded(e2e, name)
     accuracy = status["progress"]["evalAccuracy"]
     figure(f"{name}: {fault.__name__} {victim} after checkpoint {checkpoint.metrics['kubetrain_last_checkpoint_step']:.0f}"
@@ -64,8 +62,10 @@ def faulty_run(e2e, manifest: str, name: str, victim: str, fault) -> dict:
            f"{after.metrics['kubetrain_training_step']:.0f}); restarts {status['restarts']}, "
            f"accuracy {accuracy:.4f} (fault-free {reference:.4f})")
     assert abs(accuracy - reference) <= ACCURACY_POINTS, (accuracy, reference)
+    # Presence and causal order only: durations are figures, never assertions.
+    assert not parts.missing and not parts.out_of_order(), (parts.missing, parts.out_of_order(), parts.marks)
     return {"status": status, "checkpoint": int(checkpoint.metrics["kubetrain_last_checkpoint_step"]),
-            "replacement": after}
+            "replacement": after, "recovery": parts}
 
 
 def delete_pod(e2e, pod: str) -> None:
@@ -98,3 +98,18 @@ def test_deleted_ddp_rank_pod_is_recreated_counted_and_resumes_from_its_newest_c
     for rank in ("ddp-0", "ddp-1"):
         resumes = [e["step"] for e in events_of(e2e, f"data-{name}-{rank}", rank) if e["event"] == "resume"]
         assert resumes and all(s >= run["checkpoint"] > 0 for s in resumes), (rank, resumes, run)
+
+
+def strike(e2e, name: str, victim: str, fault):
+    """Fault the victim's pod and wait for its replacement's first step, watching the pod so the
+    recovery can be broken into parts: (monotonic time of the fault, the first step, the parts)."""
+    pod = f"{name}-{victim}"
+    old_uid = e2e.get("pod", pod)["metadata"]["uid"]
+    watch = PodWatch(e2e, pod)
+    try:
+        fault(e2e, pod)
+        faulted, faulted_at = time.monotonic(), time.time()
+        after = first_step(e2e, pod, not_uid=old_uid)
+        return faulted, after, recovery(e2e, name, victim, faulted_at, old_uid, watch)
+    finally:
+        watch.stop()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
+import pytest
 import yaml
 
+from kubetrain_trainer.events import read_events
 from support import EXAMPLES, job_doc, kubetrain
 
 CUSTOM = EXAMPLES / "custom"
@@ -14,6 +17,21 @@ CUSTOM = EXAMPLES / "custom"
 
 def summary_of(run):
     return json.loads((run / "summary.json").read_text())
+
+
+def reported_before_the_restart(run, replica):
+    """Step of the newest checkpoint `replica` reported durable before its first restart (None: none)."""
+    step = None
+    for event in read_events(run / "metrics" / f"{replica}.jsonl"):
+        if event["event"] == "resume":  # the restarted attempt's: a fresh start resumes nothing
+            break
+        if event["event"] == "checkpoint":
+            step = event["step"]
+    return step
+
+
+def resumed_steps(log):
+    return [int(s) for s in re.findall(r"resumed from step (\d+)", log)]
 
 
 def script_job(name, mode="Single", steps=60, save_every=20, **spec):
@@ -48,7 +66,12 @@ def test_a_killed_script_resumes_from_its_last_save_and_ends_where_a_clean_run_e
     assert proc.returncode == 0, proc.stderr
     assert "single-0 was killed by SIGKILL; restart 1 of 6." in proc.stderr
     log = (faulty / "logs" / "single-0.log").read_text()
-    assert "resumed from step 40" in log  # its last save before the kill, never step 0
+    # Saves are written in the background: the kill at step 50 may land while
+    # step 40's is still in flight, and the job then resumes from step 20's.
+    # Never from step 0, never from one older than the last reported durable.
+    [resumed] = resumed_steps(log)
+    reported = reported_before_the_restart(faulty, "single-0")
+    assert resumed in (20, 40) and reported is not None and resumed >= reported, (log, reported)
     a, b = summary_of(clean), summary_of(faulty)
     assert b["restarts"] == 1
     # The batches depend on the step alone: the same path, to the last bit.
@@ -62,8 +85,12 @@ def test_a_ddp_script_runs_once_per_rank_and_a_killed_rank_resumes_the_group(tmp
     proc = kubetrain("run", str(path), "--run-dir", str(faulty), "--fault", "ddp-1:kill@step=25", "--quiet")
     assert proc.returncode == 0, proc.stderr
     logs = "".join((faulty / "logs" / f"ddp-{node}.log").read_text() for node in (0, 1))
-    # Both ranks restored the same save, the last before the kill; never step 0.
-    assert "rank 0: resumed from step 20" in logs and "rank 1: resumed from step 20" in logs, logs
+    # Both ranks restored the same save, the newest durable before the kill (step
+    # 20's, or 10's if the kill at 25 landed while 20's was still being written); never step 0.
+    first = [resumed_steps((faulty / "logs" / f"ddp-{node}.log").read_text())[:1] for node in (0, 1)]
+    reported = reported_before_the_restart(faulty, "ddp-0")
+    assert first[0] == first[1] and first[0][0] in (10, 20), logs
+    assert reported is not None and first[0][0] >= reported, (logs, reported)
     a, b = summary_of(clean), summary_of(faulty)
     assert (a["state"], b["state"], a["steps"], b["steps"]) == ("Succeeded", "Succeeded", 40, 40)
     assert b["restarts"] >= 1
@@ -129,8 +156,10 @@ def test_bench_contract_measures_both_variants_and_the_save_in_one_run(tmp_path)
     result = json.loads(out.read_text())
     report, save = result["report"], result["save"]
     assert len(report["samples_per_second"]["with_report"]) == len(report["samples_per_second"]["without_report"]) == 1
-    assert report["ratio_with_to_without"] == round(report["median_with_report"] / report["median_without_report"], 4)
-    assert set(save["seconds"]) == {"torch_save", "torch_save_fsync", "kubetrain_save"}
+    # The ratio is of the unrounded medians; the printed medians are rounded to whole samples/s (0.5218 against 0.5219 seen).
+    assert report["ratio_with_to_without"] == pytest.approx(
+        report["median_with_report"] / report["median_without_report"], rel=0.001, abs=1e-4)
+    assert set(save["seconds"]) == {"torch_save", "torch_save_fsync", "kubetrain_save", "kubetrain_save_background"}
     assert all(s > 0 for s in save["seconds"].values())
     bad = kubetrain("bench", "contract", "--rounds", "0")
     assert bad.returncode == 2 and "--rounds, --steps and --save-mib must be at least 1" in bad.stderr

@@ -24,6 +24,7 @@ def main(port: int) -> None:
     metrics.JOBS_FAILED.labels("default", "ParameterServer").inc(0)
     metrics.JOBS_BY_STATE.labels("default", "Running").set(1)
     metrics.JOBS_BY_STATE.labels("default", "Succeeded").set(1)
+    metrics.JOBS_WAITING.labels("default", "Unschedulable").set(1)
     rounds = 0
     while True:
         started = time.monotonic()

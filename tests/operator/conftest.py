@@ -124,6 +124,10 @@ class OperatorProcess:
         """`sig` to its process group (it was started in a session of its own)."""
         os.killpg(self.proc.pid, sig)
 
+    def handle(self, cluster, namespace: str) -> Operator:
+        """The Operator handle (apply, wait, pods' status, ...) for this process and its namespace."""
+        return Operator(cluster, namespace, self.log, self.metrics_port)
+
 
 @pytest.fixture
 def spawn_operator(cluster, crd, volumes, tmp_path):

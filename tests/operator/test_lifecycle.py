@@ -82,6 +82,20 @@ def test_failed_worker_is_replaced_and_the_restart_recorded(operator):
     assert restarting is not None and restarting["reason"] == "Killed"
 
 
+def test_a_worker_reported_dead_is_replaced_before_its_pod_is_marked_failed(operator):
+    """The kubelet reports the trainer's exit first, the pod's phase Failed only after tearing its
+    sandbox down: the operator replaces it at the first report (here the phase never follows)."""
+    doc = manifest()
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    pods = running_pods(operator, name, 3)
+    old_uid = pods[f"{name}-worker-1"]["metadata"]["uid"]
+    operator.set_pod_status(f"{name}-worker-1", "Running", exit_code=137)
+    operator.wait("a new worker-1 pod", lambda: (p := operator.get("pod", f"{name}-worker-1")) and p["metadata"]["uid"] != old_uid)
+    operator.wait("a Killed event", lambda: [e for e in operator.events(name) if e["reason"] == "Killed"])
+    assert operator.job_status(name)["restarts"] == 1
+
+
 def test_eviction_and_deletion_are_restarts_with_their_reasons(operator):
     doc = manifest()
     name = doc["metadata"]["name"]
@@ -235,8 +249,9 @@ def test_an_image_that_cannot_be_pulled_is_reported_in_the_status(operator):
         "name": "trainer", "image": "kubetrain/trainer:nope", "imageID": "", "ready": False, "restartCount": 0,
         "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image kubetrain/trainer:nope"}}}]}}
     operator.kubectl("patch", "pod", pod, "--subresource=status", "--type=merge", "-p", json.dumps(status))
+    # On the condition of the job's state: Created, or Running when a round saw kwok run the pod first.
     got = operator.wait("an ImagePullFailed condition", lambda: (s := operator.job_status(name)) and
-                        (c := condition(s, "Created")) and c["reason"] == "ImagePullFailed" and c)
+                        (c := condition(s, s.get("state", "Created"))) and c["reason"] == "ImagePullFailed" and c)
     assert "ImagePullBackOff" in got["message"] and "kubetrain/trainer:nope" in got["message"]
 
 

@@ -117,17 +117,29 @@ def test_two_shards_split_the_parameters_and_train_to_95_percent(tmp_path):
         job.result(f"worker-{i}")["raw_gradient_bytes"] for i in range(2))
 
 
-def test_topk_sends_40x_fewer_gradient_bytes_and_stays_within_2_points(tmp_path, sync_job):
+def total_bytes(job: Job) -> int:
+    """Every byte of the job's pushes and pulls, counted once, by its sender (summary.json's bytes_sent)."""
+    return sum(job.result(r)["bytes_sent"] for r in job.replicas)
+
+
+def test_topk_both_ways_sends_20x_fewer_bytes_in_all_and_stays_within_1_point(tmp_path, sync_job):
     job = run(tmp_path, "topk", compression={"algorithm": "TopK", "ratio": 0.01, "minTensorBytes": 0})
     none = sync_job.result("worker-0")
     topk = job.result("worker-0")
     # Counted by the sender as it framed the payloads, and by the shard as it received them.
     ratio = none["compressed_gradient_bytes"] / topk["compressed_gradient_bytes"]
     received = sync_job.result("ps-0")["compressed_gradient_bytes"] / job.result("ps-0")["compressed_gradient_bytes"]
+    # Pushes and pulls together: pulls carry the change since each worker's copy.
+    total = total_bytes(sync_job) / total_bytes(job)
+    pulls = sync_job.result("ps-0")["bytes_sent"] / job.result("ps-0")["bytes_sent"]
     print(f"\nTopK 0.01: {ratio:.1f}x fewer gradient bytes sent ({received:.1f}x received by ps-0); "
+          f"{pulls:.1f}x fewer pull bytes, {total:.1f}x fewer bytes in all; "
           f"accuracy {accuracy(job):.4f} (None {accuracy(sync_job):.4f})")
     assert ratio >= 40 and received >= 40
-    assert accuracy(job) >= accuracy(sync_job) - 0.02
+    assert total >= 20
+    assert job.result("ps-0")["whole_pulls"] <= 3  # each worker's first, and the chief's final one
+    assert all(job.result(f"worker-{i}")["pull_copy_mismatches"] == 0 for i in range(2))
+    assert accuracy(job) >= accuracy(sync_job) - 0.01
 
 
 def test_sigterm_checkpoints_the_shard_at_its_step_and_a_restart_loses_nothing(tmp_path):

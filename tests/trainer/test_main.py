@@ -11,6 +11,7 @@ import torch
 
 from kubetrain_trainer.__main__ import main
 from kubetrain_trainer.errors import EXIT_CONFIG, EXIT_LOAD
+from kubetrain_trainer.events import STARTUP_TAG
 
 
 @dataclass
@@ -45,6 +46,11 @@ if not torch.cuda.is_available():
                            "spec.training.device: cuda asked for, but no GPU is visible"))
 
 
+def messages(stderr: str) -> list[str]:
+    """stderr's lines apart from the start-up milestones (events.startup), which precede any error."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(f"{STARTUP_TAG} ")]
+
+
 def with_tmp(value, tmp: str):
     """The table's `{tmp}` placeholders filled with the test's tmp_path."""
     if isinstance(value, dict):
@@ -59,7 +65,7 @@ def test_bad_input_exits_with_its_code_and_one_line(
     np.savez(tmp_path / "no_x.npz", y=np.zeros(4, dtype=np.int64))
     set_trainer_env(write_job(with_tmp(case.spec, str(tmp_path))), tmp_path / "run", **case.env)
     assert main(["single"]) == case.exit_code
-    stderr = capsys.readouterr().err.strip().splitlines()
+    stderr = messages(capsys.readouterr().err)
     assert len(stderr) == 1 and case.message.replace("{tmp}", str(tmp_path)) in stderr[0], stderr
 
 
@@ -67,7 +73,7 @@ def test_the_module_prints_no_traceback(write_job, run_trainer, tmp_path: Path) 
     job = write_job({"dataset": {"name": None, "path": str(tmp_path / "none.npz")}})
     done = run_trainer(job, tmp_path / "run")
     assert done.returncode == EXIT_LOAD
-    assert done.stderr.strip().splitlines() == [
+    assert messages(done.stderr) == [
         f"python -m kubetrain_trainer single: error: spec.dataset.path: {tmp_path}/none.npz: no such file"
     ]
 

@@ -37,6 +37,7 @@ CONTRACT = {
     "kubetrain_rpc_duration_seconds": "histogram",
     "kubetrain_rpc_retries": "counter",
     "kubetrain_checkpoint_duration_seconds": "histogram",
+    "kubetrain_checkpoint_stall_seconds": "histogram",
     "kubetrain_checkpoint_size_bytes": "gauge",
     "kubetrain_checkpoint_last_success_timestamp_seconds": "gauge",
     "kubetrain_last_checkpoint_step": "gauge",

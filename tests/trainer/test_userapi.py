@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ import kubetrain
 from helpers.metrics import scrape
 from helpers.net import free_port
 from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
-from kubetrain_trainer import userapi
+from kubetrain_trainer import checkpoint, userapi
 from kubetrain_trainer.events import read_events
 
 
@@ -45,8 +49,8 @@ def test_a_saved_state_is_durable_and_restored_whole(script_env):
     tmp, _ = script_env
     model = nn.Linear(3, 2)
     state = {"model": model.state_dict(), "epoch": 4, "name": "run-a", "history": [0.5, 0.25]}
-    kubetrain.save(state, 10)
-    # Durable on return: the file is there and `latest` names it.
+    kubetrain.save(state, 10, wait=True)
+    # Durable on return with wait=True: the file is there and `latest` names it.
     assert (tmp / "ckpt" / "latest").read_text().strip() == "ckpt-00000010.pt"
     userapi._session.close()
     userapi._session = None  # a new process
@@ -63,13 +67,14 @@ def test_keep_last_applies_to_a_scripts_checkpoints(script_env):
     tmp, _ = script_env
     for step in (1, 2, 3, 4):
         kubetrain.save({"w": torch.full((2,), float(step))}, step)
+    userapi.session().close()  # the last write is durable
     assert sorted(p.name for p in (tmp / "ckpt").glob("ckpt-*.pt")) == ["ckpt-00000003.pt", "ckpt-00000004.pt"]
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(script_env):
     tmp, _ = script_env
     kubetrain.save({"w": torch.ones(4)}, 1)
-    kubetrain.save({"w": torch.ones(4) * 2}, 2)
+    kubetrain.save({"w": torch.ones(4) * 2}, 2, wait=True)
     newest = tmp / "ckpt" / "ckpt-00000002.pt"
     newest.write_bytes(newest.read_bytes()[:-5])  # torn
     userapi._session.close()
@@ -154,3 +159,50 @@ def test_the_public_api_is_exactly_the_four_calls():
     assert json.dumps(sorted(n for n in vars(kubetrain) if not n.startswith("_") and callable(getattr(kubetrain, n))
                              and getattr(kubetrain, n).__module__ == "kubetrain"))  == json.dumps(
         sorted(kubetrain.__all__))
+
+
+def test_a_save_returns_before_the_write_and_is_reported_only_once_durable(script_env, monkeypatch):
+    tmp, port = script_env
+    release = threading.Event()
+    real = checkpoint._verify_written
+
+    def held(path, *args):
+        assert release.wait(60)
+        real(path, *args)
+
+    monkeypatch.setattr(checkpoint, "_verify_written", held)
+    weights = torch.zeros(8)
+    kubetrain.save({"w": weights, "names": ["a"]}, 3)  # returns with the write held
+    weights += 1  # in place, as an optimizer step would
+    gauge = 'kubetrain_last_checkpoint_step{job="s",namespace="default",replica="single-0",role="single"}'
+    text = scrape(f"127.0.0.1:{port}", timeout=5)
+    assert f"{gauge} 0.0" in text and not (tmp / "ckpt" / "latest").exists()
+    assert not [e for e in read_events(tmp / "metrics" / "single-0.jsonl") if e["event"] == "checkpoint"]
+    release.set()
+    userapi.session().checkpoints.wait()
+    assert f"{gauge} 3.0" in scrape(f"127.0.0.1:{port}", timeout=5)
+    userapi.session().close()
+    [event] = [e for e in read_events(tmp / "metrics" / "single-0.jsonl") if e["event"] == "checkpoint"]
+    assert event["step"] == 3
+    userapi._session = None
+    restored, step = kubetrain.restore()
+    assert step == 3 and torch.equal(restored["w"], torch.zeros(8)) and restored["names"] == ["a"]
+
+
+SCRIPT_WHOSE_LAST_SAVE_FAILS = """
+import shutil, torch, kubetrain
+kubetrain.restore()
+shutil.rmtree(kubetrain.checkpoint_dir())  # the volume goes away under the writer
+kubetrain.save({"w": torch.ones(4)}, 1)
+print("script done")
+"""
+
+
+def test_a_script_whose_last_background_save_failed_exits_75_to_be_retried(script_env):
+    tmp, _ = script_env
+    env = {**os.environ, "KUBETRAIN_METRICS_PORT": "0"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_WHOSE_LAST_SAVE_FAILS], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "script done" in proc.stdout
+    assert proc.returncode == 75, proc.stderr
+    assert "could not be written" in proc.stderr and "exiting with 75" in proc.stderr

@@ -38,9 +38,10 @@ from ..contract import JobCheckpoints, ProgressReporter
 from ..data import ShardCursor
 from ..device import make_deterministic, select_device
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
-from ..events import EventLog, write_result
+from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import build_optimizer, evaluate, model_and_data
+from ..slowdown import Slowdown
 from ..training import planned_steps, train_step
 from .hooks import CommHook
 from kubetrain_operator.api.launch import fault_armed, rank_replica
@@ -132,6 +133,7 @@ class DDPTrainer:
         self.threads = make_deterministic()
         self.device = select_ddp_device(spec, topo.local_rank)
         self.model, self.data = model_and_data(spec)
+        startup("model", rank=topo.rank)
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
         self.model.to(self.device)
@@ -160,6 +162,7 @@ class DDPTrainer:
         self.checkpoint_step = -1
         self.bytes_sent = 0
         self.raw_gradient_bytes = 0
+        self.slowdown = Slowdown.for_replica(replica)  # a benchmark's straggler (trainer/slowdown.py)
 
     # --- the group ---------------------------------------------------------------
 
@@ -171,6 +174,7 @@ class DDPTrainer:
         dist.init_process_group(
             spec.ddp.backend, timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds)
         )
+        startup("joined", rank=self.topo.rank)  # every rank of the group connected
         self.ddp = DistributedDataParallel(
             self.model, device_ids=[self.device] if self.device.type == "cuda" else None
         )
@@ -273,6 +277,7 @@ class DDPTrainer:
         self.join()
         assert self.ddp is not None and self.hook is not None
         self.restore()
+        startup("restored", rank=self.topo.rank, step=self.step)
         spec = self.ctx.spec
         self.events.write(
             "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
@@ -284,12 +289,15 @@ class DDPTrainer:
         self.reporter.start_window(self.step)
         while self.step < self.total_steps:
             step_start = time.perf_counter()
+            self.slowdown.begin()
             batch = self.cursor.next_batch().to(self.device)
             local_loss = train_step(self.ddp, self.optimizer, self.train_x[batch], self.train_y[batch],
                                     self.data.objective)
+            self.slowdown.after()
             raw, sent = self.hook.end_step()
             self.loss, stop = self.sync_step(local_loss, len(batch))
             self.step += 1
+            startup("first_step", rank=self.topo.rank, step=self.step)
             self.samples += len(batch)
             self.raw_gradient_bytes += raw
             self.bytes_sent += sent

@@ -79,6 +79,14 @@ def _socket_sink(nbytes: int, chunk: int) -> None:
                 conn.sendall(ACK)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        # Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ready(port: int) -> None:
     print(port, flush=True)
 
@@ -190,13 +198,21 @@ def bench_transport(
             ways["ps_push_tls"] = lambda: tls_client.push(0, header, out)
             ways["ps_pull_tls"] = lambda: tls_client.pull(
                 0, pb.PullRequest(worker=0), lambda: Assembler(expected, scratch, {"t": target}))
+        # Who receives: a sink process for the socket and pushes, this process for pulls.
+        receiver = {"raw_socket": sinks[0][0].pid, "ps_push": sinks[1][0].pid, "ps_push_checked": sinks[2][0].pid,
+                    "ps_pull": os.getpid(), "ps_pull_tls": os.getpid()}
+        if tls_client is not None:
+            receiver["ps_push_tls"] = sinks[3][0].pid
         rates: dict[str, list[float]] = {name: [] for name in ways}
+        cpu: dict[str, float] = {name: 0.0 for name in ways}
         for round_ in range(rounds + 1):
             for name, once in ways.items():
+                cpu_before = _cpu_seconds(receiver[name])
                 started = time.perf_counter()
                 once()
                 if round_:  # the first round warms up connections and buffers
                     rates[name].append(nbytes / (time.perf_counter() - started))
+                    cpu[name] += _cpu_seconds(receiver[name]) - cpu_before
         conn.close()
         if not torch.equal(target, tensor):
             raise RuntimeError("the pulled tensor differs from the one the sink served")
@@ -227,6 +243,9 @@ def bench_transport(
         "pull_ratio": round(best["ps_pull"] / best["raw_socket"], 3),
         "push_ratio_median_of_rounds": round(paired["ps_push"], 3),
         "pull_ratio_median_of_rounds": round(paired["ps_pull"], 3),
+        # The receiving process's CPU time per transfer (user + system, all its threads; /proc's
+        # 10 ms ticks, averaged over the rounds): less disturbed by a loaded machine than throughput.
+        **{f"{name}_receiver_cpu_ms": round(1000 * seconds / rounds, 1) for name, seconds in cpu.items()},
         "finite_check_ratio": round(best["ps_push_checked"] / best["ps_push"], 3),
         "finite_check_ratio_median_of_rounds": round(checked, 3),
         "finite_check_gb_per_s": round(nbytes / check_seconds / 1e9, 2),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kubetrain/ps/v1/ps.proto\x12\x0fkubetrain.ps.v1\"\x92\x01\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x08 \x01(\r\"\xa9\x01\n\nPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bworker_step\x18\x03 \x01(\x04\x12\x11\n\tbase_step\x18\x04 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x05 \x01(\x04\x12\x13\n\x0b\x63ursor_json\x18\x06 \x01(\t\x12\x0c\n\x04loss\x18\x07 \x01(\x02\x12\x13\n\x0bno_gradient\x18\x08 \x01(\x08\"@\n\nPullHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x02 \x01(\x04\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\"\x99\x01\n\x05\x46rame\x12)\n\x04push\x18\x01 \x01(\x0b\x32\x1b.kubetrain.ps.v1.PushHeader\x12)\n\x04pull\x18\x02 \x01(\x0b\x32\x1b.kubetrain.ps.v1.PullHeader\x12,\n\x06pieces\x18\x03 \x03(\x0b\x32\x1c.kubetrain.ps.v1.TensorPiece\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"k\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bworker_step\x18\x02 \x01(\x04\x12\x10\n\x08min_step\x18\x03 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x04 \x01(\x04\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\xc3\x01\n\tPushReply\x12\x33\n\x07outcome\x18\x01 \x01(\x0e\x32\".kubetrain.ps.v1.PushReply.Outcome\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\"`\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\t\n\x05STALE\x10\x03\x12\x08\n\x04\x44ONE\x10\x04\x12\x0b\n\x07SKIPPED\x10\x05\"\x0f\n\rStatusRequest\"d\n\x0cWorkerStatus\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bworker_step\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1d\n\x15seconds_since_contact\x18\x04 \x01(\x01\"\xcf\x01\n\x0bStatusReply\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ggregation\x18\x04 \x01(\t\x12\x0f\n\x07tensors\x18\x05 \x03(\t\x12.\n\x07workers\x18\x06 \x03(\x0b\x32\x1d.kubetrain.ps.v1.WorkerStatus\x12\x15\n\rdropped_total\x18\x07 \x01(\x04\x12\x1c\n\x14last_checkpoint_step\x18\x08 \x01(\x04\"I\n\rFinishRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0b\x63ursor_json\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"#\n\x0b\x46inishReply\x12\x14\n\x0cjob_finished\x18\x01 \x01(\x08\"6\n\x0fRegisterRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"X\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x13\n\x0b\x63ursor_json\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"L\n\x10HeartbeatRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bworker_step\x18\x03 \x01(\x04\"&\n\x0eHeartbeatReply\x12\x14\n\x0cjob_finished\x18\x01 \x01(\x08\x32\x9e\x02\n\x0eParameterShard\x12>\n\x04Pull\x12\x1c.kubetrain.ps.v1.PullRequest\x1a\x16.kubetrain.ps.v1.Frame0\x01\x12<\n\x04Push\x12\x16.kubetrain.ps.v1.Frame\x1a\x1a.kubetrain.ps.v1.PushReply(\x01\x12\x46\n\x06Status\x12\x1e.kubetrain.ps.v1.StatusRequest\x1a\x1c.kubetrain.ps.v1.StatusReply\x12\x46\n\x06\x46inish\x12\x1e.kubetrain.ps.v1.FinishRequest\x1a\x1c.kubetrain.ps.v1.FinishReply2\xac\x01\n\x0b\x43oordinator\x12L\n\x08Register\x12 .kubetrain.ps.v1.RegisterRequest\x1a\x1e.kubetrain.ps.v1.RegisterReply\x12O\n\tHeartbeat\x12!.kubetrain.ps.v1.HeartbeatRequest\x1a\x1f.kubetrain.ps.v1.HeartbeatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kubetrain/ps/v1/ps.proto\x12\x0fkubetrain.ps.v1\"\x92\x01\n\x0bTensorPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x08 \x01(\r\"\xa9\x01\n\nPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bworker_step\x18\x03 \x01(\x04\x12\x11\n\tbase_step\x18\x04 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x05 \x01(\x04\x12\x13\n\x0b\x63ursor_json\x18\x06 \x01(\t\x12\x0c\n\x04loss\x18\x07 \x01(\x02\x12\x13\n\x0bno_gradient\x18\x08 \x01(\x08\"b\n\nPullHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x02 \x01(\x04\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x0c\n\x04\x63opy\x18\x04 \x01(\x04\x12\x12\n\ncopy_crc32\x18\x05 \x01(\r\"\x99\x01\n\x05\x46rame\x12)\n\x04push\x18\x01 \x01(\x0b\x32\x1b.kubetrain.ps.v1.PushHeader\x12)\n\x04pull\x18\x02 \x01(\x0b\x32\x1b.kubetrain.ps.v1.PullHeader\x12,\n\x06pieces\x18\x03 \x03(\x0b\x32\x1c.kubetrain.ps.v1.TensorPiece\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"y\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bworker_step\x18\x02 \x01(\x04\x12\x10\n\x08min_step\x18\x03 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x04 \x01(\x04\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x0c\n\x04\x63opy\x18\x06 \x01(\x04\"\xc3\x01\n\tPushReply\x12\x33\n\x07outcome\x18\x01 \x01(\x0e\x32\".kubetrain.ps.v1.PushReply.Outcome\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\"`\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\r\n\tDUPLICATE\x10\x02\x12\t\n\x05STALE\x10\x03\x12\x08\n\x04\x44ONE\x10\x04\x12\x0b\n\x07SKIPPED\x10\x05\"\x0f\n\rStatusRequest\"d\n\x0cWorkerStatus\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bworker_step\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x1d\n\x15seconds_since_contact\x18\x04 \x01(\x01\"\xcf\x01\n\x0bStatusReply\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x16\n\x0eps_incarnation\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ggregation\x18\x04 \x01(\t\x12\x0f\n\x07tensors\x18\x05 \x03(\t\x12.\n\x07workers\x18\x06 \x03(\x0b\x32\x1d.kubetrain.ps.v1.WorkerStatus\x12\x15\n\rdropped_total\x18\x07 \x01(\x04\x12\x1c\n\x14last_checkpoint_step\x18\x08 \x01(\x04\"I\n\rFinishRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0b\x63ursor_json\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"#\n\x0b\x46inishReply\x12\x14\n\x0cjob_finished\x18\x01 \x01(\x08\"6\n\x0fRegisterRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"X\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x13\n\x0b\x63ursor_json\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"L\n\x10HeartbeatRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0bworker_step\x18\x03 \x01(\x04\"&\n\x0eHeartbeatReply\x12\x14\n\x0cjob_finished\x18\x01 \x01(\x08\x32\x9e\x02\n\x0eParameterShard\x12>\n\x04Pull\x12\x1c.kubetrain.ps.v1.PullRequest\x1a\x16.kubetrain.ps.v1.Frame0\x01\x12<\n\x04Push\x12\x16.kubetrain.ps.v1.Frame\x1a\x1a.kubetrain.ps.v1.PushReply(\x01\x12\x46\n\x06Status\x12\x1e.kubetrain.ps.v1.StatusRequest\x1a\x1c.kubetrain.ps.v1.StatusReply\x12\x46\n\x06\x46inish\x12\x1e.kubetrain.ps.v1.FinishRequest\x1a\x1c.kubetrain.ps.v1.FinishReply2\xac\x01\n\x0b\x43oordinator\x12L\n\x08Register\x12 .kubetrain.ps.v1.RegisterRequest\x1a\x1e.kubetrain.ps.v1.RegisterReply\x12O\n\tHeartbeat\x12!.kubetrain.ps.v1.HeartbeatRequest\x1a\x1f.kubetrain.ps.v1.HeartbeatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHHEADER']._serialized_start=195
   _globals['_PUSHHEADER']._serialized_end=364
   _globals['_PULLHEADER']._serialized_start=366
-  _globals['_PULLHEADER']._serialized_end=430
-  _globals['_FRAME']._serialized_start=433
-  _globals['_FRAME']._serialized_end=586
-  _globals['_PULLREQUEST']._serialized_start=588
-  _globals['_PULLREQUEST']._serialized_end=695
-  _globals['_PUSHREPLY']._serialized_start=698
-  _globals['_PUSHREPLY']._serialized_end=893
-  _globals['_PUSHREPLY_OUTCOME']._serialized_start=797
-  _globals['_PUSHREPLY_OUTCOME']._serialized_end=893
-  _globals['_STATUSREQUEST']._serialized_start=895
-  _globals['_STATUSREQUEST']._serialized_end=910
-  _globals['_WORKERSTATUS']._serialized_start=912
-  _globals['_WORKERSTATUS']._serialized_end=1012
-  _globals['_STATUSREPLY']._serialized_start=1015
-  _globals['_STATUSREPLY']._serialized_end=1222
-  _globals['_FINISHREQUEST']._serialized_start=1224
-  _globals['_FINISHREQUEST']._serialized_end=1297
-  _globals['_FINISHREPLY']._serialized_start=1299
-  _globals['_FINISHREPLY']._serialized_end=1334
-  _globals['_REGISTERREQUEST']._serialized_start=1336
-  _globals['_REGISTERREQUEST']._serialized_end=1390
-  _globals['_REGISTERREPLY']._serialized_start=1392
-  _globals['_REGISTERREPLY']._serialized_end=1480
-  _globals['_HEARTBEATREQUEST']._serialized_start=1482
-  _globals['_HEARTBEATREQUEST']._serialized_end=1558
-  _globals['_HEARTBEATREPLY']._serialized_start=1560
-  _globals['_HEARTBEATREPLY']._serialized_end=1598
-  _globals['_PARAMETERSHARD']._serialized_start=1601
-  _globals['_PARAMETERSHARD']._serialized_end=1887
-  _globals['_COORDINATOR']._serialized_start=1890
-  _globals['_COORDINATOR']._serialized_end=2062
+  _globals['_PULLHEADER']._serialized_end=464
+  _globals['_FRAME']._serialized_start=467
+  _globals['_FRAME']._serialized_end=620
+  _globals['_PULLREQUEST']._serialized_start=622
+  _globals['_PULLREQUEST']._serialized_end=743
+  _globals['_PUSHREPLY']._serialized_start=746
+  _globals['_PUSHREPLY']._serialized_end=941
+  _globals['_PUSHREPLY_OUTCOME']._serialized_start=845
+  _globals['_PUSHREPLY_OUTCOME']._serialized_end=941
+  _globals['_STATUSREQUEST']._serialized_start=943
+  _globals['_STATUSREQUEST']._serialized_end=958
+  _globals['_WORKERSTATUS']._serialized_start=960
+  _globals['_WORKERSTATUS']._serialized_end=1060
+  _globals['_STATUSREPLY']._serialized_start=1063
+  _globals['_STATUSREPLY']._serialized_end=1270
+  _globals['_FINISHREQUEST']._serialized_start=1272
+  _globals['_FINISHREQUEST']._serialized_end=1345
+  _globals['_FINISHREPLY']._serialized_start=1347
+  _globals['_FINISHREPLY']._serialized_end=1382
+  _globals['_REGISTERREQUEST']._serialized_start=1384
+  _globals['_REGISTERREQUEST']._serialized_end=1438
+  _globals['_REGISTERREPLY']._serialized_start=1440
+  _globals['_REGISTERREPLY']._serialized_end=1528
+  _globals['_HEARTBEATREQUEST']._serialized_start=1530
+  _globals['_HEARTBEATREQUEST']._serialized_end=1606
+  _globals['_HEARTBEATREPLY']._serialized_start=1608
+  _globals['_HEARTBEATREPLY']._serialized_end=1646
+  _globals['_PARAMETERSHARD']._serialized_start=1649
+  _globals['_PARAMETERSHARD']._serialized_end=1935
+  _globals['_COORDINATOR']._serialized_start=1938
+  _globals['_COORDINATOR']._serialized_end=2110
 # @@protoc_insertion_point(module_scope)

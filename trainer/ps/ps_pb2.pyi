@@ -48,14 +48,18 @@ class PushHeader(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., worker_step: _Optional[int] = ..., base_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., cursor_json: _Optional[str] = ..., loss: _Optional[float] = ..., no_gradient: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("step", "ps_incarnation", "done")
+    __slots__ = ("step", "ps_incarnation", "done", "copy", "copy_crc32")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PS_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
+    COPY_CRC32_FIELD_NUMBER: _ClassVar[int]
     step: int
     ps_incarnation: int
     done: bool
-    def __init__(self, step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    copy: int
+    copy_crc32: int
+    def __init__(self, step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., done: _Optional[bool] = ..., copy: _Optional[int] = ..., copy_crc32: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("push", "pull", "pieces", "data")
@@ -70,18 +74,20 @@ class Frame(_message.Message):
     def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "worker_step", "min_step", "ps_incarnation", "final")
+    __slots__ = ("worker", "worker_step", "min_step", "ps_incarnation", "final", "copy")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WORKER_STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     PS_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     worker: int
     worker_step: int
     min_step: int
     ps_incarnation: int
     final: bool
-    def __init__(self, worker: _Optional[int] = ..., worker_step: _Optional[int] = ..., min_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    copy: int
+    def __init__(self, worker: _Optional[int] = ..., worker_step: _Optional[int] = ..., min_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., final: _Optional[bool] = ..., copy: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "step", "staleness")

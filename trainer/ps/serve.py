@@ -10,7 +10,7 @@ from ..contract import JobCheckpoints
 from ..data import ShardCursor
 from ..device import make_deterministic
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
-from ..events import EventLog, write_result
+from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import build_optimizer
 from ..training import log_interval
@@ -53,6 +53,7 @@ def run_ps(ctx: ReplicaContext) -> int:
         raise ConfigError("KUBETRAIN_PS_PORT: not set; a parameter server needs a port to listen on")
     make_deterministic()
     model, data = model_and_data(ctx)
+    startup("model")
     names = shards_of(model, ps.replicas)[ctx.index]
     params = {n: p for n, p in model.named_parameters() if n in names}
     steps_per_epoch = ShardCursor(len(data.train_x), 0, ps.workers, spec.training.batch_size, 0).steps_per_epoch
@@ -66,6 +67,7 @@ def run_ps(ctx: ReplicaContext) -> int:
 
     def after_step(step: int) -> None:
         nonlocal first_step_logged
+        startup("first_step", step=step)  # the first update since this process started (a restart's first)
         ctx.maybe_fault(step)
         if step % interval == 0 or not first_step_logged or step == total_steps:
             events.write("step", step=step, dropped_total=shard.dropped_total)
@@ -85,6 +87,7 @@ def run_ps(ctx: ReplicaContext) -> int:
         interval_steps=spec.checkpoint.interval_steps,
         chunk_bytes=chunk_bytes(),
         worker_steps=planned_worker_steps(ctx, steps_per_epoch),
+        compression=ps.compression,
     )
     coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds) if ctx.index == 0 else None
     shard = ParameterShard(
@@ -92,6 +95,7 @@ def run_ps(ctx: ReplicaContext) -> int:
         coordinator=coordinator, metrics=metrics, after_step=after_step,
     )
     resumed = shard.restore()
+    startup("restored", step=shard.step, resumed=resumed)
     metrics.process_starts_total.inc()
     metrics.total_steps.set(total_steps)
     metrics.training_step.set(shard.step)
@@ -108,6 +112,7 @@ def run_ps(ctx: ReplicaContext) -> int:
     except RuntimeError as err:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     server.start()
+    startup("serving")
     events.write("start", step=shard.step, total_steps=total_steps, tensors=len(params),
                  parameter_bytes=sum(e.nbytes for e in shard.expected.values()), incarnation=shard.incarnation)
     if resumed:
@@ -118,10 +123,17 @@ def run_ps(ctx: ReplicaContext) -> int:
         while not shard.job_finished.wait(TICK_SECONDS):
             shard.tick()
             if ctx.stop_requested:
+                # No call is taken after the final checkpoint: a push applied after it (the server
+                # kept serving until `finally`) was lost to the restart, and the stop event named an
+                # older step than the checkpoint (39 against 40, seen once). Calls in flight are
+                # cancelled; workers retry CANCELLED against the restarted shard. A push already
+                # inside its handler can still land after the checkpoint (not closed yet).
+                server.stop(grace=None)
                 with shard.cond:
                     shard.checkpoint(wait=True)
-                events.write("stop", step=shard.step)
-                log.info("%s: stopped by SIGTERM at step %d, checkpoint written", ctx.replica, shard.step)
+                    stopped_at = shard.step
+                events.write("stop", step=stopped_at)
+                log.info("%s: stopped by SIGTERM at step %d, checkpoint written", ctx.replica, stopped_at)
                 return EXIT_TERMINATED
         with shard.cond:
             if shard.checkpoint_step != shard.step:
@@ -136,6 +148,8 @@ def run_ps(ctx: ReplicaContext) -> int:
             "bytes_received": shard.counter.received,
             "raw_gradient_bytes": shard.raw_gradient_bytes,
             "compressed_gradient_bytes": shard.compressed_gradient_bytes,
+            "whole_pulls": shard.pulls.whole_pulls,
+            "compressed_pulls": shard.pulls.compressed_pulls,
             "sync_dropped_workers": shard.dropped_total,
             "wall_seconds": wall,
             "checkpoint_step": shard.checkpoint_step,

@@ -20,6 +20,10 @@ Aggregation:
   maxStaleness of its own steps ahead of the slowest live worker is held in
   Pull until the others catch up.
 
+Pulls: the parameters whole, or, with a lossy compression algorithm, the
+change since the copy the worker holds, which the shard keeps per worker
+(compression.PullCompressor; docs/parameter-server.md, Compressed pulls).
+
 Bad input on the wire (a wrong token, unknown tensors, wrong dtypes or
 shapes, truncated or oversized chunks, steps from the future) is refused with
 a gRPC status before anything changes: a push is received and checked whole
@@ -52,9 +56,10 @@ from typing import Any
 
 import grpc
 import torch
+from kubetrain_operator.api.spec import Compression
 
 from ..checkpoint import CheckpointStore
-from ..compression import as_bytes
+from ..compression import MAX_WORKER_COPY_BYTES, PullCompressor, as_bytes
 from ..metrics import TrainerMetrics
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
@@ -169,6 +174,8 @@ class WorkerState:
     taken: TakenSteps = field(default_factory=TakenSteps)
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
     receive_lock: threading.Lock = field(default_factory=threading.Lock)
+    pull_lock: threading.Lock = field(default_factory=threading.Lock)
+    """One compressed pull of this worker at a time: each one reads and replaces its copy (PullCompressor)."""
 
 
 @dataclass(eq=False)
@@ -202,6 +209,10 @@ class ShardConfig:
     push_stall_seconds: float = PUSH_STALL_SECONDS
     stream_seconds: float | None = None
     """Age at which any stream is cancelled; None: the longest honest deadline plus STREAM_GRACE_SECONDS."""
+    compression: Compression = field(default_factory=Compression)
+    """The job's algorithm: with a lossy one, pulls carry the change since the worker's copy (PullCompressor)."""
+    worker_copy_bytes: int = MAX_WORKER_COPY_BYTES
+    """What this shard may hold of workers' copies for compressed pulls (compression.MAX_WORKER_COPY_BYTES)."""
 
     def __post_init__(self) -> None:
         if self.stream_seconds is None:
@@ -246,6 +257,8 @@ class ParameterShard:
         self.contributors = 0
         """Sync: gradients summed in pending_sum for the current step."""
         self.pending_sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        shard_bytes = sum(e.nbytes for e in self.expected.values())
+        self.pulls = PullCompressor(config.compression, shard_bytes, config.worker_copy_bytes)
         self.first_push_at: float | None = None
         self.job_finished = threading.Event()
         self.streams: set[StreamWatch] = set()
@@ -303,6 +316,8 @@ class ParameterShard:
     def checkpoint(self, wait: bool = False) -> None:
         """Save under the lock (the caller holds it): parameters, optimizer and cursors of one step."""
         self.store.save(self.step, self.state())
+        if self.metrics is not None:
+            self.metrics.checkpoint_stall_seconds.observe(self.store.stall_seconds)
         self.checkpoint_step = self.step
         if wait:
             self.store.wait()
@@ -491,8 +506,24 @@ class ParameterShard:
                     return  # cancelled while held: by its client, or by tick()
                 step, tensors = self.published
                 header = pb.PullHeader(step=step, ps_incarnation=self.incarnation, done=self.done)
-            out = [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), "None", as_bytes(t)) for n, t in tensors.items()]
-            yield from frames_for(out, self.config.chunk_bytes, pb.Frame(pull=header))
+            yield from frames_for(self._pull_tensors(request, tensors, header), self.config.chunk_bytes,
+                                  pb.Frame(pull=header))
+
+    def _pull_tensors(self, request: pb.PullRequest, tensors: dict[str, torch.Tensor],
+                      header: pb.PullHeader) -> list[OutTensor]:
+        """The tensors of a pull reply: whole, or (lossy compression) the changes since the worker's copy.
+
+        Encoded, and the worker's copy replaced, before the first frame goes
+        out: a worker that received any of this reply and retries names its
+        old copy, which no longer matches, and gets a whole pull.
+        """
+        if not self.pulls.enabled:
+            return [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), "None", as_bytes(t)) for n, t in tensors.items()]
+        with self.workers[request.worker].pull_lock:
+            encoded = self.pulls.encode(request.worker, request.copy, tensors, request.worker_step, request.final)
+        header.copy, header.copy_crc32 = encoded.copy, encoded.crc32
+        return [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), encoded.tensors[n].codec, encoded.tensors[n].payload)
+                for n, t in tensors.items()]
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
         # A cancelled stream (by its client, or by tick() as stalled) raises the
@@ -582,7 +613,8 @@ class ParameterShard:
                     for w, s in self.workers.items()
                 ],
                 dropped_total=self.dropped_total,
-                last_checkpoint_step=max(self.checkpoint_step, 0),
+                # The durable one, not the one being written: a checkpoint is named only once it can be resumed.
+                last_checkpoint_step=self.store.durable_step or 0,
             )
 
     def _finish_refusal(self, worker: int, incarnation: int) -> str | None:

@@ -28,14 +28,15 @@ from typing import Any
 import grpc
 import torch
 
-from ..compression import GradientCompressor
+from ..compression import GradientCompressor, copy_crc32
 from ..context import ReplicaContext
 from ..data import ShardCursor
 from ..device import make_deterministic, select_device
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
-from ..events import EventLog, write_result
+from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import evaluate
+from ..slowdown import Slowdown
 from ..training import compute_gradients, log_interval
 from . import ps_pb2 as pb
 from .client import PSClient, wait_timeout
@@ -73,6 +74,7 @@ class Worker:
         make_deterministic()
         self.device = select_device(spec.training.device)
         self.model, self.data = model_and_data(ctx)
+        startup("model")
         self.model.to(self.device)
         self.params = dict(self.model.named_parameters())
         self.shards = shards_of(self.model, self.ps.replicas)
@@ -102,8 +104,12 @@ class Worker:
         self.ps_incarnation = [0] * len(self.shards)
         self.min_step = [0] * len(self.shards)
         self.shard_done = [False] * len(self.shards)
+        self.copy = [0] * len(self.shards)
+        """Per shard, the copy of its parameters this worker holds (PullHeader.copy); 0: none, pull whole."""
+        self.copy_mismatches = 0
         self.worker_step = 0
         self.non_finite_streak = 0
+        self.slowdown = Slowdown.for_replica(ctx.replica)  # a benchmark's straggler (trainer/slowdown.py)
         self.samples = 0
         self.loss = float("nan")
         self._stop_heartbeat = threading.Event()
@@ -122,12 +128,15 @@ class Worker:
             expected = {n: Expected.of(self.params[n]) for n in names}
             request = pb.PullRequest(
                 worker=self.ctx.index, worker_step=self.worker_step, min_step=self.min_step[s],
-                ps_incarnation=self.ps_incarnation[s], final=final,
+                ps_incarnation=self.ps_incarnation[s], final=final, copy=self.copy[s],
             )
+            # Lossy pieces are changes to this copy (compressed pulls), added in place.
             header, _ = self.client.pull(
-                s, request, lambda: Assembler(expected, self.scratch[s], {n: self.landing[n] for n in names}))
+                s, request, lambda: Assembler(expected, self.scratch[s], {n: self.landing[n] for n in names},
+                                              changes=True))
             self.ps_step[s], self.ps_incarnation[s] = header.step, header.ps_incarnation
             self.shard_done[s] = header.done
+            self.copy[s] = self._check_copy(s, header)
             return header
 
         headers = self._each_shard(one)
@@ -136,6 +145,23 @@ class Worker:
                 for name, param in self.params.items():
                     param.copy_(self.landing[name])
         return headers
+
+    def _check_copy(self, s: int, header: pb.PullHeader) -> int:
+        """The copy to name in the next pull: the shard's, if this worker's parameters match it bit for bit.
+
+        They do unless a decode differs between the two machines (PowerSGD's
+        matrix product on other CPUs may round differently): then this worker
+        names no copy and its next pull is whole, so the difference never grows.
+        """
+        if not header.copy:
+            return 0
+        mine = copy_crc32(self.landing[n] for n in sorted(self.shards[s]))
+        if mine == header.copy_crc32:
+            return header.copy
+        self.copy_mismatches += 1
+        log.warning("%s: its parameters differ from the copy shard %d sent (CRC-32 %08x, the shard's %08x); "
+                    "its next pull is whole", self.ctx.replica, s, mine, header.copy_crc32)
+        return 0
 
     def _header(self, s: int, cursor_json: str) -> pb.PushHeader:
         return pb.PushHeader(
@@ -232,6 +258,7 @@ class Worker:
         self.metrics.total_steps.set(self.total_steps)
         self.metrics.serve(ctx.metrics_port, ctx.listen_address)
         registration = self.client.register(ctx.index, self.incarnation)
+        startup("registered", resumed=bool(registration.cursor_json))
         if registration.cursor_json:
             self.cursor.load_state_dict(json.loads(registration.cursor_json))
         spe = self.cursor.steps_per_epoch
@@ -258,8 +285,10 @@ class Worker:
             if all(h.done for h in headers):
                 break
             step_start = time.perf_counter()
+            self.slowdown.begin()
             batch = self.cursor.next_batch().to(self.device)
             self.loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective)
+            self.slowdown.after()
             self.worker_step += 1
             grads = {n: p.grad.detach().to("cpu") for n, p in self.params.items()}
             self.step(grads)
@@ -269,6 +298,7 @@ class Worker:
             run_samples += len(batch)
             window_samples += len(batch)
             self.metrics.steps_total.inc()
+            startup("first_step", step=self.ps_step[0], worker_step=self.worker_step)
             self.metrics.samples_total.inc(len(batch))
             self.metrics.step_duration_seconds.observe(now - step_start)
             self.metrics.training_step.set(self.ps_step[0])
@@ -317,6 +347,7 @@ class Worker:
             "raw_gradient_bytes": self.compressor.raw_bytes,
             "compressed_gradient_bytes": self.compressor.compressed_bytes,
             "compression_ratio": self.compressor.ratio,
+            "pull_copy_mismatches": self.copy_mismatches,
             "wall_seconds": wall,
         }, termination_log=ctx.termination_log)
         self.events.write("end", step=self.ps_step[0], worker_step=self.worker_step, wall_seconds=wall)

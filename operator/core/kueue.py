@@ -1,0 +1,253 @@
+"""Kueue admission for a TrainingJob, pure: the Workload to create, what its status says, and the
+status writes Kueue expects of an external framework's controller.
+
+Kueue (sigs.k8s.io/kueue) admits jobs as one unit against a ClusterQueue's quota. For a custom
+resource it offers "external frameworks" (`integrations.externalFrameworks:
+["TrainingJob.v1alpha1.kubetrain.dev"]` in its Configuration): Kueue then admits, preempts and
+evicts the Workloads such a job owns, and the job's own controller does what Kueue's built-in
+integrations do for theirs (sigs.k8s.io/kueue pkg/controller/jobframework/reconciler.go, v0.17.0):
+
+1. create one Workload per job, owned by it (controller reference), in the queue the job's
+   `kueue.x-k8s.io/queue-name` label names, one pod set per replica role with its count and pod
+   template (the resources Kueue counts against quota), the WorkloadPriorityClass's value in
+   `spec.priority`;
+2. keep the job suspended until the Workload is Admitted, then start every replica with the
+   admission's node selectors and tolerations (the assigned ResourceFlavors' `nodeLabels` and
+   `tolerations`, and any admission check's podSetUpdates);
+3. when the Workload is Evicted (preempted, its queue stopped, ...): stop the replicas, and once
+   none is left, give the quota back: QuotaReserved False (reason Pending), `status.admission`
+   cleared, Admitted False, Requeued (True after a preemption or node failure). Kueue then
+   queues the Workload again and admits it when quota frees up;
+4. when the job finishes: the Workload's Finished condition (reason Succeeded or Failed).
+
+Nothing here talks to the API server: `controller.handlers` reads the Workload, the
+ResourceFlavors and the WorkloadPriorityClass and writes what these functions return.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api import API_VERSION, KIND, TrainingJob
+from .children import LABEL_JOB, LABEL_MANAGED, MANAGER, children, owner_reference
+from .engine import QueueAdmission
+from .plan import replica_names
+
+GROUP = "kueue.x-k8s.io"
+VERSION = "v1beta2"
+WORKLOAD_API = f"{GROUP}/{VERSION}"
+QUEUE_LABEL = f"{GROUP}/queue-name"
+PRIORITY_LABEL = f"{GROUP}/priority-class"
+EXTERNAL_FRAMEWORK = f"{KIND}.{API_VERSION.split('/')[1]}.{API_VERSION.split('/')[0]}"
+"""What Kueue's Configuration lists in integrations.externalFrameworks: Kind.version.group."""
+MAX_WORKLOAD_NAME = 253
+"""A Workload's name is a DNS subdomain; a job's name is far shorter (the CRD limits it)."""
+MAX_CONDITION_MESSAGE = 32768
+"""metav1.Condition.message's limit (the API server refuses longer)."""
+
+ROLES = ("single", "ps", "worker", "ddp")
+
+
+def queue_name(job: TrainingJob) -> str | None:
+    """The LocalQueue the job asks for, or None: a job without the label is not Kueue's."""
+    return (job.metadata.labels or {}).get(QUEUE_LABEL) or None
+
+
+def priority_class(job: TrainingJob) -> str | None:
+    return (job.metadata.labels or {}).get(PRIORITY_LABEL) or None
+
+
+def workload_name(job: TrainingJob, uid: str) -> str:
+    """Unique per incarnation: a job re-created under the same name must not take the Workload of
+    the old one, which garbage collection is about to delete (as the token Secret's name)."""
+    return f"trainingjob-{job.name}-{uid[:8]}"[:MAX_WORKLOAD_NAME] if uid else f"trainingjob-{job.name}"
+
+
+def _role_templates(job: TrainingJob, uid: str, settings: Any) -> dict[str, dict[str, Any]]:
+    """One pod template per role, as the operator renders that role's pods (its first replica)."""
+    out: dict[str, dict[str, Any]] = {}
+    for obj in children(job, uid, "", settings):
+        if obj["kind"] == "Pod":
+            role = obj["metadata"]["labels"]["kubetrain.dev/role"]
+            if role not in out:
+                out[role] = {"metadata": {"labels": dict(obj["metadata"].get("labels") or {})},
+                             "spec": copy.deepcopy(obj["spec"])}
+        elif obj["kind"] == "StatefulSet":
+            out["ddp"] = copy.deepcopy(obj["spec"]["template"])
+    return out
+
+
+def workload(job: TrainingJob, uid: str, settings: Any, priority: int | None = None) -> dict[str, Any]:
+    """The job's Workload: a pod set per role (count, the pods' template), owned by the job."""
+    counts: dict[str, int] = {}
+    for role, _ in replica_names(job):
+        counts[role] = counts.get(role, 0) + 1
+    templates = _role_templates(job, uid, settings)
+    pod_sets = [{"name": role, "count": n, "template": templates[role]} for role, n in counts.items()]
+    spec: dict[str, Any] = {"queueName": queue_name(job), "podSets": pod_sets}
+    pc = priority_class(job)
+    if pc:
+        spec["priorityClassRef"] = {"group": GROUP, "kind": "WorkloadPriorityClass", "name": pc}
+        if priority is not None:
+            spec["priority"] = priority
+    labels = {LABEL_JOB: job.name, LABEL_MANAGED: MANAGER, QUEUE_LABEL: queue_name(job) or ""}
+    if uid:
+        labels[f"{GROUP}/job-uid"] = uid
+    if pc:
+        labels[PRIORITY_LABEL] = pc
+    ref = owner_reference(job, uid)
+    return {
+        "apiVersion": WORKLOAD_API,
+        "kind": "Workload",
+        "metadata": {"name": workload_name(job, uid), "namespace": job.metadata.namespace, "labels": labels,
+                     "ownerReferences": [ref]},
+        "spec": spec,
+    }
+
+
+def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == ctype), None)
+
+
+def _true(status: dict[str, Any], ctype: str) -> bool:
+    c = _condition(status, ctype)
+    return c is not None and c.get("status") == "True"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the admission adds to one pod set's pods."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+def admission(wl: dict[str, Any] | None) -> QueueAdmission:
+    """Whether the Workload lets the job run now, and if not why, in Kueue's own words.
+
+    No Workload yet: queued (it is about to be created). Evicted: stop, whatever the admission
+    says (its quota is given back once the replicas are gone). Admitted: run.
+    """
+    if wl is None:
+        # Its own reason: the condition (and an Event) change to QueuedForAdmission, with Kueue's
+        # words, once Kueue has looked at the Workload.
+        return QueueAdmission(False, "WorkloadPending", "Waiting for the job's Kueue Workload to be created.")
+    status = wl.get("status") or {}
+    queue = (wl.get("spec") or {}).get("queueName", "")
+    if _true(status, "Finished"):
+        return QueueAdmission(True, "Finished", "")
+    evicted = _condition(status, "Evicted")
+    if evicted is not None and evicted.get("status") == "True":
+        reason = "Preempted" if evicted.get("reason") == "Preempted" else "Evicted"
+        return QueueAdmission(False, reason, f"Kueue evicted the job ({evicted.get('reason', '')}): "
+                                             f"{evicted.get('message', '')}".rstrip(": "), evicted=True)
+    if _true(status, "Admitted"):
+        return QueueAdmission(True, "Admitted", f"Admitted by Kueue in ClusterQueue "
+                                                f"{(status.get('admission') or {}).get('clusterQueue', '')}")
+    reserved = _condition(status, "QuotaReserved")
+    why = (reserved or {}).get("message") or ""
+    requeued = _condition(status, "Requeued")
+    if not why and requeued is not None:
+        why = requeued.get("message", "")
+    message = f"Waiting for Kueue to admit the job in LocalQueue {queue}"
+    return QueueAdmission(False, "QueuedForAdmission", f"{message}: {why}" if why else f"{message}.")
+
+
+def placements(wl: dict[str, Any], flavors: dict[str, dict[str, Any]]) -> dict[str, Placement]:
+    """Per pod set (role): the assigned flavors' nodeLabels and tolerations, then the admission
+    checks' podSetUpdates, as Kueue's jobframework applies them when it starts a job.
+    `flavors` maps a ResourceFlavor's name to its spec."""
+    status = wl.get("status") or {}
+    out: dict[str, Placement] = {}
+    for assignment in (status.get("admission") or {}).get("podSetAssignments") or []:
+        p = Placement()
+        for flavor in sorted(set((assignment.get("flavors") or {}).values())):
+            spec = flavors.get(flavor) or {}
+            p.node_selector.update(spec.get("nodeLabels") or {})
+            p.tolerations.extend(t for t in spec.get("tolerations") or [] if t not in p.tolerations)
+        out[assignment.get("name", "")] = p
+    for check in status.get("admissionChecks") or []:
+        for update in check.get("podSetUpdates") or []:
+            p = out.setdefault(update.get("name", ""), Placement())
+            p.node_selector.update(update.get("nodeSelector") or {})
+            p.tolerations.extend(t for t in update.get("tolerations") or [] if t not in p.tolerations)
+            p.labels.update(update.get("labels") or {})
+            p.annotations.update(update.get("annotations") or {})
+    return out
+
+
+def flavor_names(wl: dict[str, Any]) -> list[str]:
+    """The ResourceFlavors the admission assigned, for the controller to read."""
+    names = set()
+    for assignment in ((wl.get("status") or {}).get("admission") or {}).get("podSetAssignments") or []:
+        names.update((assignment.get("flavors") or {}).values())
+    return sorted(names)
+
+
+def place(obj: dict[str, Any], placement: Placement) -> dict[str, Any]:
+    """A Pod, or a StatefulSet's template, with the admission's placement merged in."""
+    obj = copy.deepcopy(obj)
+    template = obj["spec"]["template"] if obj["kind"] == "StatefulSet" else obj
+    spec = template["spec"]
+    if placement.node_selector:
+        spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **placement.node_selector}
+    if placement.tolerations:
+        spec["tolerations"] = list(spec.get("tolerations") or []) + [
+            t for t in placement.tolerations if t not in (spec.get("tolerations") or [])]
+    meta = template.setdefault("metadata", {})
+    if placement.labels:
+        meta["labels"] = {**(meta.get("labels") or {}), **placement.labels}
+    if placement.annotations:
+        meta["annotations"] = {**(meta.get("annotations") or {}), **placement.annotations}
+    return obj
+
+
+def _set(conds: list[dict[str, Any]], ctype: str, status: str, reason: str, message: str, now: str,
+         generation: int) -> None:
+    new = {"type": ctype, "status": status, "reason": reason, "message": message[:MAX_CONDITION_MESSAGE],
+           "lastTransitionTime": now, "observedGeneration": generation}
+    for i, c in enumerate(conds):
+        if c.get("type") == ctype:
+            if c.get("status") == status:
+                new["lastTransitionTime"] = c.get("lastTransitionTime", now)
+            conds[i] = new
+            return
+    conds.append(new)
+
+
+def release_quota(wl: dict[str, Any], now: str) -> dict[str, Any] | None:
+    """The status patch that gives an evicted Workload's quota back once its replicas stopped
+    (jobframework's UnsetQuotaReservationWithCondition): None when there is nothing to give back.
+    The patch carries the resourceVersion it was computed from: a Workload Kueue changed in
+    between is refused (409) and the next round computes it again."""
+    status = wl.get("status") or {}
+    evicted = _condition(status, "Evicted")
+    if evicted is None or evicted.get("status") != "True" or not _true(status, "QuotaReserved"):
+        return None
+    generation = (wl.get("metadata") or {}).get("generation", 0)
+    conds = copy.deepcopy(status.get("conditions") or [])
+    reason, message = evicted.get("reason", ""), evicted.get("message", "")
+    requeued = "True" if reason in ("Preempted", "NodeFailures") else "False"
+    _set(conds, "Requeued", requeued, reason, message, now, generation)
+    _set(conds, "QuotaReserved", "False", "Pending", message, now, generation)
+    _set(conds, "Admitted", "False", "NoReservation", "The workload has no reservation", now, generation)
+    return {"metadata": {"resourceVersion": (wl.get("metadata") or {}).get("resourceVersion")},
+            "status": {"conditions": conds, "admission": None}}
+
+
+def finish(wl: dict[str, Any], state: str, message: str, now: str) -> dict[str, Any] | None:
+    """The status patch that marks the Workload Finished when the job ended (its quota is then
+    free for the next Workload); None once it is."""
+    status = wl.get("status") or {}
+    if _true(status, "Finished"):
+        return None
+    conds = copy.deepcopy(status.get("conditions") or [])
+    reason = "Succeeded" if state == "Succeeded" else "Failed"
+    _set(conds, "Finished", "True", reason, message or f"The job {state.lower()}.", now,
+         (wl.get("metadata") or {}).get("generation", 0))
+    return {"metadata": {"resourceVersion": (wl.get("metadata") or {}).get("resourceVersion")},
+            "status": {"conditions": conds}}

@@ -1,0 +1,50 @@
+"""KUBETRAIN_BENCH_SLOWDOWN through `kubetrain run`: the named replica, and only it, runs slower by its factor."""
+
+from __future__ import annotations
+
+import json
+
+from kubetrain_operator.api.launch import SLOWDOWN_VAR
+
+from support import job_doc, kubetrain
+
+
+def _result(run, replica: str) -> dict:
+    return json.loads((run / "results" / f"{replica}.json").read_text())
+
+
+def test_the_slowed_ps_worker_steps_slower_than_its_peer(tmp_path, write_job):
+    # Async with no staleness bound in reach, so neither worker waits for the other: each
+    # one's loop rate is its own. A CNN, so a step is mostly compute (what the factor stretches).
+    # Epochs, not maxSteps: each worker runs its own epoch of its shard (23 steps), however
+    # many seconds apart the two processes start on a loaded machine.
+    job = write_job(job_doc(
+        "straggle", "ParameterServer",
+        model={"name": "cnn", "args": {"channels": 16, "hidden": 64}},
+        training={"epochs": 1, "batchSize": 32},
+        parameterServer={"workers": 2, "aggregation": "Async", "maxStaleness": 1000},
+        checkpoint={"intervalSteps": 1000}, metrics={"port": 0},
+    ))
+    run = tmp_path / "run"
+    done = kubetrain("run", str(job), "--run-dir", str(run), env={SLOWDOWN_VAR: "worker-1:10"}, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    fast, slow = _result(run, "worker-0"), _result(run, "worker-1")
+    # Per step: compute + push for the peer, compute + 9 x its CPU time + push for the slowed
+    # one; 1/10 on a quiet machine, about 0.5 where other processes make a step's wall time
+    # 8 times its CPU time.
+    ratio = slow["samples_per_second"] / fast["samples_per_second"]
+    assert ratio < 0.6, (fast, slow)
+    assert fast["steps"] == slow["steps"] == 23
+    assert "worker-1: slowed 10x" in (run / "logs" / "worker-1.log").read_text()
+    assert "slowed" not in (run / "logs" / "worker-0.log").read_text()
+
+
+def test_a_ddp_rank_is_named_by_its_global_rank(tmp_path, write_job):
+    job = write_job(job_doc("straggle-ddp", "DDP", training={"maxSteps": 3, "batchSize": 16},
+                            ddp={"nodes": 2, "procsPerNode": 1}, metrics={"port": 0}))
+    run = tmp_path / "run"
+    done = kubetrain("run", str(job), "--run-dir", str(run), env={SLOWDOWN_VAR: "ddp-1:2"}, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # c10d decides which node holds rank 1: one of the two node logs says so, once.
+    logs = "".join(p.read_text() for p in (run / "logs").glob("ddp-*.log"))
+    assert logs.count("ddp-1: slowed 2x") == 1 and "ddp-0: slowed" not in logs

@@ -1,0 +1,142 @@
+"""Gang scheduling on the real API server: PodGroups against Volcano's and scheduler-plugins' own CRDs.
+
+The CRDs are the projects' (tests/assets/crds/, README there); the schedulers are not run (neither
+is served to these machines), so what is checked is what the operator makes: the PodGroup the API
+server accepted under the real schema, its owner, and pods that name it and their scheduler. That
+Volcano or the coscheduling plugin then places the gang together is the schedulers' own business.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from conftest import Operator
+from support import ROOT
+from test_lifecycle import manifest, pods_of
+
+pytestmark = pytest.mark.cluster
+
+CRDS = ROOT / "tests" / "assets" / "crds"
+VOLCANO_CRD = "podgroups.scheduling.volcano.sh"
+PLUGINS_CRD = "podgroups.scheduling.x-k8s.io"
+CRD_FILES = {VOLCANO_CRD: CRDS / "scheduling.volcano.sh_podgroups.yaml",
+             PLUGINS_CRD: CRDS / "scheduling.x-k8s.io_podgroups.yaml"}
+
+
+def install(cluster, crd: str) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILES[crd]))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+@pytest.fixture
+def namespace(cluster):
+    ns = f"gang-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", ns)
+    yield ns
+    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def gang_operator(cluster, spawn_operator, namespace: str) -> Operator:
+    """An operator serving both schedulers, Volcano the default, scheduler-plugins' pods under `sp-scheduler`."""
+    proc = spawn_operator(namespace, "--gang-scheduler", "volcano", "--gang-scheduler", "scheduler-plugins=sp-scheduler")
+    op = Operator(cluster, namespace, proc.log, proc.metrics_port)
+    op.wait("the operator to start", lambda: proc.proc.poll() is not None or "startup" in proc.log.read_text().lower())
+    assert proc.proc.poll() is None, proc.log.read_text()
+    return op
+
+
+def problem(op: Operator, name: str, reason: str) -> dict:
+    """The job's condition of that reason, once it is there."""
+    return op.wait(f"a {reason} condition on {name}", lambda: next(
+        (c for c in op.job_status(name).get("conditions", []) if c["reason"] == reason), None))
+
+
+def test_an_operator_without_gang_scheduling_fails_the_job_naming_the_field(operator):
+    doc = manifest(mode="Single")
+    doc["spec"]["runPolicy"] = {"schedulingPolicy": {"gangScheduler": "volcano"}}
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    cond = problem(operator, name, "GangSchedulingDisabled")
+    assert "spec.runPolicy.schedulingPolicy" in cond["message"] and "gangScheduling.volcano.enabled" in cond["message"]
+    assert operator.job_status(name)["state"] == "Failed"
+    assert any(e["reason"] == "GangSchedulingDisabled" for e in operator.events(name))
+    assert pods_of(operator, name) == {}  # no pod scheduled one by one in place of the gang
+
+
+def test_without_the_podgroup_crd_the_job_waits_with_a_condition_and_goes_on_once_it_is_installed(
+        cluster, spawn_operator, namespace):
+    cluster.kubectl("delete", "crd", PLUGINS_CRD, "--ignore-not-found", "--wait=true")
+    op = gang_operator(cluster, spawn_operator, namespace)
+    doc = manifest(mode="Single")
+    doc["spec"]["runPolicy"] = {"schedulingPolicy": {"gangScheduler": "scheduler-plugins"}}
+    name = doc["metadata"]["name"]
+    op.apply(doc)
+    cond = problem(op, name, "PodGroupCRDMissing")
+    assert PLUGINS_CRD in cond["message"] and "spec.runPolicy.schedulingPolicy" in cond["message"]
+    assert any(e["reason"] == "PodGroupCRDMissing" for e in op.events(name))
+    assert pods_of(op, name) == {}  # nothing past the missing PodGroup is made
+    assert "Traceback" not in op.log.read_text()  # reported, not a crash
+    install(cluster, PLUGINS_CRD)
+    # Retried with backoff (at most ERROR_BACKOFF_CAP_SECONDS apart): the job goes on by itself.
+    op.wait("the PodGroup", lambda: op.get(PLUGINS_CRD, name), timeout=90)
+    op.wait("the job's pod", lambda: pods_of(op, name), timeout=60)
+
+
+def test_each_scheduler_gets_its_podgroup_and_pods_that_name_it_and_the_podgroup_goes_with_the_job(
+        cluster, spawn_operator, namespace):
+    install(cluster, VOLCANO_CRD)
+    install(cluster, PLUGINS_CRD)
+    op = gang_operator(cluster, spawn_operator, namespace)
+    ps = manifest(mode="ParameterServer", resources={"ps": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+                                                     "worker": {"requests": {"cpu": "1", "memory": "512Mi"}}})
+    ps["spec"]["runPolicy"] = {"schedulingPolicy": {"queue": "research", "priorityClass": "high-priority"}}  # Volcano: the default
+    ddp = manifest(mode="DDP", resources={"worker": {"requests": {"cpu": "2"}}})
+    ddp["spec"]["ddp"]["nodes"] = 3
+    ddp["spec"]["runPolicy"] = {"schedulingPolicy": {"gangScheduler": "scheduler-plugins", "minAvailable": 2,
+                                                     "scheduleTimeoutSeconds": 90}}
+    op.apply(ps)
+    op.apply(ddp)
+    ps_name, ddp_name = ps["metadata"]["name"], ddp["metadata"]["name"]
+    uids = {n: op.get("trainingjob", n)["metadata"]["uid"] for n in (ps_name, ddp_name)}
+
+    volcano = op.wait("Volcano's PodGroup", lambda: op.get(VOLCANO_CRD, ps_name))
+    assert volcano["spec"] == {"minMember": 3, "minResources": {"cpu": "2500m", "memory": "2Gi"},
+                               "queue": "research", "priorityClassName": "high-priority"}
+    plugins = op.wait("scheduler-plugins' PodGroup", lambda: op.get(PLUGINS_CRD, ddp_name))
+    assert plugins["spec"] == {"minMember": 2, "minResources": {"cpu": "4"}, "scheduleTimeoutSeconds": 90}
+    for group, job in ((volcano, ps_name), (plugins, ddp_name)):
+        [ref] = group["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("TrainingJob", job, uids[job], True)
+
+    pods = op.wait("the parameter-server job's 3 pods", lambda: (p := pods_of(op, ps_name)) and len(p) == 3 and p)
+    for pod in pods.values():
+        assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == ps_name
+        assert pod["spec"]["schedulerName"] == "volcano"
+    # The StatefulSet controller makes the DDP pods from the template the operator joined to the group.
+    pods = op.wait("the DDP job's 3 pods", lambda: (p := pods_of(op, ddp_name)) and len(p) == 3 and p)
+    for pod in pods.values():
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == ddp_name
+        assert pod["spec"]["schedulerName"] == "sp-scheduler"
+    assert not [p for p in pods.values() if p["spec"].get("nodeName")]  # no other scheduler placed them
+
+    # Owned by the job: the garbage collector deletes the PodGroup with it. It notices a CRD
+    # installed moments ago only at its next discovery resync (every 30 s): about 18 s here.
+    op.kubectl("delete", "trainingjob", ps_name, "--wait=false")
+    op.wait("Volcano's PodGroup to go with its job", lambda: op.get(VOLCANO_CRD, ps_name) is None, timeout=60)
+
+
+def test_a_podgroup_of_the_job_s_name_owned_by_another_is_not_adopted(cluster, spawn_operator, namespace):
+    install(cluster, VOLCANO_CRD)
+    op = gang_operator(cluster, spawn_operator, namespace)
+    doc = manifest(mode="Single")
+    doc["spec"]["runPolicy"] = {"schedulingPolicy": {}}
+    name = doc["metadata"]["name"]
+    op.kube.apply({"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
+                   "metadata": {"name": name, "namespace": namespace}, "spec": {"minMember": 5}})
+    op.apply(doc)
+    cond = problem(op, name, "ChildConflict")
+    assert f"PodGroup {namespace}/{name} exists" in cond["message"] and "will not adopt" in cond["message"]
+    assert op.get(VOLCANO_CRD, name)["spec"]["minMember"] == 5  # untouched
+    assert pods_of(op, name) == {}  # no pod joins a group the job does not own

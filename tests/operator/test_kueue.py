@@ -1,0 +1,206 @@
+"""Kueue admits TrainingJobs as one unit: the real Kueue manager (sigs.k8s.io/kueue v0.17.0, built
+by hack/kueue) and `kubetrain operator --kueue` against the test cluster, pods on kwok's fake nodes.
+
+Each job is a parameter-server job of three pods (one shard, two workers) asking 1 CPU each; the
+ClusterQueue's quota (4 CPUs) fits one such job and not two: a per-pod scheduler would start one
+pod of the second job, Kueue starts none until the whole job fits.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from helpers import kueue as kueue_helper
+from helpers.wait import wait_for
+from kubetrain_operator.core.kueue import PRIORITY_LABEL, QUEUE_LABEL
+
+from test_lifecycle import condition, manifest, pods_of
+
+pytestmark = pytest.mark.cluster
+
+CPU_QUOTA = 4
+POOL = {"type": "kwok"}  # a label kwok's fake nodes carry: the flavor's nodeLabels, so the pods land on them
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster, crd, volumes, tmp_path_factory):
+    kueue_helper.install_crds(cluster)
+    with kueue_helper.running(cluster, tmp_path_factory.mktemp("kueue")) as log:
+        yield log
+
+
+def queue_objects(name: str, namespace: str, preemption: bool = False) -> list[dict]:
+    cq_spec = {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
+        {"name": name, "resources": [{"name": "cpu", "nominalQuota": CPU_QUOTA}]}]}]}
+    if preemption:
+        cq_spec["preemption"] = {"withinClusterQueue": "LowerPriority"}
+    return [
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name},
+         "spec": {"nodeLabels": POOL}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": name}, "spec": cq_spec},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "team", "namespace": namespace},
+         "spec": {"clusterQueue": name}},
+    ]
+
+
+@pytest.fixture
+def queue(cluster, kueue, spawn_operator, request):
+    """A namespace with a LocalQueue `team` on a ClusterQueue of CPU_QUOTA CPUs, and an operator
+    with --kueue watching it; yields the Operator handle (its namespace is the queue's)."""
+    preemption = getattr(request, "param", False)
+    name = f"kq-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    kube = cluster.kube()
+    kube.apply(*queue_objects(name, name, preemption), server_side=True)
+    proc = spawn_operator(name, "--kueue")
+    op = proc.handle(cluster, name)
+    op.wait("ClusterQueue active", lambda: condition((kube.get("clusterqueue", name) or {}).get("status") or {}, "Active")
+            and condition(kube.get("clusterqueue", name)["status"], "Active")["status"] == "True",
+            timeout=30)
+    op.wait("the operator to start", lambda: proc.proc.poll() is not None or "startup" in proc.log.read_text().lower())
+    assert proc.proc.poll() is None, proc.log.read_text()
+    try:
+        yield op
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false")
+        cluster.kubectl("delete", "clusterqueue,resourceflavor", name, "--wait=false")
+
+
+@pytest.fixture
+def priorities(queue, cluster):
+    """WorkloadPriorityClasses `<namespace>-low` (100) and `<namespace>-high` (1000), deleted afterwards."""
+    kube = cluster.kube()
+    wpc = [{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+            "metadata": {"name": f"{queue.namespace}-{level}"}, "value": value} for level, value in (("low", 100), ("high", 1000))]
+    kube.apply(*wpc, server_side=True)
+    yield
+    kube("delete", "workloadpriorityclass", *(w["metadata"]["name"] for w in wpc), "--wait=false")
+
+
+def queued_job(priority: str | None = None) -> dict:
+    doc = manifest(resources={"ps": {"requests": {"cpu": "1"}}, "worker": {"requests": {"cpu": "1"}}})
+    doc["metadata"]["labels"] = {QUEUE_LABEL: "team", **({PRIORITY_LABEL: priority} if priority else {})}
+    return doc
+
+
+def workload_of(op, job: str) -> dict | None:
+    found = op.items("workloads.kueue.x-k8s.io", f"kubetrain.dev/job-name={job}")
+    return found[0] if found else None
+
+
+def finish(op, job: str) -> None:
+    """What the kubelet would report when every replica exits 0."""
+    for pod in pods_of(op, job):
+        op.set_pod_status(pod, "Succeeded", exit_code=0)
+
+
+def all_running(op, job: str, n: int = 3):
+    return op.wait(f"{n} running pods of {job}", lambda: (p := pods_of(op, job)) and len(p) == n and all(
+        x["status"].get("phase") == "Running" and not x["metadata"].get("deletionTimestamp") for x in p.values()) and p,
+        timeout=60)
+
+
+def suspended_by(op, job: str, reason: str, saying: str) -> dict:
+    """The job's Suspended condition once it has `reason` and its message says `saying` (Kueue's words
+    arrive a moment after the Workload is created)."""
+    return wait_for(f"{job} Suspended with reason {reason} saying {saying!r}", lambda: (s := op.job_status(job)).get(
+        "state") == "Suspended" and (c := condition(s, "Suspended")) and c["reason"] == reason
+        and saying in c["message"] and c, timeout=60, explain=lambda: explain(op))
+
+
+def explain(op) -> str:
+    """The jobs' and Workloads' conditions, and the operator's log tail, for a failed wait."""
+    lines = []
+    for kind in ("trainingjobs", "workloads.kueue.x-k8s.io"):
+        for obj in op.kube.items(kind):
+            conds = [(c["type"], c["status"], c.get("reason"), c.get("message", "")[:160])
+                     for c in (obj.get("status") or {}).get("conditions") or []]
+            lines.append(f"{kind} {obj['metadata']['name']}: {conds}")
+    return "\n".join(lines + ["operator log:"] + op.log.read_text().splitlines()[-20:])
+
+
+def test_the_queue_admits_one_whole_job_and_the_second_waits_with_kueues_reason_until_the_first_ends(queue):
+    op = queue
+    first, second = queued_job(), queued_job()
+    a, b = first["metadata"]["name"], second["metadata"]["name"]
+    op.apply(first)
+    pods = all_running(op, a)
+    assert all(p["spec"]["nodeSelector"] == POOL for p in pods.values())  # the flavor's nodeLabels
+    wl = workload_of(op, a)
+    assert {s["name"]: s["count"] for s in wl["spec"]["podSets"]} == {"ps": 1, "worker": 2}
+    assert wl["metadata"]["ownerReferences"][0]["name"] == a
+
+    op.apply(second)
+    suspended_by(op, b, "QueuedForAdmission", "insufficient unused quota for cpu")
+    assert pods_of(op, b) == {}  # not one pod of the job that does not fit
+    assert [e for e in op.events(b) if e["reason"] == "QueuedForAdmission"]
+    # A Workload deleted from outside is created again, and the job keeps waiting on it.
+    gone = workload_of(op, b)["metadata"]["uid"]
+    op.kubectl("delete", "workloads.kueue.x-k8s.io", workload_of(op, b)["metadata"]["name"])
+    op.wait(f"a new Workload for {b}", lambda: (w := workload_of(op, b)) and w["metadata"]["uid"] != gone)
+    suspended_by(op, b, "QueuedForAdmission", "insufficient unused quota for cpu")
+    assert pods_of(op, b) == {}
+
+    finish(op, a)
+    op.wait(f"{a} Succeeded", lambda: op.job_status(a).get("state") == "Succeeded")
+    done = op.wait("the first Workload Finished", lambda: condition((workload_of(op, a) or {}).get("status") or {},
+                                                                    "Finished"))
+    assert done["reason"] == "Succeeded"
+    all_running(op, b)
+    op.wait(f"{b} Running", lambda: op.job_status(b).get("state") == "Running")
+
+
+@pytest.mark.parametrize("queue", [True], indirect=True)
+def test_a_higher_priority_job_preempts_the_lower_which_resumes_when_it_ends(queue, priorities):
+    op = queue
+    low, high = queued_job(f"{op.namespace}-low"), queued_job(f"{op.namespace}-high")
+    lo, hi = low["metadata"]["name"], high["metadata"]["name"]
+    op.apply(low)
+    before = all_running(op, lo)
+    assert workload_of(op, lo)["spec"]["priority"] == 100
+    claim = next(v for v in before[f"{lo}-ps-0"]["spec"]["volumes"] if v["name"] == "data")
+
+    op.apply(high)
+    suspended_by(op, lo, "Preempted", "due to prioritization in the ClusterQueue")
+    all_running(op, hi)  # the quota came back once the low job's pods were gone
+    assert pods_of(op, lo) == {}
+    wl = workload_of(op, lo)
+    assert condition(wl["status"], "Requeued")["status"] == "True"
+    assert condition(wl["status"], "QuotaReserved")["status"] == "False"
+    assert op.job_status(lo)["restarts"] == 0  # a preemption is no failure
+
+    finish(op, hi)
+    after = all_running(op, lo)
+    assert op.job_status(lo)["state"] == "Running"
+    assert [e for e in op.events(lo) if e["reason"] == "Resumed"]
+    # The shard mounts the same checkpoint claim: the trainer resumes from its newest checkpoint.
+    assert next(v for v in after[f"{lo}-ps-0"]["spec"]["volumes"] if v["name"] == "data") == claim
+
+
+@pytest.mark.parametrize("queue", [True], indirect=True)
+def test_a_preempted_ddp_job_is_scaled_to_zero_and_scaled_back_when_readmitted(queue, priorities):
+    """DDP's ranks are a StatefulSet's pods: created only once admitted (with the flavor's node
+    selector in its template), scaled to zero on preemption, back to full size on re-admission."""
+    op = queue
+    low = manifest("DDP", resources={"worker": {"requests": {"cpu": "1"}}})
+    low["metadata"]["labels"] = {QUEUE_LABEL: "team", PRIORITY_LABEL: f"{op.namespace}-low"}
+    lo = low["metadata"]["name"]
+    op.apply(low)
+    all_running(op, lo, 2)
+    sts = op.get("statefulset", f"{lo}-ddp")
+    assert sts["spec"]["template"]["spec"]["nodeSelector"] == POOL
+    assert {s["name"]: s["count"] for s in workload_of(op, lo)["spec"]["podSets"]} == {"ddp": 2}
+
+    high = queued_job(f"{op.namespace}-high")  # 3 CPUs: with the DDP job's 2, over the quota of 4
+    hi = high["metadata"]["name"]
+    op.apply(high)
+    suspended_by(op, lo, "Preempted", "due to prioritization in the ClusterQueue")
+    all_running(op, hi)
+    assert op.get("statefulset", f"{lo}-ddp")["spec"]["replicas"] == 0 and pods_of(op, lo) == {}
+
+    finish(op, hi)
+    all_running(op, lo, 2)
+    op.wait(f"{lo} Running", lambda: op.job_status(lo).get("state") == "Running")
+    assert op.job_status(lo)["restarts"] == 0
