@@ -38,6 +38,26 @@ SPEC_CEL = [
         "needs the built-in loop's model, dataset and training)",
     },
 ]
+_NODES = "(has(self.ddp) && has(self.ddp.nodes) ? self.ddp.nodes : 2)"
+_MIN_NODES = f"(has(self.ddp) && has(self.ddp.minNodes) ? self.ddp.minNodes : {_NODES})"
+_MAX_NODES = f"(has(self.ddp) && has(self.ddp.maxNodes) ? self.ddp.maxNodes : {_NODES})"
+SIZE_CEL = [
+    # spec.Spec._size_problems, for what `kubectl scale` writes: the scale subresource's update is
+    # validated as the whole object's, so a size out of range is refused before the operator sees it.
+    {
+        "rule": "self.mode != 'Single' || !has(self.replicas) || self.replicas == 1",
+        "message": "replicas: a Single job has one replica",
+    },
+    {
+        "rule": f"self.mode != 'DDP' || !has(self.replicas) || "
+        f"({_MIN_NODES} <= self.replicas && self.replicas <= {_MAX_NODES})",
+        "message": "replicas: a DDP job runs between ddp.minNodes and ddp.maxNodes nodes (each ddp.nodes when unset)",
+    },
+    {
+        "rule": f"self.mode != 'DDP' || {_MIN_NODES} <= {_NODES} && {_NODES} <= {_MAX_NODES}",
+        "message": "ddp.nodes: must be between ddp.minNodes and ddp.maxNodes",
+    },
+]
 ROOT_CEL = [
     {
         "rule": "size(self.metadata.name) <= 45",
@@ -166,7 +186,7 @@ def object_schema(cls: type) -> dict[str, Any]:
         out["required"] = required
     rules = [_rule_cel(r, names) for r in getattr(cls, "__rules__", ())]
     if cls is Spec:
-        rules += SPEC_CEL
+        rules += SPEC_CEL + SIZE_CEL
     if rules:
         out["x-kubernetes-validations"] = rules
     return out
@@ -457,7 +477,16 @@ def crd() -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # `kubectl scale trainingjob NAME --replicas N` (and a HorizontalPodAutoscaler):
+                    # spec.replicas is the size asked for, status.replicas the size running.
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {
                         "openAPIV3Schema": {

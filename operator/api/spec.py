@@ -200,6 +200,21 @@ class DDP:
         "PowerSGD hook: matrix approximation rank.", 2, minimum=1, maximum=64, name="powerSGDRank"
     )
     max_restarts: int = field("torchrun --max-restarts: group restarts before giving up.", 3, minimum=0)
+    min_nodes: int | None = field(
+        "Elastic jobs: the fewest nodes spec.replicas (`kubectl scale`) may ask for; unset: nodes.",
+        None, minimum=1, maximum=1024, immutable=True,
+    )
+    max_nodes: int | None = field(
+        "Elastic jobs: the most nodes spec.replicas (`kubectl scale`) may ask for; unset: nodes.",
+        None, minimum=1, maximum=1024, immutable=True,
+    )
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """The sizes spec.replicas may take: [minNodes, maxNodes], each nodes when unset."""
+        low = self.min_nodes if self.min_nodes is not None else self.nodes
+        high = self.max_nodes if self.max_nodes is not None else self.nodes
+        return low, high
 
 
 @dataclass
@@ -433,6 +448,14 @@ class Spec:
     )
 
     mode: Mode = field("Single, ParameterServer or DDP.", immutable=True)
+    replicas: int | None = field(
+        "The job's size, what `kubectl scale trainingjob NAME --replicas N` sets (the scale subresource): "
+        "the ParameterServer workers or the DDP nodes, in place of parameterServer.workers or ddp.nodes, which "
+        "stay the size the job was created with. A change stops the replicas after a checkpoint and starts "
+        "them again at the new size, the data of the epoch in progress dealt again among them "
+        "(docs/scheduling.md#elastic-jobs). DDP: between ddp.minNodes and ddp.maxNodes. Single: 1.",
+        None, minimum=1, maximum=1024,
+    )
     image: str = field("Trainer image (cluster only); empty uses the operator's default.", "")
     script: Script | None = field(
         "The user's own training command instead of the built-in loop (modes Single and DDP); "
@@ -467,7 +490,7 @@ class Spec:
     )
 
     def check(self) -> list[tuple[str, str]]:
-        problems = []
+        problems = self._size_problems()
         if self.script is not None and self.mode == "ParameterServer":
             problems.append(("script", "script jobs run in mode Single or DDP, got ParameterServer "
                                        "(a parameter server needs the built-in loop's model, dataset and training)"))
@@ -493,12 +516,35 @@ class Spec:
                          for p, m in self.run_policy.scheduling_policy.pods_problems(self.pod_count)]
         return problems
 
+    def _size_problems(self) -> list[tuple[str, str]]:
+        """spec.replicas and the DDP node range (the CRD holds the same rules in CEL, SIZE_CEL)."""
+        problems = []
+        if self.mode == "Single" and self.replicas not in (None, 1):
+            problems.append(("replicas", f"a Single job has one replica, got {self.replicas}"))
+        if self.mode == "DDP":
+            ddp = self.ddp or DDP()
+            low, high = ddp.node_range
+            if ddp.min_nodes is not None and ddp.max_nodes is not None and low > high:
+                problems.append(("ddp.minNodes", f"must be at most ddp.maxNodes ({high}), got {low}"))
+            elif not low <= ddp.nodes <= high:
+                problems.append(("ddp.nodes", f"must be between ddp.minNodes ({low}) and ddp.maxNodes ({high}), "
+                                              f"got {ddp.nodes}"))
+            elif self.replicas is not None and not low <= self.replicas <= high:
+                problems.append(("replicas", f"a DDP job runs between ddp.minNodes ({low}) and ddp.maxNodes ({high}) "
+                                             f"nodes, got {self.replicas}"))
+        return problems
+
     def complete(self) -> "Spec":
-        """Fill the defaults that depend on other fields (the mode's block, epochs)."""
+        """Fill the defaults that depend on other fields (the mode's block, epochs); spec.replicas, when
+        set, becomes the workers or nodes every reader of the spec (the plan, the trainers) sees."""
         if self.mode == "ParameterServer" and self.parameter_server is None:
             self.parameter_server = ParameterServer()
         if self.mode == "DDP" and self.ddp is None:
             self.ddp = DDP()
+        if self.replicas is not None and self.parameter_server is not None:
+            self.parameter_server.workers = self.replicas
+        if self.replicas is not None and self.ddp is not None:
+            self.ddp.nodes = self.replicas
         if self.script is not None:
             # The user's script owns its model, data and loop: none of the built-in defaults apply.
             self.model = self.dataset = self.training = None
@@ -516,6 +562,15 @@ class Spec:
         if self.mode == "ParameterServer":
             ps = self.parameter_server or ParameterServer()
             return ps.replicas + ps.workers
+        if self.mode == "DDP":
+            return (self.ddp or DDP()).nodes
+        return 1
+
+    @property
+    def size(self) -> int:
+        """What `kubectl scale` counts: ParameterServer workers, DDP nodes, 1 for Single (after complete())."""
+        if self.mode == "ParameterServer":
+            return (self.parameter_server or ParameterServer()).workers
         if self.mode == "DDP":
             return (self.ddp or DDP()).nodes
         return 1

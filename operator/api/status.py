@@ -83,6 +83,9 @@ class JobMemory:
     workers_done_time: float | None = field("When every worker of a PS job had finished (unix seconds).", None)
     active_seconds: float = field("Time the job ran before activeSince (seconds; suspended time excluded).", 0.0)
     active_since: float | None = field("When the current active period began (unix seconds); None while stopped.", None)
+    size: int | None = field(
+        "The size the replicas were started at (spec.size then): a spec.replicas that differs is a resize.", None
+    )
     unschedulable_since: float | None = field(
         "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None
     )
@@ -95,6 +98,11 @@ class JobStatus:
     observed_generation: int = field("The spec generation last acted on.", 0)
     state: str = field("Created, Running, Restarting, Suspended, Succeeded or Failed.", "Created")
     workers: int = field("Processes that train (workers or ranks).", 0)
+    replicas: int = field(
+        "The size the job's replicas run at (ParameterServer workers, DDP nodes, 1 for Single): spec.replicas "
+        "once a resize is done; the scale subresource's status.", 0)
+    selector: str = field(
+        "The label selector of the pods that status.replicas counts (the scale subresource's selector).", "")
     start_time: str | None = field("When the job first started (RFC 3339).", None)
     completion_time: str | None = field("When the job succeeded or failed (RFC 3339).", None)
     conditions: list[Condition] = field("The job's conditions, one per type that has ever been true.", default_factory=list)

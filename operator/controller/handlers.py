@@ -460,6 +460,10 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     for restarted in act.restarted:  # before its pod goes: tests/e2e time the operator's reaction from here
         log.info("%s/%s: %s failed (%s); restarting it in %.1f s", ns, name, restarted.replica, restarted.reason,
                  restarted.delay_seconds)
+    for obj in act.replace:  # a resize: the job file and StatefulSet at the new size, before its pods
+        kube.replace(obj)
+        log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
+                 act.status.get("replicas"))
     for obj in act.create:
         created = kube.create(obj)
         if obj["kind"] == "Pod":

@@ -268,6 +268,27 @@ def delete_pod(namespace: str, name: str, force: bool = False) -> None:
             raise KubeError("delete", f"pod {namespace}/{name}", err) from None
 
 
+def replace(obj: dict[str, Any]) -> None:
+    """Render an existing child again (a resize, core/reconcile.RESIZED_KINDS): a ConfigMap's data, a
+    StatefulSet's size and pod template, each one JSON patch (lists replaced whole, nothing merged)."""
+    kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]
+    api = _api()
+    try:
+        if kind == "ConfigMap":
+            client.CoreV1Api(api).patch_namespaced_config_map(
+                name, ns, [{"op": "replace", "path": "/data", "value": obj["data"]}],
+                _preload_content=False, _request_timeout=API_TIMEOUT)
+        elif kind == "StatefulSet":
+            client.AppsV1Api(api).patch_namespaced_stateful_set(
+                name, ns, [{"op": "replace", "path": "/spec/template", "value": obj["spec"]["template"]},
+                           {"op": "replace", "path": "/spec/replicas", "value": obj["spec"]["replicas"]}],
+                _preload_content=False, _request_timeout=API_TIMEOUT)
+        else:
+            raise ValueError(f"cannot replace a {kind}")
+    except ApiException as err:
+        raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
+
+
 def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
     try:
         client.AppsV1Api(_api()).patch_namespaced_stateful_set_scale(

@@ -127,6 +127,7 @@ class Actions:
     failed: str | None = None  # the replica whose failure ended the job
     delete_job: bool = False  # its TTL after finishing has passed
     requeue_after: float | None = None  # seconds until the engine wants to look again
+    resized: bool = False  # a resize is done: render what carries the size again (the job file, a StatefulSet)
 
 
 @dataclass
@@ -192,6 +193,8 @@ class _Round:
             return self._done()
         self._resume_if_suspended()
         if self._deadline_passed():
+            return self._done()
+        if self._resizing():
             return self._done()
         for failure in self._failures():
             if not self._decide(failure):
@@ -317,6 +320,41 @@ class _Round:
         self._finish("Failed", "DeadlineExceeded", f"The job ran longer than activeDeadlineSeconds ({deadline} s).")
         return True
 
+    # -- 4b. resize ----------------------------------------------------------------------
+
+    def _resizing(self) -> bool:
+        """spec.replicas changed (`kubectl scale`): every replica stops after a checkpoint (as for
+        suspend), then the round that finds none left records the new size and starts them at it; the
+        trainers deal the data of the epoch in progress again among the new set. True while replicas
+        of the old size are still stopping."""
+        memory, size = self.memory, self.spec.size
+        if memory.size is None or memory.size == size:
+            memory.size = size
+            return False
+        unit = "nodes" if self.is_ddp else "workers"
+        if self.replicas:
+            self.actions.stop = [n for n, r in self.replicas.items() if r.phase in ("Pending", "Running")
+                                 and not r.terminating]
+            self.actions.hold = True
+            message = (f"Resizing from {memory.size} to {size} {unit}: the replicas stop after a checkpoint and "
+                       "start again at the new size.")
+            old = next((c for c in self.status.conditions if c.type == "Restarting" and c.status == "True"), None)
+            if old is None or old.reason != "Resizing":
+                self.actions.events.append(("Normal", "Resizing", message))
+            self.observed = Observed("Restarting", "Resizing", message)
+            memory.pending_restarts = {}
+            self._requeue(0.5)
+            return True
+        self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} {unit}; the job "
+                                                         "resumes from its newest checkpoint."))
+        memory.size = size
+        memory.pending_restarts = {}
+        memory.identities = {}
+        if memory.last_step is not None:
+            memory.last_step_time = self.now  # the hang clock restarts with the replicas
+        self.actions.resized = True
+        return False
+
     # -- 5. failures -------------------------------------------------------------------
 
     def _failures(self) -> list[policy.Failure]:
@@ -333,8 +371,9 @@ class _Round:
                 continue
             if seen is None:
                 # Gone without the engine asking: deleted (a DDP replica's StatefulSet
-                # brings it back, seen below as a new incarnation).
-                if self.before in ACTIVE and not self.is_ddp:
+                # brings it back, seen below as a new incarnation). After a resize every
+                # replica is gone on purpose.
+                if self.before in ACTIVE and not self.is_ddp and not self.actions.resized:
                     failures.append(policy.Failure(name, reason="Deleted"))
                 continue
             if self.is_ddp and seen.uid:
@@ -495,6 +534,7 @@ class _Round:
         if report:
             status.observed_generation = self.job.metadata.generation
             status.workers = self.spec.world_size
+            status.replicas = self.memory.size if self.memory.size is not None else self.spec.size
             status.replica_statuses = _counts(self.names, self.replicas, self.is_ddp)
             if self.observed is not None:
                 status.state = self.observed.state

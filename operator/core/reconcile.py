@@ -16,7 +16,7 @@ from typing import Any
 from ..api import TrainingJob
 from ..api.status import to_dict
 from . import engine, kueue
-from .children import LABEL_ROLE, Settings, children, pod_name
+from .children import LABEL_JOB, LABEL_ROLE, Settings, children, pod_name
 from .engine import IMAGE_PULL_REASONS, Restarted, iso, parse_iso  # noqa: F401  (re-exported)
 
 PodObservation = engine.ReplicaObservation  # a pod, as the engine sees a replica
@@ -34,6 +34,7 @@ is left of it."""
 @dataclass
 class Actions:
     create: list[dict[str, Any]] = field(default_factory=list)
+    replace: list[dict[str, Any]] = field(default_factory=list)  # existing children rendered again (a resize)
     delete_pods: list[str] = field(default_factory=list)  # pod names, deleted gracefully
     force_delete_pods: list[str] = field(default_factory=list)  # pod names, deleted at once (lost nodes)
     scale_statefulset: int | None = None
@@ -68,7 +69,7 @@ def reconcile(
         delete_job=act.delete_job,
         events=act.events,
         restarted=act.restarted,
-        status=to_dict(done.status),
+        status={**to_dict(done.status), "selector": selector(job)},
         requeue_after=act.requeue_after,
     )
     _force_deletes(job, pods, now, out)
@@ -100,7 +101,21 @@ def reconcile(
                 out.create.append(obj)
         elif existing is None or (obj["kind"], obj["metadata"]["name"]) not in existing:
             out.create.append(obj)
+        elif act.resized and obj["kind"] in RESIZED_KINDS:
+            out.replace.append(obj)
     return out
+
+
+RESIZED_KINDS = ("ConfigMap", "StatefulSet")
+"""What carries the job's size besides its pods: the job file every trainer reads (workers, nodes) and
+the DDP StatefulSet (its replicas, torchrun's --nnodes in its template). Rendered again when a resize
+is done, before the replicas of the new size start."""
+
+
+def selector(job: TrainingJob) -> str:
+    """The pods the scale subresource counts (status.selector): the workers, the DDP nodes, the Single pod."""
+    role = {"Single": "single", "ParameterServer": "worker", "DDP": "ddp"}[job.spec.mode]
+    return f"{LABEL_JOB}={job.name},{LABEL_ROLE}={role}"
 
 
 def _force_deletes(job: TrainingJob, pods: dict[str, PodObservation], now: float, out: Actions) -> None:
