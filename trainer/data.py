@@ -170,16 +170,90 @@ def load_data(spec: Dataset, seed: int, loss: str = "crossEntropy") -> Data:
 # --- order ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EpochPlan:
+    """The positions of an epoch's shuffled order that its ranks share, and how.
+
+    The order's positions `holes`, then `start`, `start + 1`, ... `end - 1`, are
+    dealt round-robin: rank r of W takes the r-th, (r+W)-th, ... of them. With
+    `equal` the count is cut to a multiple of W first, so every rank gets as
+    many (a DDP group runs the same steps on every rank). An epoch nobody
+    re-dealt has the default plan: no holes, every position, equal, which
+    gives rank r the positions r, r+W, r+2W, ... of the first N // W * W.
+    A re-deal (`redeal`) writes the plan of what was left of an epoch: the
+    holes are positions some ranks had not reached while others had gone past
+    them (workers that do not step together); the rest is one run.
+    """
+
+    holes: tuple[int, ...] = ()
+    start: int = 0
+    end: int = 0
+    equal: bool = True
+
+    @property
+    def size(self) -> int:
+        return len(self.holes) + max(0, self.end - self.start)
+
+    def dealt(self, world: int) -> int:
+        """How many positions are dealt among `world` ranks."""
+        return self.size // world * world if self.equal else self.size
+
+    def count(self, rank: int, world: int) -> int:
+        """How many positions rank `rank` gets."""
+        return len(range(rank, self.dealt(world), world))
+
+    def _run(self, rank: int, world: int) -> range:
+        """Rank `rank`'s part of the run start..end-1 (what comes after its holes)."""
+        total, h = self.dealt(world), len(self.holes)
+        if total <= h:
+            return range(0)
+        first = rank if rank >= h else h + (rank - h) % world  # its first index past the holes
+        return range(self.start + first - h, self.start + total - h, world)
+
+    def share(self, rank: int, world: int) -> list[int]:
+        """Rank `rank`'s positions, in the order it takes them."""
+        holes = [self.holes[j] for j in range(rank, min(len(self.holes), self.dealt(world)), world)]
+        return holes + list(self._run(rank, world))
+
+    def take(self, order: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """Rank `rank`'s samples of an epoch whose shuffled order is `order` (`share`, as a slice where it can)."""
+        holes = [self.holes[j] for j in range(rank, min(len(self.holes), self.dealt(world)), world)]
+        run = self._run(rank, world)
+        tail = order[run.start : run.stop : run.step] if len(run) else order[:0]
+        return torch.cat([order[torch.tensor(holes, dtype=torch.long)], tail]) if holes else tail
+
+    def to_json(self) -> dict[str, Any]:
+        return {"holes": list(self.holes), "start": self.start, "end": self.end, "equal": self.equal}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "EpochPlan":
+        return cls(tuple(int(h) for h in data["holes"]), int(data["start"]), int(data["end"]), bool(data["equal"]))
+
+    @classmethod
+    def of(cls, positions: list[int], equal: bool) -> "EpochPlan":
+        """The plan dealing `positions` (sorted, distinct): the longest run at their end kept as a range."""
+        if not positions:
+            return cls((), 0, 0, equal)
+        k = len(positions) - 1
+        while k > 0 and positions[k - 1] == positions[k] - 1:
+            k -= 1
+        return cls(tuple(positions[:k]), positions[k], positions[-1] + 1, equal)
+
+
 class ShardCursor:
     """This rank's way through the training samples: shuffled per epoch, disjoint across ranks.
 
     Every epoch shuffles all sample indices with `seed + epoch` (the same
-    permutation on every rank) and gives rank r the indices r, r+W, r+2W, ...
-    of the first `num_samples // W * W`: shards are disjoint, equally long (so
-    ranks run the same steps per epoch), and together cover the data but for
-    fewer than W samples, a different few each epoch. The last batch of a
-    shard may be short. The state is two numbers (epoch, position), so a
-    resumed cursor continues with the very next sample.
+    permutation on every rank) and deals positions of that order to the ranks
+    by the epoch's `EpochPlan`: by default rank r takes the samples at
+    positions r, r+W, r+2W, ... of the first `num_samples // W * W`, so shards
+    are disjoint, equally long (ranks run the same steps per epoch), and
+    together cover the data but for fewer than W samples, a different few each
+    epoch. The last batch of a shard may be short. The state is the epoch, the
+    position in this rank's shard and the plans of re-dealt epochs, so a
+    resumed cursor continues with the very next sample; when the number of
+    ranks changes (an elastic job), `redeal` gives the new ranks what is left
+    of the epoch in progress, no sample twice.
     """
 
     def __init__(self, num_samples: int, rank: int, world_size: int, batch_size: int, seed: int):
@@ -197,7 +271,7 @@ class ShardCursor:
         self.world_size = world_size
         self.batch_size = batch_size
         self.seed = seed
-        self.shard_size = num_samples // world_size
+        self.plans: dict[int, EpochPlan] = {}  # epochs dealt again by a resize; the others: the default plan
         self._epoch = 0
         self._position = 0
         self._shard: torch.Tensor | None = None
@@ -212,30 +286,58 @@ class ShardCursor:
         """Samples of this epoch's shard already handed out; 0 right after an epoch ends."""
         return self._position
 
+    def plan(self, epoch: int) -> EpochPlan:
+        return self.plans.get(epoch) or EpochPlan((), 0, self.num_samples, True)
+
+    def positions(self, epoch: int) -> list[int]:
+        """This rank's positions in `epoch`'s order."""
+        return self.plan(epoch).share(self.rank, self.world_size)
+
+    @property
+    def shard_size(self) -> int:
+        """Samples of this rank's shard in the current epoch."""
+        return self.plan(self._epoch).count(self.rank, self.world_size)
+
     @property
     def steps_per_epoch(self) -> int:
-        return math.ceil(self.shard_size / self.batch_size)
+        """Steps of a whole epoch at this world size (the default plan)."""
+        return math.ceil(self.num_samples // self.world_size / self.batch_size)
+
+    def steps_left(self, epochs: int) -> int:
+        """Batches this cursor hands out before it reaches epoch `epochs`."""
+        left = 0
+        for epoch in range(self._epoch, epochs):
+            size = self.plan(epoch).count(self.rank, self.world_size)
+            start = self._position if epoch == self._epoch else 0
+            left += math.ceil((size - start) / self.batch_size)
+        return left
 
     def _current_shard(self) -> torch.Tensor:
         if self._shard is None:
             generator = torch.Generator().manual_seed(self.seed + self._epoch)
             order = torch.randperm(self.num_samples, generator=generator)
-            self._shard = order[self.rank : self.shard_size * self.world_size : self.world_size]
+            self._shard = self.plan(self._epoch).take(order, self.rank, self.world_size)
         return self._shard
+
+    def _next_epoch(self) -> None:
+        self.plans.pop(self._epoch, None)
+        self._epoch += 1
+        self._position = 0
+        self._shard = None
 
     def next_batch(self) -> torch.LongTensor:
         """Indices of the next batch; after the last batch of a shard the epoch advances."""
+        while self.shard_size == 0:  # a re-dealt epoch with nothing left for this rank
+            self._next_epoch()
         end = min(self._position + self.batch_size, self.shard_size)
         batch = self._current_shard()[self._position : end].clone()
         self._position = end
         if end == self.shard_size:
-            self._epoch += 1
-            self._position = 0
-            self._shard = None
+            self._next_epoch()
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        return {
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
             "epoch": self._epoch,
             "position": self._position,
             "num_samples": self.num_samples,
@@ -243,16 +345,65 @@ class ShardCursor:
             "world_size": self.world_size,
             "seed": self.seed,
         }
+        plans = {str(e): p.to_json() for e, p in sorted(self.plans.items()) if e >= self._epoch}
+        if plans:  # only once a resize re-dealt an epoch: the state stays two numbers otherwise
+            state["plans"] = plans
+        return state
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continue where `state` left off; it must describe the same data, shard and seed."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where `state` left off; it must describe the same data, shard and seed
+        (a state of another world size is dealt again first: `redeal`)."""
         for key in ("num_samples", "rank", "world_size", "seed"):
             if state[key] != getattr(self, key):
                 raise ConfigError(
                     f"cursor state was saved with {key}={state[key]}, this cursor has {key}={getattr(self, key)}"
                 )
-        if not 0 <= state["position"] < self.shard_size:
+        plans = {int(e): EpochPlan.from_json(p) for e, p in (state.get("plans") or {}).items()}
+        self.plans, self._epoch = plans, int(state["epoch"])
+        if not (0 <= state["position"] < self.shard_size or state["position"] == 0):
             raise ConfigError(f"cursor position {state['position']} is outside the shard of {self.shard_size}")
-        self._epoch = int(state["epoch"])
         self._position = int(state["position"])
         self._shard = None
+
+
+def redeal(states: list[Mapping[str, Any]], world_size: int, equal: bool) -> list[dict[str, Any]]:
+    """The cursor states of `world_size` new ranks that share what the old ranks (`states`, one per
+    rank of the old world) had left: of the epoch in progress, and of any epoch a rank ahead had
+    begun. No position one old rank took is dealt again, and none it had not taken is lost (with
+    `equal`, fewer than `world_size` of them are left out, so that every new rank gets as many:
+    a DDP group). Pure: the states are the cursors' `state_dict()`s."""
+    if not states:
+        raise ConfigError("no cursor to deal again")
+    first = states[0]
+    old_world = int(first["world_size"])
+    for key in ("num_samples", "seed", "world_size"):
+        if any(s[key] != first[key] for s in states):
+            raise ConfigError(f"cursor states to deal again disagree on {key}")
+    if sorted(int(s["rank"]) for s in states) != list(range(old_world)):
+        raise ConfigError(f"cursor states to deal again must be one per rank of {old_world}, "
+                          f"got ranks {sorted(int(s['rank']) for s in states)}")
+    num_samples, seed = int(first["num_samples"]), int(first["seed"])
+    if num_samples < world_size:
+        raise ConfigError(f"{num_samples} training samples cannot be sharded over {world_size} ranks; "
+                          "use more data or fewer workers")
+    cursors = []
+    for s in states:
+        c = ShardCursor(num_samples, int(s["rank"]), old_world, 1, seed)
+        c.load_state_dict(s)
+        cursors.append(c)
+    low, high = min(c.epoch for c in cursors), max(c.epoch for c in cursors)
+    plans: dict[int, EpochPlan] = {}
+    for epoch in range(low, high + 1):
+        left: list[int] = []
+        for c in cursors:
+            if c.epoch == epoch:
+                left += c.positions(epoch)[c.position :]
+            elif c.epoch < epoch:
+                left += c.positions(epoch)
+        plans[epoch] = EpochPlan.of(sorted(left), equal)
+    out = []
+    for rank in range(world_size):
+        c = ShardCursor(num_samples, rank, world_size, 1, seed)
+        c.plans, c._epoch = dict(plans), low
+        out.append(c.state_dict())
+    return out
