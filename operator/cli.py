@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from . import __version__
-from .api import InvalidSpec, load_file, load_one
+from .api import InvalidSpec, dump_manifest, from_object, load_file, load_one
 from .api.spec import DNS1123_PATTERN
 from .api.podtemplate import ALLOWANCES, parse_allowances, pod_security_problems
 
@@ -157,6 +159,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         return LocalBackend(job, RunDir(run_dir), faults, echo_logs=not args.quiet, code_dir=code_dir).run_job()
     except RunDirError as err:
         raise UsageError(str(err)) from None
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Set a local run's size (spec.replicas in its run directory's job.yaml), as `kubectl scale` does a
+    TrainingJob's: a `kubetrain run` in progress resizes the job within a second; otherwise the next run
+    starts at that size."""
+    from .local.rundir import atomic_write
+
+    target = Path(args.target)
+    if target.is_dir():
+        run_dir = target
+    else:
+        job = load_one(target)
+        run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name
+    job_file = run_dir / "job.yaml"
+    if not job_file.is_file():
+        raise UsageError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")
+    try:
+        doc = yaml.safe_load(job_file.read_text())
+    except yaml.YAMLError as err:
+        raise UsageError(f"{job_file}: not YAML ({err})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
+        raise UsageError(f"{job_file}: not a TrainingJob manifest")
+    doc["spec"]["replicas"] = args.replicas
+    job = from_object(doc, str(job_file))  # refuses a size the job cannot take, naming spec.replicas
+    unit = {"ParameterServer": "worker", "DDP": "node", "Single": "replica"}[job.spec.mode] + ("s" if job.spec.size != 1 else "")
+    atomic_write(job_file, dump_manifest(job))
+    print(f"{run_dir}: {job.name} scaled to {job.spec.size} {unit}; a `kubetrain run` in progress resizes it "
+          "after a checkpoint, otherwise the next run starts at that size")
+    return 0
 
 
 PEER_KEYS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
@@ -337,6 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("scale", help="change a local run's size (ParameterServer workers, DDP nodes), as kubectl "
+                                     "scale does a TrainingJob's")
+    p.add_argument("target", metavar="RUN_DIR_OR_FILE", help="the run directory, or the manifest it was run from")
+    p.add_argument("--replicas", type=int, required=True, help="the new size")
+    p.add_argument("--run-dir", help="run directory of FILE (default: runs/<name>)")
+    p.set_defaults(func=cmd_scale)
 
     p = sub.add_parser("report", help="a Markdown report with plots comparing finished run directories")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -67,7 +67,9 @@ NON_MATH_TRAINING = ("epochs", "maxSteps", "device")
 
 
 def spec_hash(spec: Spec) -> str:
-    """Hash of what decides the math: model, dataset, training, mode and topology."""
+    """Hash of what decides the math: model, dataset, training, mode and topology. Not the job's size
+    (parameterServer.workers, ddp.nodes: spec.replicas): an elastic job resumes its checkpoints at
+    another size, the data of the epoch in progress dealt again (data.redeal)."""
     doc = to_dict(spec)
     if spec.script is not None:
         # A script's state is its own: kubetrain cannot tell which changes of
@@ -82,10 +84,10 @@ def spec_hash(spec: Spec) -> str:
     if "parameterServer" in doc:
         ps = doc["parameterServer"]
         math_doc["parameterServer"] = {
-            k: ps[k] for k in ("replicas", "workers", "aggregation", "maxStaleness", "compression")
+            k: ps[k] for k in ("replicas", "aggregation", "maxStaleness", "compression")
         }
     if "ddp" in doc:
-        math_doc["ddp"] = {k: doc["ddp"][k] for k in ("nodes", "procsPerNode", "commHook", "powerSGDRank")}
+        math_doc["ddp"] = {k: doc["ddp"][k] for k in ("procsPerNode", "commHook", "powerSGDRank")}
     return hashlib.sha256(json.dumps(math_doc, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -303,6 +303,12 @@ class ShardCursor:
         """Steps of a whole epoch at this world size (the default plan)."""
         return math.ceil(self.num_samples // self.world_size / self.batch_size)
 
+    @property
+    def epochs_done(self) -> float:
+        """Epochs this cursor went through: whole ones, and the part of the current one."""
+        size = self.shard_size
+        return self._epoch + (self._position / size if size else 0.0)
+
     def steps_left(self, epochs: int) -> int:
         """Batches this cursor hands out before it reaches epoch `epochs`."""
         left = 0
@@ -364,6 +370,20 @@ class ShardCursor:
             raise ConfigError(f"cursor position {state['position']} is outside the shard of {self.shard_size}")
         self._position = int(state["position"])
         self._shard = None
+
+
+def resume_group_cursor(cursor: ShardCursor, state: Mapping[str, Any]) -> bool:
+    """Load a DDP group's cursor state into `cursor` (this rank's): every rank of a group is at the same
+    epoch and position, so one saved state (rank 0's) stands for all. Saved by a group of another size
+    (an elastic job resized), what the old ranks left of the epoch is dealt again among the new ones,
+    in equal shares. True when it was."""
+    old_world = int(state["world_size"])
+    if old_world == cursor.world_size:
+        cursor.load_state_dict({**state, "rank": cursor.rank})
+        return False
+    states = [{**state, "rank": rank} for rank in range(old_world)]
+    cursor.load_state_dict(redeal(states, cursor.world_size, equal=True)[cursor.rank])
+    return True
 
 
 def redeal(states: list[Mapping[str, Any]], world_size: int, equal: bool) -> list[dict[str, Any]]:

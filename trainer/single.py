@@ -113,7 +113,7 @@ class SingleTrainer:
         self.reporter.start_window(self.step)
         while self.step < self.total_steps:
             samples = self.train_one()
-            epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
+            epoch = self.cursor.epochs_done
             # After the update, before this step's checkpoint: a fault here loses the step.
             self.reporter.report(self.step, samples=samples, loss=self.loss,
                                  event_fields={"samples": self.samples, "epoch": round(epoch, 4)})

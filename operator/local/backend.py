@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-from ..api import TrainingJob
+from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
 from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
@@ -30,7 +30,7 @@ from ..core.plan import Replica, plan_replicas
 from ..core.status import TERMINAL
 from ..core.tls import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
-from .rundir import RunDir, RunState
+from .rundir import RunDir, RunState, sizeless
 from .summary import build_summary, format_summary
 
 POLL_SECONDS = 0.2
@@ -196,6 +196,7 @@ class LocalBackend:
         self.python = python
         self.code_dir = code_dir
         self.procs: dict[str, Proc] = {}
+        self._job_file_seen: tuple[int, int] | None = None  # the run's job.yaml as last read (_follow_scale)
         self.progress = JobProgress()
         self.tails: dict[str, JsonlTail] = {}
         self.display = ProgressDisplay(out, job.name)
@@ -232,14 +233,7 @@ class LocalBackend:
         self.state.restart_log = self.state.restart_log or []
         self._save()
         self.tls_dir = write_certificates(self.job, self.run)
-        endpoints = local_endpoints(self.job, self.run, self.code_dir)
-        for replica in plan_replicas(self.job, endpoints):
-            if self.tls_dir is not None:  # in the plan, as a pod's environment has it
-                replica.env[TLS_DIR_VAR] = str(self.tls_dir)
-            self.procs[replica.name] = Proc(replica)
-            self.tails[replica.name] = JsonlTail(self.run.metrics_file(replica.name))
-        self.run.write_targets(self.job, [p.replica for p in self.procs.values()])
-        self.run.write_plan([p.replica for p in self.procs.values()])
+        self._plan()
         verb = "resuming" if resumed else "starting"
         self.display.message(
             f"{self.job.name}: {verb} {self.job.spec.mode} job, replicas {', '.join(self.procs)}; "
@@ -281,6 +275,47 @@ class LocalBackend:
         # A replica's permanent exit code is the job's: 2 bad configuration, 3 data or model.
         return {"InvalidConfiguration": policy.EXIT_CONFIG, "LoadFailed": policy.EXIT_LOAD}.get(reason, 1)
 
+    def _plan(self) -> None:
+        """The replicas of the job at its size (again after a resize: every replica is stopped then)."""
+        endpoints = local_endpoints(self.job, self.run, self.code_dir)
+        old = self.procs
+        self.procs = {}
+        for replica in plan_replicas(self.job, endpoints):
+            if self.tls_dir is not None:  # in the plan, as a pod's environment has it
+                replica.env[TLS_DIR_VAR] = str(self.tls_dir)
+            self.procs[replica.name] = Proc(replica, attempts=old[replica.name].attempts if replica.name in old else 0)
+            self.tails.setdefault(replica.name, JsonlTail(self.run.metrics_file(replica.name)))
+        self.run.write_targets(self.job, [p.replica for p in self.procs.values()])
+        self.run.write_plan([p.replica for p in self.procs.values()])
+        self._job_file_seen = self._job_file_stamp()
+
+    def _job_file_stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.run.job_file.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _follow_scale(self) -> None:
+        """`kubetrain scale` rewrote the run's job file with another spec.replicas: the job takes that
+        size (the engine stops the replicas after a checkpoint and starts the new set). A file that does
+        not load, or changed in more than its size, is reported once and ignored."""
+        stamp = self._job_file_stamp()
+        if stamp == self._job_file_seen:
+            return
+        self._job_file_seen = stamp
+        try:
+            job = load_one(self.run.job_file)
+        except (InvalidSpec, OSError) as err:
+            self.display.message(f"{self.job.name}: {self.run.job_file} changed but does not load; ignored: {err}")
+            return
+        if sizeless(to_manifest(job)["spec"]) != sizeless(to_manifest(self.job)["spec"]):
+            self.display.message(f"{self.job.name}: {self.run.job_file} changed in more than spec.replicas; "
+                                 "only the size of a running job can change (kubetrain scale); ignored")
+            return
+        if job.spec.size != self.job.spec.size:
+            self.job = job
+
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         raise KeyboardInterrupt
 
@@ -303,6 +338,7 @@ class LocalBackend:
                     if code is not None:
                         self._close_log(p)
                         p.phase, p.exit_code = ("Succeeded" if code == 0 else "Failed"), code
+            self._follow_scale()
             before = to_dict(self.status)
             done = self.decide(time.time())
             self.status = done.status
@@ -345,6 +381,8 @@ class LocalBackend:
                     self.display.message(f"[{actions.failed}] last output: {last}")
                     message += f" Last output: {last}"
             return state, reason, message
+        if actions.resized:
+            self._plan()
         # Parameter servers first: workers connect to them (and retry until they can).
         for name in sorted(actions.start, key=lambda n: (not n.startswith("ps-"), n)):
             self._start(self.procs[name])

@@ -73,7 +73,8 @@ class JobProgress:
             self.eval_accuracy = float(event["eval_accuracy"])
         elif kind == "checkpoint" and event.get("step") is not None:
             self.checkpoint_step = max(self.checkpoint_step or 0, int(event["step"]))
-        elif kind in ("start", "resume") and event.get("step") is not None:
+        elif kind in ("start", "resume") and event.get("step") is not None and not replica.startswith("worker-"):
+            # A worker's own step counts its batches, not the job's updates (its train events carry those).
             self.step = max(self.step, int(event["step"]))
 
     @property

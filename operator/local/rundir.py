@@ -21,6 +21,18 @@ import yaml
 from ..api import TrainingJob, dump_manifest, to_manifest
 
 
+def sizeless(spec: Any) -> Any:
+    """A spec without its size (spec.replicas, and the workers or nodes it sets): what must stay the same
+    for a run directory to hold the same job, scaled or not."""
+    if not isinstance(spec, dict):
+        return spec
+    out = {k: v for k, v in spec.items() if k != "replicas"}
+    for block, key in (("parameterServer", "workers"), ("ddp", "nodes")):
+        if isinstance(out.get(block), dict):
+            out[block] = {k: v for k, v in out[block].items() if k != key}
+    return out
+
+
 class RunDirError(Exception):
     """The run directory cannot be used; the message names it."""
 
@@ -94,11 +106,17 @@ class RunDir:
                 old_doc = yaml.safe_load(self.job_file.read_text())
             except yaml.YAMLError:
                 old_doc = None
-            if not isinstance(old_doc, dict) or old_doc.get("spec") != to_manifest(job)["spec"]:
+            if not isinstance(old_doc, dict) or sizeless(old_doc.get("spec")) != sizeless(to_manifest(job)["spec"]):
                 raise RunDirError(
                     f"{self.path}: holds a run of a different spec (see {self.job_file}); "
                     "use another --run-dir or delete this one"
                 )
+            if job.spec.replicas is None and isinstance(old_doc["spec"].get("replicas"), int):
+                # Scaled (`kubetrain scale`) since the manifest was written: the run keeps that size.
+                job.spec.replicas = old_doc["spec"]["replicas"]
+                job.spec.complete()
+            if old_doc.get("spec") != to_manifest(job)["spec"]:
+                atomic_write(self.job_file, dump_manifest(job))  # the manifest's own spec.replicas: a resize
         try:
             for sub in ("logs", "metrics", "results", "checkpoints"):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)

@@ -168,3 +168,15 @@ def test_a_fifo_or_a_symlink_named_like_a_checkpoint_is_skipped(tmp_path: Path, 
         assert store.latest_step() is None
     assert step == 10
     assert "not a regular file" in caplog.text and "pointer" in caplog.text
+
+
+@pytest.mark.parametrize("mode, change, same", [
+    ("ParameterServer", {"replicas": 3}, True),
+    ("ParameterServer", {"parameterServer": {"workers": 5}}, True),
+    ("ParameterServer", {"parameterServer": {"replicas": 2}}, False),
+    ("DDP", {"replicas": 1, "ddp": {"nodes": 2, "minNodes": 1}}, True),
+    ("DDP", {"ddp": {"procsPerNode": 2}}, False),
+], ids=["spec.replicas", "workers", "shards", "ddp nodes", "procsPerNode"])
+def test_the_jobs_size_is_not_part_of_the_hash_an_elastic_job_resumes_at_another(mode, change, same) -> None:
+    base = from_spec_dict("job", {"mode": mode}).spec
+    assert (spec_hash(from_spec_dict("job", {"mode": mode, **change}).spec) == spec_hash(base)) is same

@@ -141,3 +141,20 @@ def test_steps_left_counts_the_redealt_epoch_then_whole_ones():
     one.load_state_dict(state)
     assert one.shard_size == 60  # 100 - 2 x 2 x 10 taken
     assert one.steps_left(2) == 6 + 10
+
+
+def test_a_rank_dealt_nothing_of_an_epoch_reports_whole_epochs_and_moves_on():
+    """Rank 0 finished epoch 0, rank 1 has 3 of its 20 samples left: dealt among 5, two new ranks get
+    none of epoch 0, and every one gets 8 of epoch 1 (40 samples, nobody had begun it)."""
+    old = [ShardCursor(40, r, 2, 4, 0) for r in range(2)]
+    states = [{**old[0].state_dict(), "epoch": 1, "position": 0}, {**old[1].state_dict(), "position": 17}]
+    new = []
+    for s in redeal(states, 5, equal=False):
+        c = ShardCursor(40, s["rank"], 5, 4, 0)
+        c.load_state_dict(s)
+        new.append(c)
+    assert [c.shard_size for c in new] == [1, 1, 1, 0, 0]
+    assert [len(c.positions(1)) for c in new] == [8] * 5
+    assert new[4].epochs_done == 0.0  # nothing dealt: no division by its empty shard
+    first = new[4].next_batch()  # skips to the next epoch
+    assert new[4].epoch == 1 and len(first) == 4

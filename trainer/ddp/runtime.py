@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoint import capture_rng_state, restore_rng_state
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints, ProgressReporter
-from ..data import ShardCursor
+from ..data import ShardCursor, resume_group_cursor
 from ..device import make_deterministic, select_device
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
 from ..events import EventLog, startup, write_result
@@ -222,8 +222,15 @@ class DDPTrainer:
         self.step = step
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        # Every rank is at the same epoch and position; only the shard differs.
-        self.cursor.load_state_dict({**state["cursor"], "rank": self.topo.rank})
+        # Every rank is at the same epoch and position; only the shard differs (or, when the group was
+        # resized, what was left of the epoch is dealt again among the new ranks).
+        old_world = state["cursor"]["world_size"]
+        if resume_group_cursor(self.cursor, state["cursor"]):
+            self.total_steps = self.planned_total()
+            self.reporter.set_total(self.total_steps)
+            log.info("%s: the group was resized from %d to %d ranks: the rest of epoch %d dealt again, %d steps "
+                     "left", self.ctx.replica, old_world, self.topo.world_size, self.cursor.epoch,
+                     self.total_steps - step)
         restore_rng_state(state["rng"])
         self.samples = state["samples"]
         self.loss = state["loss"]
@@ -232,6 +239,14 @@ class DDPTrainer:
         self.checkpoint_step = step
         log.info("%s: resumed from step %d of %d (checkpoint of rank %d)", self.ctx.replica, step,
                  self.total_steps, source)
+
+    def planned_total(self) -> int:
+        """The step training ends at: maxSteps, or where the cursor finishes its epochs (after a resize the
+        epoch in progress has another length than a whole one at this size)."""
+        training = self.ctx.spec.training
+        if training.max_steps is not None:
+            return training.max_steps
+        return self.step + self.cursor.steps_left(training.effective_epochs or 0)
 
     def checkpoint(self) -> None:
         # Every rank calls it; rank 0 alone writes (the state is the same on all).
@@ -309,7 +324,7 @@ class DDPTrainer:
             self.metrics.gradient_bytes_total.labels(stage="compressed").inc(sent)
             self.metrics.network_bytes_total.labels(direction="sent").inc(sent)
             self.metrics.network_bytes_total.labels(direction="received").inc(sent)
-            epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
+            epoch = self.cursor.epochs_done
             # After the update, before this step's checkpoint: a fault here loses the step.
             self.reporter.report(self.step, samples=len(batch), loss=self.loss, event_fields={
                 "local_loss": local_loss, "samples": self.samples, "epoch": round(epoch, 4)})
@@ -330,7 +345,7 @@ class DDPTrainer:
         wall = time.monotonic() - self.started
         result: dict[str, Any] = {
             "steps": self.step,
-            "epochs": round(self.step / self.cursor.steps_per_epoch, 4),
+            "epochs": round(self.cursor.epochs_done, 4),
             "final_train_loss": self.loss,
             "samples": self.samples,
             "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,

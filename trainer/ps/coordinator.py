@@ -9,6 +9,8 @@ out the cursors of its checkpoint. Workers stay stateless.
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -16,8 +18,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from ..data import redeal
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,10 +94,32 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
                 for w, m in self.members.items()
             }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> bool:
+        """Members and cursors from a checkpoint; True when the checkpoint was of another number of
+        workers (an elastic job resized): then what its workers left of the epoch is dealt again among
+        this job's workers (data.redeal), and every member starts afresh with its new cursor."""
         with self.lock:
-            for w, saved in state.items():
-                member = self.members[int(w)]
-                member.cursor_json = saved["cursor_json"]
-                member.worker_step = saved["worker_step"]
-                member.finished = saved["finished"]
+            saved = {int(w): m for w, m in state.items()}
+            cursors = {w: json.loads(m["cursor_json"]) for w, m in saved.items() if m["cursor_json"]}
+            worlds = {c["world_size"] for c in cursors.values()}
+            if len(saved) == self.workers and worlds <= {self.workers}:
+                for w, m in saved.items():
+                    member = self.members[w]
+                    member.cursor_json = m["cursor_json"]
+                    member.worker_step = m["worker_step"]
+                    member.finished = m["finished"]
+                return False
+            if cursors:
+                self._redeal(saved, cursors)
+            return True
+
+    def _redeal(self, saved: dict[int, dict], cursors: dict[int, dict]) -> None:
+        any_cursor = next(iter(cursors.values()))
+        old_world = int(any_cursor["world_size"])
+        # A worker that never pushed has its cursor's start: epoch 0, nothing taken.
+        states = [cursors.get(w) or {**any_cursor, "epoch": 0, "position": 0, "rank": w, "plans": {}}
+                  for w in range(old_world)]
+        for w, cursor in enumerate(redeal(states, self.workers, equal=False)):
+            self.members[w] = Member(last_contact=self.clock(), cursor_json=json.dumps(cursor))
+        log.info("the job's workers went from %d to %d: the rest of epoch %d dealt again among them",
+                 old_world, self.workers, min(s["epoch"] for s in states))

@@ -297,7 +297,12 @@ class ParameterShard:
             for name, param in self.params.items():
                 param.copy_(state["params"][name])
         self.optimizer.load_state_dict(state["optimizer"])
+        resized = len(state["workers"]) != self.config.workers
         for w, saved in state["workers"].items():
+            if resized:
+                # An elastic job's new set of workers: their cursors are dealt again (the coordinator),
+                # their steps counted afresh, so nothing of the old set's record applies.
+                break
             worker = self.workers[int(w)]
             worker.finished = saved["finished"]
             worker.worker_step = saved["worker_step"]
@@ -307,6 +312,9 @@ class ParameterShard:
             worker.taken = TakenSteps.from_state(saved.get("taken", {"floor": saved["worker_step"]}))
         if self.coordinator is not None:
             self.coordinator.load_state_dict(state["coordinator"])
+        if resized:
+            log.info("%s: resumed at step %d with %d workers (the checkpoint had %d)", self.config.replica, step,
+                     self.config.workers, len(state["workers"]))
         self.step = step
         self.dropped_total = state["dropped_total"]
         self.checkpoint_step = step

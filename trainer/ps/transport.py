@@ -468,6 +468,8 @@ class Backoff:
     cap: float = 2.0
     budget: float = 600.0
     """Seconds of consecutive failures after which the call gives up."""
+    give_up: Callable[[], bool] = lambda: False
+    """Asked before each retry: True stops retrying (the process was told to stop: SIGTERM)."""
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.cap, self.base * 2**attempt))
@@ -498,7 +500,7 @@ def call_with_retry(
             if code not in RETRYABLE and attempt:  # the peer is back, and refuses this call (a restarted shard)
                 log.info("%s: answered after %d retries, %.2f s (%s)", what, attempt, time.monotonic() - started,
                          code.name)
-            if code not in RETRYABLE or time.monotonic() - started > backoff.budget:
+            if code not in RETRYABLE or time.monotonic() - started > backoff.budget or backoff.give_up():
                 raise
             if on_retry is not None:
                 on_retry(err, attempt)

@@ -89,13 +89,16 @@ class Worker:
         self.cursor = ShardCursor(len(self.train_x), ctx.index, self.ps.workers, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
         self.local_total = planned_worker_steps(ctx, self.cursor.steps_per_epoch)
+        self.epochs = None if spec.training.max_steps is not None else spec.training.effective_epochs
         self.compressor = GradientCompressor(self.ps.compression)
         self.metrics = TrainerMetrics(ctx)
         self.events = EventLog(ctx.run_dir, ctx.replica)
         self.incarnation = random.getrandbits(63) or 1
         self.client = PSClient(
             ctx.ps_addrs, ctx.token, chunk_bytes(),
-            Backoff(budget=float(spec.run_policy.progress_deadline_seconds)),
+            # Told to stop (SIGTERM) while a shard is away, it stops retrying: its cursor is with ps-0 as
+            # of its last push, and nothing of it is lost by exiting at once.
+            Backoff(budget=float(spec.run_policy.progress_deadline_seconds), give_up=lambda: ctx.stop_requested),
             wait_timeout=wait_timeout(self.ps.sync_timeout_seconds), metrics=self.metrics,
             tls=tls_from_env(),  # the job's certificates: mutual TLS to every shard (tls.py)
         )
@@ -243,6 +246,17 @@ class Worker:
                 "spec.training.optimizer.learningRate, or look for NaN or Inf in the data"
             )
 
+    def _step_of_cursor(self) -> int:
+        """This worker's step, from its cursor: the shards' record of its pushes and its Finish go by it.
+
+        With epochs it counts back from the planned last step (`local_total`), so that the last batch of
+        the cursor's epochs is that step whatever the cursor went through (an elastic job's resize deals
+        a rest of an epoch of another length); at 0 when its cursor holds more than a fresh one would,
+        and then it pushes past the plan. With maxSteps, whole epochs plus this one's batches."""
+        if self.epochs is not None and self.local_total is not None:
+            return max(0, self.local_total - self.cursor.steps_left(self.epochs))
+        return self.cursor.epoch * self.cursor.steps_per_epoch + self.cursor.position // self.cursor.batch_size
+
     def _heartbeat(self) -> None:
         while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
             try:
@@ -261,8 +275,8 @@ class Worker:
         startup("registered", resumed=bool(registration.cursor_json))
         if registration.cursor_json:
             self.cursor.load_state_dict(json.loads(registration.cursor_json))
-        spe = self.cursor.steps_per_epoch
-        self.worker_step = self.cursor.epoch * spe + self.cursor.position // self.cursor.batch_size
+        self.worker_step = self._step_of_cursor()
+        redealt = bool(self.cursor.plans)
         self.events.write("start", step=self.worker_step, worker_step=self.worker_step,
                           total_steps=self.total_steps, device=str(self.device))
         if registration.cursor_json:
@@ -277,9 +291,16 @@ class Worker:
                 self.events.write("stop", step=self.ps_step[0], worker_step=self.worker_step)
                 log.info("%s: stopped by SIGTERM at its step %d; its cursor is with ps-0", ctx.replica, self.worker_step)
                 return EXIT_TERMINATED
-            if self.local_total is not None and self.worker_step >= self.local_total:
+            if self.epochs is not None and self.cursor.epoch >= self.epochs:
                 break
             headers = self.pull()
+            if redealt:
+                # Dealt a rest of an epoch by a resize: the job ends that many of its steps past the shards' step.
+                redealt = False
+                left = self.cursor.steps_left(self.epochs) if self.epochs is not None else 0
+                if left:
+                    self.total_steps = self.ps_step[0] + left * (1 if self.ps.aggregation == "Sync" else self.ps.workers)
+                    self.metrics.total_steps.set(self.total_steps)
             # Every shard: one restarted from a checkpoint may lag the others,
             # and it takes no Finish before it reaches maxSteps too.
             if all(h.done for h in headers):
@@ -307,8 +328,9 @@ class Worker:
             if self.worker_step % interval == 0 or not logged_once:
                 rate = window_samples / max(now - window_start, 1e-9)
                 self.metrics.samples_per_second.set(rate)
-                epoch = self.cursor.epoch + self.cursor.position / self.cursor.shard_size
-                self.events.write("train", step=self.ps_step[0] + 1, worker_step=self.worker_step, loss=self.loss,
+                epoch = self.cursor.epochs_done
+                self.events.write("train", step=self.ps_step[0] + 1, worker_step=self.worker_step,
+                                  total_steps=self.total_steps, loss=self.loss,
                                   samples=self.samples, samples_per_second=rate, epoch=round(epoch, 4))
                 window_samples, window_start, logged_once = 0, now, True
         return self.finish(run_samples / train_seconds if train_seconds else 0.0)
@@ -337,7 +359,7 @@ class Worker:
         write_result(ctx.run_dir, ctx.replica, {
             "steps": self.worker_step,
             "global_step": self.ps_step[0],
-            "epochs": round(self.worker_step / self.cursor.steps_per_epoch, 4),
+            "epochs": round(self.cursor.epochs_done, 4),
             "final_train_loss": self.loss,
             **result,
             "samples": self.samples,
@@ -397,6 +419,10 @@ def run_worker(ctx: ReplicaContext) -> int:
     try:
         return worker.run()
     except grpc.RpcError as err:
+        if ctx.stop_requested:
+            log.info("%s: stopped by SIGTERM while a parameter server was away (%s); its cursor is with ps-0",
+                     ctx.replica, err.code().name)
+            return EXIT_TERMINATED
         # Retries spent (progressDeadlineSeconds) or a refusal no retry can fix.
         raise TransientError(f"{ctx.replica}: parameter server call failed: {err.code().name}: {err.details()}") from None
     finally:

@@ -1,0 +1,81 @@
+"""Elastic jobs in real pods: `kubectl scale trainingjob` through the scale subresource while the job
+trains. A ParameterServer job goes 2 -> 3 -> 1 workers and a DDP job 2 -> 1 -> 2 nodes; each finishes
+within 2 points of accuracy of the same manifest run at a fixed size (locally: the same code and data,
+as test_e2e_local_vs_cluster shows), with no restart counted."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+from e2elib import apply, example, figure, job_status, succeeded
+
+from support import kubetrain
+
+pytestmark = pytest.mark.e2e
+
+RESIZE_TIMEOUT_SECONDS = 240
+
+
+def fixed_size_accuracy(tmp_path, doc: dict) -> float:
+    """The manifest at its starting size, run on this machine."""
+    path = tmp_path / f"{doc['metadata']['name']}-fixed.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    run = tmp_path / "fixed"
+    out = kubetrain("run", str(path), "--run-dir", str(run), "--quiet", timeout=900)
+    assert out.returncode == 0, out.stderr
+    return json.loads((run / "summary.json").read_text())["eval_accuracy"]
+
+
+def reasons(e2e, name: str) -> list[str]:
+    return [e["reason"] for e in e2e.kube.events(name)]
+
+
+def scale_when(e2e, name: str, at_step: int, size: int, pods: list[str]) -> float:
+    """`kubectl scale` once the job passed `at_step`; waits until it runs at `size` with `pods` Running.
+    Returns the seconds from the scale to the new set's pods all Running."""
+    e2e.wait(f"{name} to pass step {at_step}",
+             lambda: (job_status(e2e, name).get("progress") or {}).get("step", 0) >= at_step, timeout=600, every=0.5)
+    start = time.monotonic()
+    e2e.kubectl("scale", "trainingjob", name, "--replicas", str(size))
+
+    def resized() -> bool:
+        status = job_status(e2e, name)
+        if status.get("replicas") != size:
+            return False
+        running = {p["metadata"]["name"] for p in e2e.kube.items("pods", "-l", f"kubetrain.dev/job-name={name}")
+                   if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
+        return set(pods) <= running
+
+    e2e.wait(f"{name} to run at {size}", resized, timeout=RESIZE_TIMEOUT_SECONDS, every=0.5)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", ["ps-2-3-1", "ddp-2-1-2"])
+def test_a_job_scaled_twice_in_real_pods_finishes_within_two_points_of_a_fixed_size_run(e2e, tmp_path, case):
+    if case == "ps-2-3-1":
+        name, doc = "elastic-ps", example("quickstart.yaml", 40)
+        sizes = [(150, 3, ["ps-0", "worker-0", "worker-1", "worker-2"]), (450, 1, ["ps-0", "worker-0"])]
+    else:
+        name, doc = "elastic-ddp", example("ddp.yaml", 40)
+        doc["spec"]["ddp"].update(minNodes=1, maxNodes=2)
+        sizes = [(150, 1, ["ddp-0"]), (450, 2, ["ddp-0", "ddp-1"])]
+    doc["metadata"]["name"] = name
+    baseline = fixed_size_accuracy(tmp_path, doc)
+
+    apply(e2e, doc)
+    took = [scale_when(e2e, name, at, size, [f"{name}-{p}" for p in pods]) for at, size, pods in sizes]
+    status = succeeded(e2e, name, timeout=900)
+    accuracy = status["progress"]["evalAccuracy"]
+    assert abs(accuracy - baseline) <= 0.02, (accuracy, baseline)
+    assert status.get("restarts", 0) == 0, status
+    assert status["replicas"] == sizes[-1][1]
+    seen = reasons(e2e, name)
+    assert seen.count("Resizing") == 2 and seen.count("Resized") == 2, seen
+    scale = json.loads(e2e.kubectl("get", "trainingjob", name, "--subresource=scale", "-o", "json"))
+    assert scale["spec"]["replicas"] == sizes[-1][1] and scale["status"]["replicas"] == sizes[-1][1], scale
+    figure(f"{name}: sizes 2 -> {sizes[0][1]} -> {sizes[1][1]} in real pods, each resize (kubectl scale to the new "
+           f"set Running) {took[0]:.1f} s / {took[1]:.1f} s; accuracy {accuracy:.4f}, the same job at a fixed size "
+           f"{baseline:.4f}; restarts 0")

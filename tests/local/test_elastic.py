@@ -1,0 +1,120 @@
+"""Elastic jobs on this machine: `kubetrain scale` while `kubetrain run` trains. A ParameterServer job
+goes 2 -> 3 -> 1 workers and a DDP job 2 -> 1 -> 2 nodes; each resize stops the replicas after a
+checkpoint and starts the new set, the rest of the epoch dealt again among them (tests/trainer/
+test_redeal.py holds the no-sample-twice proof); both finish within 2 points of accuracy of the same
+job run at a fixed size, with no restart counted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers.jsonl import read_jsonl
+from support import job_doc, kubetrain
+
+RESIZE_TIMEOUT_SECONDS = 120  # a resize: the replicas stop (SIGTERM, a checkpoint) and the new set starts
+RUN_TIMEOUT_SECONDS = 480
+
+
+def manifest(tmp_path: Path, name: str, mode: str, epochs: int, **extra) -> Path:
+    doc = job_doc(name, mode, model={"name": "mlp", "args": {"hidden": 64}}, dataset={"name": "digits"},
+                  training={"epochs": epochs, "batchSize": 16, "seed": 0,
+                            "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
+                  checkpoint={"intervalSteps": 50}, **extra)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def chief_step(run: Path, chief: str) -> int:
+    steps = [e["step"] for e in read_jsonl(run / "metrics" / f"{chief}.jsonl") if e.get("event") == "train"]
+    return max(steps, default=0)
+
+
+def size_running(run: Path) -> int | None:
+    try:
+        return json.loads((run / "state.json").read_text())["status"].get("replicas")
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_with_resizes(path: Path, run: Path, chief: str, resizes: list[tuple[int, int]]) -> tuple[int, str]:
+    """`kubetrain run`, and `kubetrain scale` to each size once the chief passed its step; each resize
+    is waited for (the run directory's status says the new size) before the next."""
+    proc = subprocess.Popen([sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir", str(run),
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for at_step, size in resizes:
+            deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+            while chief_step(run, chief) < at_step:
+                assert proc.poll() is None, f"the run ended before step {at_step}:\n{proc.stdout.read()}"
+                assert time.monotonic() < deadline, f"no step {at_step} in {RUN_TIMEOUT_SECONDS} s"
+                time.sleep(0.2)
+            scaled = kubetrain("scale", str(run), "--replicas", str(size))
+            assert scaled.returncode == 0, scaled.stderr
+            deadline = time.monotonic() + RESIZE_TIMEOUT_SECONDS
+            while size_running(run) != size:
+                assert proc.poll() is None, f"the run ended before it was resized to {size}:\n{proc.stdout.read()}"
+                assert time.monotonic() < deadline, f"not resized to {size} in {RESIZE_TIMEOUT_SECONDS} s"
+                time.sleep(0.2)
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_SECONDS)
+        return proc.returncode, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("mode, spec, chief, resizes, unit", [
+    ("ParameterServer", {"parameterServer": {"workers": 2}}, "worker-0", [(250, 3), (600, 1)], "workers"),
+    ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2}}, "ddp-0", [(250, 1), (600, 2)], "nodes"),
+], ids=["ps-2-3-1", "ddp-2-1-2"])
+def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, resizes, unit):
+    epochs = 20
+    fixed = kubetrain("run", str(manifest(tmp_path, "fixed", mode, epochs, **spec)), "--run-dir",
+                      str(tmp_path / "fixed"), "--quiet", timeout=RUN_TIMEOUT_SECONDS)
+    assert fixed.returncode == 0, fixed.stderr
+    baseline = json.loads((tmp_path / "fixed" / "summary.json").read_text())
+
+    run = tmp_path / "elastic"
+    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, resizes)
+    assert code == 0, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["state"] == "Succeeded" and summary["restarts"] == 0, summary
+    assert abs(summary["eval_accuracy"] - baseline["eval_accuracy"]) <= 0.02, (summary, baseline)
+    assert summary["epochs"] == pytest.approx(epochs, abs=0.01)
+    first, last = resizes[0][1], resizes[-1][1]
+    start = 2
+    assert f"Resizing from {start} to {first} {unit}" in out and f"Resized from {first} to {last} {unit}" in out, out
+    # The job file holds the last size; the next `kubetrain run` of the same manifest keeps it.
+    assert yaml.safe_load((run / "job.yaml").read_text())["spec"]["replicas"] == last
+    assert size_running(run) == last
+    if mode == "ParameterServer":
+        # Each resize was dealt again by ps-0's coordinator, and the third worker ran.
+        ps_log = (run / "logs" / "ps-0.log").read_text()
+        assert "workers went from 2 to 3" in ps_log and "workers went from 3 to 1" in ps_log
+        assert (run / "logs" / "worker-2.log").exists()
+    else:
+        log = (run / "logs" / "ddp-0.log").read_text()
+        assert "resized from 2 to 1 ranks" in log and "resized from 1 to 2 ranks" in log
+
+
+def test_scale_refuses_a_size_the_job_cannot_take_naming_the_field(tmp_path):
+    path = manifest(tmp_path, "d", "DDP", 1, ddp={"nodes": 2, "minNodes": 1, "maxNodes": 2})
+    run = tmp_path / "runs" / "d"
+    run.mkdir(parents=True)
+    (run / "job.yaml").write_text(path.read_text())
+    before = (run / "job.yaml").read_text()
+    out = kubetrain("scale", str(run), "--replicas", "3")
+    assert out.returncode == 2
+    assert "spec.replicas: a DDP job runs between ddp.minNodes (1) and ddp.maxNodes (2) nodes, got 3" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert (run / "job.yaml").read_text() == before  # nothing written
+    missing = kubetrain("scale", str(tmp_path / "nowhere"), "--replicas", "1")
+    assert missing.returncode == 2 and "nowhere" in missing.stderr and "Traceback" not in missing.stderr
