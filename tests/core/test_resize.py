@@ -9,7 +9,7 @@ from kubetrain_operator.api import from_object
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.core.reconcile import iso, reconcile
 
-from core.test_reconcile import PS_PODS, T0, created_pods, job, running
+from core.test_reconcile import PS_PODS, T0, Pod, created_pods, job, running
 
 ACTIVE_AT_2 = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0, "size": 2}}
 EXISTING = {("ConfigMap", "j-config"), ("Secret", "j-token"), ("Service", "j-ps-0"),
@@ -144,3 +144,12 @@ def test_a_ddp_resize_scales_the_group_to_zero_then_renders_its_statefulset_at_t
     grown = reconcile(ddp(2), "u", "t", {}, grow.status, T0 + 22, existing=EXISTING)
     sts = next(o for o in grown.replace if o["kind"] == "StatefulSet")
     assert sts["spec"]["replicas"] == 2 and grown.status["replicas"] == 2
+
+
+def test_a_resize_finished_by_an_operator_that_never_saw_the_children_renders_them_again():
+    """A restarted operator (or a new leader) knows of no child (`existing` empty) until a round made
+    them: a create would meet the old ones and leave them at the old size."""
+    stopping = reconcile(ddp(1), "u", "t", running("ddp-0", "ddp-1"), ACTIVE_AT_2, T0 + 10, existing=set())
+    done = reconcile(ddp(1), "u", "t", {}, stopping.status, T0 + 12, existing=set())
+    assert sorted(o["kind"] for o in done.replace) == ["ConfigMap", "StatefulSet"]
+    assert not [o for o in done.create if o["kind"] in ("ConfigMap", "StatefulSet")]
