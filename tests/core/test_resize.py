@@ -107,6 +107,17 @@ def test_a_job_from_before_sizes_were_remembered_runs_at_its_spec_size():
     assert act.delete_pods == [] and act.status["memory"]["size"] == 2 and act.status["replicas"] == 2
 
 
+def test_a_replica_that_failed_or_finished_before_the_resize_is_stopped_too():
+    """Else its pod stays, and the round that finds no replica left, the one that starts the new set,
+    never comes."""
+    pods = {**running("ps-0", "worker-1"), "worker-0": Pod("worker-0", "Succeeded", exit_code=0)}
+    act = reconcile(job(replicas=3), "u", "t", pods, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
+    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"]
+    pods = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Failed", exit_code=137)}
+    act = reconcile(job(replicas=3), "u", "t", pods, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
+    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"] and act.status["restarts"] == 0
+
+
 def test_a_failure_while_resizing_is_no_restart():
     pods = running("worker-0", "worker-1")
     act = reconcile(job(replicas=3), "u", "t", pods, {**ACTIVE_AT_2, "memory": {**ACTIVE_AT_2["memory"],
