@@ -299,8 +299,10 @@ def replace(obj: dict[str, Any]) -> None:
 
 
 def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
+    # A patch of the StatefulSet itself, not of its scale subresource: the patch a resize needs
+    # (replace above) covers this too, so the operator's RBAC needs no grant on statefulsets/scale.
     try:
-        client.AppsV1Api(_api()).patch_namespaced_stateful_set_scale(
+        client.AppsV1Api(_api()).patch_namespaced_stateful_set(
             name, namespace, {"spec": {"replicas": replicas}}, _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:

@@ -3,8 +3,10 @@ scale subresource, the resize the operator carries out (every old replica stoppe
 the DDP StatefulSet rendered again, the new set started), and the sizes the API server refuses
 (operator/api/crd.py SIZE_CEL).
 
-Pods run on kwok's fake nodes, which delete a pod as soon as it is deleted gracefully: the old set
-is gone within a round or two. A watch (`kubectl get -w`) records every version of the job and of the
+The operator here runs as the chart's ServiceAccount with the chart's own (namespaced) Role, so a verb
+a resize needs and the chart does not grant is refused here as in a real install. Pods run on kwok's
+fake nodes, which delete a pod as soon as it is deleted gracefully: the old set is gone within a round
+or two. A watch (`kubectl get -w`) records every version of the job and of the
 StatefulSet, so the short-lived steps in between (status.replicas still at the old size while the
 job resizes, the StatefulSet at 0) are seen however quickly they pass.
 """
@@ -12,6 +14,7 @@ job resizes, the StatefulSet at 0) are seen however quickly they pass.
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,11 +22,45 @@ import yaml
 
 from helpers.process import stop_process
 from helpers.recovery import json_stream
+from support import ROOT
 from test_lifecycle import condition, manifest, pods_of
 
 pytestmark = pytest.mark.cluster
 
 DDP_ELASTIC = {"nodes": 2, "minNodes": 1, "maxNodes": 2, "procsPerNode": 1, "backend": "gloo"}
+RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+
+
+@pytest.fixture
+def operator(cluster, spawn_operator, tmp_path):
+    """`kubetrain operator` as the chart renders it (namespaced): its arguments, its ServiceAccount and
+    Role, and a kubeconfig holding that ServiceAccount's token. The test itself acts as the admin."""
+    namespace = f"sc-{uuid.uuid4().hex[:6]}"
+    release = f"kubetrain-{namespace}"
+    cluster.kubectl("create", "namespace", namespace)
+    docs = [d for d in yaml.safe_load_all(cluster.run("helm", "template", release, str(ROOT / "charts" / "kubetrain"),
+                                                      "--namespace", namespace, "--set", "operator.namespaced=true")) if d]
+    rbac = [d for d in docs if d["kind"] in RBAC_KINDS]
+    try:
+        cluster.kube(namespace).apply(*rbac)
+        token = cluster.kubectl("create", "token", release, "-n", namespace, "--duration=1h").strip()
+        view = cluster.kube().json("config", "view", "--raw", "--minify")
+        kubeconfig = tmp_path / "operator-kubeconfig.yaml"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "clusters": view["clusters"], "current-context": "operator",
+            "contexts": [{"name": "operator", "context": {"cluster": view["clusters"][0]["name"], "user": "operator"}}],
+            "users": [{"name": "operator", "user": {"token": token}}]}))
+        who = cluster.kube().json("--kubeconfig", str(kubeconfig), "auth", "whoami")
+        assert who["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:{release}"
+        deployment = next(d for d in docs if d["kind"] == "Deployment")
+        args = [a for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+                if not a.startswith(("--namespace=", "--metrics-port=", "--liveness-port="))]  # spawn_operator's own
+        yield spawn_operator(namespace, *args, env={"KUBECONFIG": str(kubeconfig)}).handle(cluster, namespace)
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        for d in rbac:
+            if d["kind"].startswith("Cluster"):
+                cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found")
 
 
 class Watch:
@@ -147,6 +184,7 @@ def test_kubectl_scale_resizes_a_parameter_server_job(operator, tmp_path):
     assert status["restarts"] == 0 and status["replicaStatuses"]["worker"]["active"] == 1
     assert scale_subresource(operator, name)["status"]["replicas"] == 1
     assert reasons(operator, name).count("Resized") == 2
+    assert "forbidden" not in operator.log.read_text().lower()
 
 
 def sts_sizes(versions: list[dict]) -> list[tuple[int, str]]:
@@ -192,6 +230,7 @@ def test_kubectl_scale_resizes_a_ddp_job_statefulset_and_all(operator, tmp_path)
         assert seen["status"] == {"replicas": size, "selector": f"kubetrain.dev/job-name={name},kubetrain.dev/role=ddp"}
         before = pods
     assert reasons(operator, name).count("Resized") == 2
+    assert "forbidden" not in operator.log.read_text().lower()
 
 
 @pytest.mark.parametrize("mode, spec, replicas, message", [
