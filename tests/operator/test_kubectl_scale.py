@@ -250,3 +250,30 @@ def test_the_api_server_refuses_a_size_the_job_cannot_take(operator, mode, spec,
     after = operator.get("trainingjob", name)
     assert after["spec"] == job["spec"] and after["metadata"]["generation"] == job["metadata"]["generation"]
     assert "Resizing" not in reasons(operator, name)
+
+
+def test_a_job_file_taken_over_by_another_is_not_overwritten_by_a_resize(operator):
+    """The resize patches only the job's own ConfigMap: one of the same name made by someone else
+    meanwhile is reported (ChildConflict) and left as it is; once it is gone, the job file is made
+    again at the new size and the job goes on."""
+    doc = manifest(mode="DDP", ddp=DDP_ELASTIC)
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    running_set(operator, name, {"ddp-0", "ddp-1"})
+    settled(operator, name, 2)
+    operator.kubectl("delete", "configmap", f"{name}-config")
+    operator.kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
+                         "data": {"job.yaml": "someone else's"}})
+    scale(operator, name, 1)
+    status = operator.wait("a ChildConflict condition", lambda: (s := operator.job_status(name)) and any(
+        c["reason"] == "ChildConflict" for c in s.get("conditions", [])) and s, timeout=60)
+    message = next(c["message"] for c in status["conditions"] if c["reason"] == "ChildConflict")
+    assert f"ConfigMap {operator.namespace}/{name}-config exists and is not owned by this job" in message
+    assert operator.get("configmap", f"{name}-config")["data"] == {"job.yaml": "someone else's"}
+    assert pods_of(operator, name) == {}  # nothing starts on another's job file
+    operator.kubectl("delete", "configmap", f"{name}-config")
+    running_set(operator, name, {"ddp-0"})
+    settled(operator, name, 1)
+    owned = operator.get("configmap", f"{name}-config")
+    assert owned["metadata"]["ownerReferences"][0]["name"] == name
+    assert yaml.safe_load(owned["data"]["job.yaml"])["spec"]["ddp"]["nodes"] == 1
