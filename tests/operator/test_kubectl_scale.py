@@ -6,9 +6,9 @@ the DDP StatefulSet rendered again, the new set started), and the sizes the API 
 The operator here runs as the chart's ServiceAccount with the chart's own (namespaced) Role, so a verb
 a resize needs and the chart does not grant is refused here as in a real install. Pods run on kwok's
 fake nodes, which delete a pod as soon as it is deleted gracefully: the old set is gone within a round
-or two. A watch (`kubectl get -w`) records every version of the job and of the
-StatefulSet, so the short-lived steps in between (status.replicas still at the old size while the
-job resizes, the StatefulSet at 0) are seen however quickly they pass.
+or two. A watch (`kubectl get -w`) records every version of the job and of the StatefulSet, so the
+short-lived steps in between (status.replicas still at the old size while the job resizes, the
+StatefulSet at 0) are seen however quickly they pass.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRo
 @pytest.fixture
 def operator(cluster, spawn_operator, tmp_path):
     """`kubetrain operator` as the chart renders it (namespaced): its arguments, its ServiceAccount and
-    Role, and a kubeconfig holding that ServiceAccount's token. The test itself acts as the admin."""
+    Role, and a kubeconfig holding that ServiceAccount's token; one per test, in place of the session's
+    operator (which runs as the admin). The test itself acts as the admin."""
     namespace = f"sc-{uuid.uuid4().hex[:6]}"
     release = f"kubetrain-{namespace}"
     cluster.kubectl("create", "namespace", namespace)
