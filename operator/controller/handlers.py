@@ -462,6 +462,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
                  restarted.delay_seconds)
     for obj in act.replace:  # a resize: the job file and StatefulSet at the new size, before its pods
         kube.replace(obj)
+        state.existing.add((obj["kind"], obj["metadata"]["name"]))
         log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
                  act.status.get("replicas"))
     for obj in act.create:

@@ -270,28 +270,39 @@ def delete_pod(namespace: str, name: str, force: bool = False) -> None:
 
 def replace(obj: dict[str, Any]) -> None:
     """Render an existing child again (a resize, core/reconcile.RESIZED_KINDS): a ConfigMap's data, a
-    StatefulSet's size and pod template, each one JSON patch (lists replaced whole, nothing merged)."""
-    kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]
-    api = _api()
+    StatefulSet's size and pod template, each one JSON patch (lists replaced whole, nothing merged).
+
+    The patch first tests that the object is this job's (its owner's uid), so a name taken by another's
+    object in the meantime is reported (NotOurs), never overwritten; one that is missing is created.
+    """
+    kind, meta = obj["kind"], obj["metadata"]
+    ns, name = meta.get("namespace", "default"), meta["name"]
+    if kind == "ConfigMap":
+        ops = [{"op": "replace", "path": "/data", "value": obj["data"]}]
+        patch = client.CoreV1Api(_api()).patch_namespaced_config_map
+    elif kind == "StatefulSet":
+        ops = [{"op": "replace", "path": "/spec/template", "value": obj["spec"]["template"]},
+               {"op": "replace", "path": "/spec/replicas", "value": obj["spec"]["replicas"]}]
+        patch = client.AppsV1Api(_api()).patch_namespaced_stateful_set
+    else:
+        raise ValueError(f"cannot replace a {kind}")
+    owner = {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": meta["ownerReferences"][0]["uid"]}
     try:
-        if kind == "ConfigMap":
-            client.CoreV1Api(api).patch_namespaced_config_map(
-                name, ns, [{"op": "replace", "path": "/data", "value": obj["data"]}],
-                _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "StatefulSet":
-            client.AppsV1Api(api).patch_namespaced_stateful_set(
-                name, ns, [{"op": "replace", "path": "/spec/template", "value": obj["spec"]["template"]},
-                           {"op": "replace", "path": "/spec/replicas", "value": obj["spec"]["replicas"]}],
-                _preload_content=False, _request_timeout=API_TIMEOUT)
-        else:
-            raise ValueError(f"cannot replace a {kind}")
+        patch(name, ns, [owner, *ops], _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
+        if err.status == 404:
+            create(obj)
+            return
+        if err.status == 422:  # the test failed: not ours (NotOurs), or ours listed second (an error)
+            _check_ours(obj)
         raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
 
 
 def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
+    # A patch of the StatefulSet itself, not of its scale subresource: the patch a resize needs
+    # (replace above) covers this too, so the operator's RBAC needs no grant on statefulsets/scale.
     try:
-        client.AppsV1Api(_api()).patch_namespaced_stateful_set_scale(
+        client.AppsV1Api(_api()).patch_namespaced_stateful_set(
             name, namespace, {"spec": {"replicas": replicas}}, _preload_content=False, _request_timeout=API_TIMEOUT
         )
     except ApiException as err:

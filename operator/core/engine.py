@@ -333,8 +333,9 @@ class _Round:
             return False
         unit = "nodes" if self.is_ddp else "workers"
         if self.replicas:
-            self.actions.stop = [n for n, r in self.replicas.items() if r.phase in ("Pending", "Running")
-                                 and not r.terminating]
+            # Every one, whatever its phase: a pod that failed or finished (a worker done before the
+            # others) would otherwise stay, and the round that finds none left would never come.
+            self.actions.stop = [n for n, r in self.replicas.items() if not r.terminating]
             self.actions.hold = True
             message = (f"Resizing from {memory.size} to {size} {unit}: the replicas stop after a checkpoint and "
                        "start again at the new size.")

@@ -99,17 +99,20 @@ def reconcile(
         if obj["kind"] == "Pod":
             if obj["metadata"]["name"][len(job.name) + 1 :] in start:
                 out.create.append(obj)
+        elif act.resized and obj["kind"] in RESIZED_KINDS:
+            # Whether or not `existing` knows it: an operator that started (or took over as leader)
+            # while the old replicas stopped has seen no round create it, and a create would meet the
+            # old one (409) and leave it at the old size: the DDP group back with the old --nnodes.
+            out.replace.append(obj)
         elif existing is None or (obj["kind"], obj["metadata"]["name"]) not in existing:
             out.create.append(obj)
-        elif act.resized and obj["kind"] in RESIZED_KINDS:
-            out.replace.append(obj)
     return out
 
 
 RESIZED_KINDS = ("ConfigMap", "StatefulSet")
 """What carries the job's size besides its pods: the job file every trainer reads (workers, nodes) and
 the DDP StatefulSet (its replicas, torchrun's --nnodes in its template). Rendered again when a resize
-is done, before the replicas of the new size start."""
+is done, before the replicas of the new size start (made when missing: controller/kube.replace)."""
 
 
 def selector(job: TrainingJob) -> str:

@@ -9,7 +9,7 @@ from kubetrain_operator.api import from_object
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.core.reconcile import iso, reconcile
 
-from core.test_reconcile import PS_PODS, T0, created_pods, job, running
+from core.test_reconcile import PS_PODS, T0, Pod, created_pods, job, running
 
 ACTIVE_AT_2 = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0, "size": 2}}
 EXISTING = {("ConfigMap", "j-config"), ("Secret", "j-token"), ("Service", "j-ps-0"),
@@ -107,6 +107,17 @@ def test_a_job_from_before_sizes_were_remembered_runs_at_its_spec_size():
     assert act.delete_pods == [] and act.status["memory"]["size"] == 2 and act.status["replicas"] == 2
 
 
+def test_a_replica_that_failed_or_finished_before_the_resize_is_stopped_too():
+    """Else its pod stays, and the round that finds no replica left, the one that starts the new set,
+    never comes."""
+    pods = {**running("ps-0", "worker-1"), "worker-0": Pod("worker-0", "Succeeded", exit_code=0)}
+    act = reconcile(job(replicas=3), "u", "t", pods, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
+    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"]
+    pods = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Failed", exit_code=137)}
+    act = reconcile(job(replicas=3), "u", "t", pods, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
+    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"] and act.status["restarts"] == 0
+
+
 def test_a_failure_while_resizing_is_no_restart():
     pods = running("worker-0", "worker-1")
     act = reconcile(job(replicas=3), "u", "t", pods, {**ACTIVE_AT_2, "memory": {**ACTIVE_AT_2["memory"],
@@ -144,3 +155,12 @@ def test_a_ddp_resize_scales_the_group_to_zero_then_renders_its_statefulset_at_t
     grown = reconcile(ddp(2), "u", "t", {}, grow.status, T0 + 22, existing=EXISTING)
     sts = next(o for o in grown.replace if o["kind"] == "StatefulSet")
     assert sts["spec"]["replicas"] == 2 and grown.status["replicas"] == 2
+
+
+def test_a_resize_finished_by_an_operator_that_never_saw_the_children_renders_them_again():
+    """A restarted operator (or a new leader) knows of no child (`existing` empty) until a round made
+    them: a create would meet the old ones and leave them at the old size."""
+    stopping = reconcile(ddp(1), "u", "t", running("ddp-0", "ddp-1"), ACTIVE_AT_2, T0 + 10, existing=set())
+    done = reconcile(ddp(1), "u", "t", {}, stopping.status, T0 + 12, existing=set())
+    assert sorted(o["kind"] for o in done.replace) == ["ConfigMap", "StatefulSet"]
+    assert not [o for o in done.create if o["kind"] in ("ConfigMap", "StatefulSet")]

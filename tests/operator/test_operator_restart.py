@@ -18,6 +18,7 @@ import time
 import uuid
 
 import pytest
+import yaml
 
 from helpers.net import free_port
 from test_lifecycle import manifest, pods_of, running_pods
@@ -148,3 +149,31 @@ def test_a_restart_during_a_hang_countdown_keeps_the_clock(fresh):
         assert status["restarts"] == 1
     finally:
         server.shutdown()
+
+
+def test_a_restart_during_a_resize_renders_the_statefulset_and_job_file_at_the_new_size(fresh):
+    """The operator that finishes a resize may not be the one that made the children (a restart, a
+    failover to the standby): the job file and the StatefulSet are rendered again all the same, else
+    the group comes back with torchrun's old --nnodes and waits for a node that never comes."""
+    op = fresh.op
+    doc = manifest(mode="DDP", ddp={"nodes": 2, "minNodes": 1, "maxNodes": 2})
+    name = doc["metadata"]["name"]
+    op.apply(doc)
+    op.wait("2 running DDP pods", lambda: (p := pods_of(op, name)) and len(p) == 2
+            and all(x["status"].get("phase") == "Running" for x in p.values()), timeout=90)
+    op.wait("state Running at 2", lambda: (s := op.job_status(name)).get("state") == "Running" and s.get("replicas") == 2)
+    fresh.kill()
+    op.kubectl("scale", "trainingjob", name, "--replicas=1")
+    fresh.start()
+    op = fresh.op
+    status = op.wait("Running at 1", lambda: (s := op.job_status(name)).get("state") == "Running"
+                     and s.get("replicas") == 1 and s, timeout=90)
+    assert status["restarts"] == 0
+    sts = op.get("statefulset", f"{name}-ddp")
+    command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert sts["spec"]["replicas"] == 1 and command[command.index("--nnodes") + 1] == "1"
+    job_file = yaml.safe_load(op.get("configmap", f"{name}-config")["data"]["job.yaml"])
+    assert job_file["spec"]["ddp"]["nodes"] == 1
+    pods = op.wait("ddp-0 alone", lambda: (p := pods_of(op, name)) and set(p) == {f"{name}-ddp-0"} and p, timeout=60)
+    command = pods[f"{name}-ddp-0"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--nnodes") + 1] == "1"

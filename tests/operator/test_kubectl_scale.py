@@ -1,0 +1,280 @@
+"""Elastic jobs against the real API server and operator: `kubectl scale trainingjob` through the CRD's
+scale subresource, the resize the operator carries out (every old replica stopped, the job file and
+the DDP StatefulSet rendered again, the new set started), and the sizes the API server refuses
+(operator/api/crd.py SIZE_CEL).
+
+The operator here runs as the chart's ServiceAccount with the chart's own (namespaced) Role, so a verb
+a resize needs and the chart does not grant is refused here as in a real install. Pods run on kwok's
+fake nodes, which delete a pod as soon as it is deleted gracefully: the old set is gone within a round
+or two. A watch (`kubectl get -w`) records every version of the job and of the StatefulSet, so the
+short-lived steps in between (status.replicas still at the old size while the job resizes, the
+StatefulSet at 0) are seen however quickly they pass.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers.process import stop_process
+from helpers.recovery import json_stream
+from support import ROOT
+from test_lifecycle import condition, manifest, pods_of
+
+pytestmark = pytest.mark.cluster
+
+DDP_ELASTIC = {"nodes": 2, "minNodes": 1, "maxNodes": 2, "procsPerNode": 1, "backend": "gloo"}
+RBAC_KINDS = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+
+
+@pytest.fixture
+def operator(cluster, spawn_operator, tmp_path):
+    """`kubetrain operator` as the chart renders it (namespaced): its arguments, its ServiceAccount and
+    Role, and a kubeconfig holding that ServiceAccount's token; one per test, in place of the session's
+    operator (which runs as the admin). The test itself acts as the admin."""
+    namespace = f"sc-{uuid.uuid4().hex[:6]}"
+    release = f"kubetrain-{namespace}"
+    cluster.kubectl("create", "namespace", namespace)
+    docs = [d for d in yaml.safe_load_all(cluster.run("helm", "template", release, str(ROOT / "charts" / "kubetrain"),
+                                                      "--namespace", namespace, "--set", "operator.namespaced=true")) if d]
+    rbac = [d for d in docs if d["kind"] in RBAC_KINDS]
+    try:
+        cluster.kube(namespace).apply(*rbac)
+        token = cluster.kubectl("create", "token", release, "-n", namespace, "--duration=1h").strip()
+        view = cluster.kube().json("config", "view", "--raw", "--minify")
+        kubeconfig = tmp_path / "operator-kubeconfig.yaml"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "clusters": view["clusters"], "current-context": "operator",
+            "contexts": [{"name": "operator", "context": {"cluster": view["clusters"][0]["name"], "user": "operator"}}],
+            "users": [{"name": "operator", "user": {"token": token}}]}))
+        who = cluster.kube().json("--kubeconfig", str(kubeconfig), "auth", "whoami")
+        assert who["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:{release}"
+        deployment = next(d for d in docs if d["kind"] == "Deployment")
+        args = [a for a in deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:]
+                if not a.startswith(("--namespace=", "--metrics-port=", "--liveness-port="))]  # spawn_operator's own
+        yield spawn_operator(namespace, *args, env={"KUBECONFIG": str(kubeconfig)}).handle(cluster, namespace)
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+        for d in rbac:
+            if d["kind"].startswith("Cluster"):
+                cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found")
+
+
+class Watch:
+    """`kubectl get KIND NAME -w -o json`: every version of one object from now on, read at `stop()`."""
+
+    def __init__(self, op, kind: str, name: str, out: Path):
+        self._out = out.open("w")
+        self._proc = subprocess.Popen(["kubectl", "-n", op.namespace, "get", kind, name, "-w", "-o", "json"],
+                                      env=op.cluster.env, stdout=self._out, stderr=subprocess.DEVNULL)
+        self._path = out
+        # The first version printed is the object as it is now: the watch has begun once it is there.
+        op.wait(f"the watch of {kind} {name}", lambda: json_stream(out.read_text())[0])
+
+    def stop(self) -> list[dict]:
+        stop_process(self._proc, timeout=10)
+        self._out.close()
+        return json_stream(self._path.read_text())[0]
+
+
+def scale(op, name: str, replicas: int, check: bool = True) -> subprocess.CompletedProcess:
+    return op.kube.run("scale", "trainingjob", name, f"--replicas={replicas}", check=check)
+
+
+def scale_subresource(op, name: str) -> dict:
+    """What an autoscaler reads: the job's Scale object."""
+    return op.kube.json("get", "trainingjob", name, "--subresource=scale")
+
+
+def job_file(op, name: str) -> dict:
+    """The job.yaml every trainer of the job reads (its ConfigMap)."""
+    return yaml.safe_load(op.get("configmap", f"{name}-config")["data"]["job.yaml"])
+
+
+def running_set(op, name: str, replicas: set[str], old_uids: set[str] = frozenset()) -> dict[str, dict]:
+    """Exactly these replicas' pods, each Running and none of them one of `old_uids`."""
+    want = {f"{name}-{r}" for r in replicas}
+
+    def check():
+        pods = pods_of(op, name)
+        return (set(pods) == want and all(p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+                                          and p["metadata"]["uid"] not in old_uids for p in pods.values()) and pods)
+
+    return op.wait(f"pods {sorted(replicas)} of {name} running", check, timeout=90)
+
+
+def settled(op, name: str, replicas: int) -> dict:
+    """The job Running at `replicas`, as its status says."""
+    return op.wait(f"{name} Running at {replicas}", lambda: (s := op.job_status(name)).get("state") == "Running"
+                   and s.get("replicas") == replicas and condition(s, "Running")["status"] == "True" and s, timeout=90)
+
+
+def reasons(op, name: str) -> list[str]:
+    """The job's Event reasons, oldest first (by resourceVersion: their times are whole seconds)."""
+    events = sorted(op.events(name), key=lambda e: int(e["metadata"]["resourceVersion"]))
+    return [e["reason"] for e in events]
+
+
+def sizes(versions: list[dict]) -> list[tuple[int | None, str | None]]:
+    """(status.replicas, the Restarting condition's reason when true) of each version, repeats folded."""
+    out: list[tuple[int | None, str | None]] = []
+    for job in versions:
+        status = job.get("status") or {}
+        restarting = condition(status, "Restarting") or {}
+        seen = (status.get("replicas"), restarting.get("reason") if restarting.get("status") == "True" else None)
+        if not out or out[-1] != seen:
+            out.append(seen)
+    return out
+
+
+def resize(op, name: str, replicas: int, tmp_path: Path) -> list[tuple[int | None, str | None]]:
+    """`kubectl scale` the running job to `replicas`; the sizes its status went through until it runs at it."""
+    watch = Watch(op, "trainingjob", name, tmp_path / f"{name}-{replicas}.json")
+    try:
+        done = scale(op, name, replicas)
+        assert "scaled" in done.stdout
+        settled(op, name, replicas)
+    finally:
+        versions = watch.stop()
+    return sizes(versions)
+
+
+def test_kubectl_scale_resizes_a_parameter_server_job(operator, tmp_path):
+    doc = manifest()
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    before = running_set(operator, name, {"ps-0", "worker-0", "worker-1"})
+    status = settled(operator, name, 2)
+    assert status["selector"] == f"kubetrain.dev/job-name={name},kubetrain.dev/role=worker"
+
+    went = resize(operator, name, 3, tmp_path)
+    # status.replicas stays at 2 while the old set stops, and is 3 only once the new set is started.
+    assert went[0] == (2, None) and (2, "Resizing") in went and went[-1] == (3, None), went
+    assert went.index((2, "Resizing")) < went.index((3, None)), went
+    pods = running_set(operator, name, {"ps-0", "worker-0", "worker-1", "worker-2"},
+                       {p["metadata"]["uid"] for p in before.values()})
+    spec = job_file(operator, name)["spec"]
+    assert spec["replicas"] == 3 and spec["parameterServer"]["workers"] == 3
+    status = operator.job_status(name)
+    assert status["restarts"] == 0 and status["workers"] == 3
+    assert status["replicaStatuses"]["worker"]["active"] == 3
+    assert reasons(operator, name)[-2:] == ["Resizing", "Resized"]
+    assert any(e["reason"] == "Resized" and e["message"].startswith("Resized from 2 to 3 workers")
+               for e in operator.events(name))
+    seen = scale_subresource(operator, name)
+    assert seen["kind"] == "Scale" and seen["spec"] == {"replicas": 3}
+    assert seen["status"] == {"replicas": 3, "selector": f"kubetrain.dev/job-name={name},kubetrain.dev/role=worker"}
+    # What the selector selects is what status.replicas counts.
+    assert len(operator.items("pods", seen["status"]["selector"])) == 3
+    # The job file was rendered again before the first pod of the new set was made.
+    log = operator.log.read_text()
+    rendered = log.index(f"ConfigMap {name}-config rendered again at size 3")
+    assert rendered < log.index(f"created pod {name}-worker-2")
+    assert rendered < log.rindex(f"created pod {name}-ps-0")
+
+    went = resize(operator, name, 1, tmp_path)
+    assert went[0] == (3, None) and (3, "Resizing") in went and went[-1] == (1, None), went
+    running_set(operator, name, {"ps-0", "worker-0"}, {p["metadata"]["uid"] for p in pods.values()})
+    spec = job_file(operator, name)["spec"]
+    assert spec["replicas"] == 1 and spec["parameterServer"]["workers"] == 1
+    status = operator.job_status(name)
+    assert status["restarts"] == 0 and status["replicaStatuses"]["worker"]["active"] == 1
+    assert scale_subresource(operator, name)["status"]["replicas"] == 1
+    assert reasons(operator, name).count("Resized") == 2
+    assert "forbidden" not in operator.log.read_text().lower()
+
+
+def sts_sizes(versions: list[dict]) -> list[tuple[int, str]]:
+    """(spec.replicas, torchrun's --nnodes in the pod template) of each StatefulSet version, repeats folded."""
+    out: list[tuple[int, str]] = []
+    for sts in versions:
+        command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+        seen = (sts["spec"]["replicas"], command[command.index("--nnodes") + 1])
+        if not out or out[-1] != seen:
+            out.append(seen)
+    return out
+
+
+def nnodes(pod: dict) -> str:
+    command = pod["spec"]["containers"][0]["command"]
+    return command[command.index("--nnodes") + 1]
+
+
+def test_kubectl_scale_resizes_a_ddp_job_statefulset_and_all(operator, tmp_path):
+    doc = manifest(mode="DDP", ddp=DDP_ELASTIC)
+    name = doc["metadata"]["name"]
+    sts = f"{name}-ddp"
+    operator.apply(doc)
+    before = running_set(operator, name, {"ddp-0", "ddp-1"})
+    settled(operator, name, 2)
+
+    for size, old, ranks in [(1, 2, {"ddp-0"}), (2, 1, {"ddp-0", "ddp-1"})]:
+        watch = Watch(operator, "statefulset", sts, tmp_path / f"sts-{size}.json")
+        try:
+            went = resize(operator, name, size, tmp_path)
+            pods = running_set(operator, name, ranks, {p["metadata"]["uid"] for p in before.values()})
+        finally:
+            versions = watch.stop()
+        assert went[0] == (old, None) and (old, "Resizing") in went and went[-1] == (size, None), went
+        # The group goes to 0 under its old template; its size and template change together, in one patch.
+        assert sts_sizes(versions) == [(old, str(old)), (0, str(old)), (size, str(size))], sts_sizes(versions)
+        assert {nnodes(p) for p in pods.values()} == {str(size)}
+        assert job_file(operator, name)["spec"]["ddp"]["nodes"] == size
+        status = operator.job_status(name)
+        assert status["restarts"] == 0 and status["workers"] == size
+        seen = scale_subresource(operator, name)
+        assert seen["spec"] == {"replicas": size}
+        assert seen["status"] == {"replicas": size, "selector": f"kubetrain.dev/job-name={name},kubetrain.dev/role=ddp"}
+        before = pods
+    assert reasons(operator, name).count("Resized") == 2
+    assert "forbidden" not in operator.log.read_text().lower()
+
+
+@pytest.mark.parametrize("mode, spec, replicas, message", [
+    ("DDP", {"ddp": DDP_ELASTIC}, 3,
+     "replicas: a DDP job runs between ddp.minNodes and ddp.maxNodes nodes (each ddp.nodes when unset)"),
+    ("DDP", {"ddp": DDP_ELASTIC}, 0, "spec.replicas: Invalid value: 0: spec.replicas in body should be greater than or equal to 1"),
+    ("Single", {}, 2, "replicas: a Single job has one replica"),
+], ids=["ddp-above-maxNodes", "ddp-zero", "single-two"])
+def test_the_api_server_refuses_a_size_the_job_cannot_take(operator, mode, spec, replicas, message):
+    doc = manifest(mode=mode, **spec)
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    job = operator.get("trainingjob", name)
+    done = scale(operator, name, replicas, check=False)
+    assert done.returncode != 0, done.stdout
+    assert message in done.stderr, done.stderr
+    after = operator.get("trainingjob", name)
+    assert after["spec"] == job["spec"] and after["metadata"]["generation"] == job["metadata"]["generation"]
+    assert "Resizing" not in reasons(operator, name)
+
+
+def test_a_job_file_taken_over_by_another_is_not_overwritten_by_a_resize(operator):
+    """The resize patches only the job's own ConfigMap: one of the same name made by someone else
+    meanwhile is reported (ChildConflict) and left as it is; once it is gone, the job file is made
+    again at the new size and the job goes on."""
+    doc = manifest(mode="DDP", ddp=DDP_ELASTIC)
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    running_set(operator, name, {"ddp-0", "ddp-1"})
+    settled(operator, name, 2)
+    operator.kubectl("delete", "configmap", f"{name}-config")
+    operator.kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
+                         "data": {"job.yaml": "someone else's"}})
+    scale(operator, name, 1)
+    status = operator.wait("a ChildConflict condition", lambda: (s := operator.job_status(name)) and any(
+        c["reason"] == "ChildConflict" for c in s.get("conditions", [])) and s, timeout=60)
+    message = next(c["message"] for c in status["conditions"] if c["reason"] == "ChildConflict")
+    assert f"ConfigMap {operator.namespace}/{name}-config exists and is not owned by this job" in message
+    assert operator.get("configmap", f"{name}-config")["data"] == {"job.yaml": "someone else's"}
+    assert pods_of(operator, name) == {}  # nothing starts on another's job file
+    operator.kubectl("delete", "configmap", f"{name}-config")
+    running_set(operator, name, {"ddp-0"})
+    settled(operator, name, 1)
+    owned = operator.get("configmap", f"{name}-config")
+    assert owned["metadata"]["ownerReferences"][0]["name"] == name
+    assert yaml.safe_load(owned["data"]["job.yaml"])["spec"]["ddp"]["nodes"] == 1
