@@ -23,6 +23,8 @@ from kubetrain_operator.api import crd, from_object, podtemplate
 from kubetrain_operator.api.podtemplate import ALLOWANCES, SECURITY_CHECKS, pod_security_problems
 from kubetrain_operator.cli import main
 
+from helpers.kube import wait_established
+
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "charts" / "kubetrain"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -266,7 +268,7 @@ def wait_enforced(cluster, ns: str, timeout: float = 60) -> None:
 def policies(cluster):
     """Namespaces `strict` (the chart's defaults) and `lenient` (podSecurity.allow: privileged, hostPath, root)."""
     cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.dev", "--timeout=60s")
+    wait_established(cluster, "trainingjobs.kubetrain.dev")
     tag = uuid.uuid4().hex[:6]
     spaces = {"strict": (f"ps-strict-{tag}", []), "lenient": (f"ps-lenient-{tag}", ["privileged", "hostPath", "root"])}
     objs = []

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
-from e2elib import apply, example, figure, job_status, succeeded
+from e2elib import apply, example, figure, job_status, succeeded, watch_metrics
 
 from support import kubetrain
 
@@ -35,16 +35,20 @@ def reasons(e2e, name: str) -> list[str]:
     return [e["reason"] for e in e2e.kube.events(name)]
 
 
-def scale_when(e2e, name: str, at_step: int, size: int, pods: list[str]) -> float:
-    """`kubectl scale` once the job passed `at_step`; waits until it runs at `size` with `pods` Running.
-    Returns the seconds from the scale to the new set's pods all Running."""
-    e2e.wait(f"{name} to pass step {at_step}",
-             lambda: (job_status(e2e, name).get("progress") or {}).get("step", 0) >= at_step, timeout=600, every=0.5)
+def scale_when(e2e, name: str, chief: str, at_step: int, size: int, pods: list[str]) -> tuple[float, int]:
+    """`kubectl scale` once the chief's own /metrics (read every 0.2 s: the status is written every few
+    seconds, and these jobs run tens of steps a second) passed `at_step`; waits until the job runs at
+    `size` with `pods` Running. Returns the seconds from the scale to the new set's pods all Running,
+    and the chief's step once its new pod has stepped."""
+    watch_metrics(e2e, chief, lambda m: m.get("kubetrain_training_step", 0) >= at_step, f"to pass step {at_step}",
+                  timeout=600)
+    assert job_status(e2e, name).get("state") != "Succeeded", f"{name} finished before its resize to {size}"
     start = time.monotonic()
     e2e.kubectl("scale", "trainingjob", name, "--replicas", str(size))
 
     def resized() -> bool:
         status = job_status(e2e, name)
+        assert status.get("state") != "Succeeded", f"{name} finished during its resize to {size}: {status}"
         if status.get("replicas") != size:
             return False
         running = {p["metadata"]["name"] for p in e2e.kube.items("pods", "-l", f"kubetrain.dev/job-name={name}")
@@ -52,29 +56,38 @@ def scale_when(e2e, name: str, at_step: int, size: int, pods: list[str]) -> floa
         return set(pods) <= running
 
     e2e.wait(f"{name} to run at {size}", resized, timeout=RESIZE_TIMEOUT_SECONDS, every=0.5)
-    return time.monotonic() - start
+    took = time.monotonic() - start
+    stepped = watch_metrics(e2e, chief, lambda m: m.get("kubetrain_steps_total", 0) > 0, "to step at the new size",
+                            timeout=RESIZE_TIMEOUT_SECONDS)
+    return took, int(stepped.metrics["kubetrain_training_step"])
 
 
+FIRST_RESIZE_STEP = 100
+STEPS_BETWEEN_RESIZES = 40  # counted from the chief's step once its new pod stepped: the job is mid-run
 CASES = {
-    # name: (manifest, resizes: (at the job's step, to size, the pods of the new set))
-    "elastic-ps": ("quickstart.yaml", [(100, 3, ["ps-0", "worker-0", "worker-1", "worker-2"]),
-                                       (250, 1, ["ps-0", "worker-0"])]),
-    "elastic-ddp": ("ddp.yaml", [(100, 1, ["ddp-0"]), (250, 2, ["ddp-0", "ddp-1"])]),
+    # name: (manifest, resizes: (to size, the pods of the new set))
+    "elastic-ps": ("quickstart.yaml", [(3, ["ps-0", "worker-0", "worker-1", "worker-2"]), (1, ["ps-0", "worker-0"])]),
+    "elastic-ddp": ("ddp.yaml", [(1, ["ddp-0"]), (2, ["ddp-0", "ddp-1"])]),
 }
-EPOCHS = 20
+EPOCHS = 40  # 920 steps at 2 replicas (digits, batch 32): hundreds left at every resize
 
 
 def scaled_twice(e2e, name: str) -> str:
-    manifest, sizes = CASES[name]
-    took = [scale_when(e2e, name, at, size, [f"{name}-{p}" for p in pods]) for at, size, pods in sizes]
+    _, sizes = CASES[name]
+    chief = f"{name}-worker-0" if name == "elastic-ps" else f"{name}-ddp-0"
+    took, at = [], FIRST_RESIZE_STEP
+    for size, pods in sizes:
+        seconds, step = scale_when(e2e, name, chief, at, size, [f"{name}-{p}" for p in pods])
+        took.append(seconds)
+        at = step + STEPS_BETWEEN_RESIZES
     status = succeeded(e2e, name, timeout=900)
     assert status.get("restarts", 0) == 0, status
-    assert status["replicas"] == sizes[-1][1]
+    assert status["replicas"] == sizes[-1][0]
     seen = reasons(e2e, name)
     assert seen.count("Resizing") == 2 and seen.count("Resized") == 2, seen
     scale = json.loads(e2e.kubectl("get", "trainingjob", name, "--subresource=scale", "-o", "json"))
-    assert scale["spec"]["replicas"] == sizes[-1][1] and scale["status"]["replicas"] == sizes[-1][1], scale
-    return (f"sizes 2 -> {sizes[0][1]} -> {sizes[1][1]}, each resize (kubectl scale to the new set Running) "
+    assert scale["spec"]["replicas"] == sizes[-1][0] and scale["status"]["replicas"] == sizes[-1][0], scale
+    return (f"sizes 2 -> {sizes[0][0]} -> {sizes[1][0]}, each resize (kubectl scale to the new set Running) "
             f"{took[0]:.1f} s / {took[1]:.1f} s")
 
 

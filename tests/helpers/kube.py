@@ -150,5 +150,22 @@ def install_crd(cluster: Cluster) -> Path:
     """The TrainingJob CRD applied and Established; its file."""
     crd = ROOT / "deploy" / "crd" / "trainingjobs.yaml"
     cluster.kubectl("apply", "--server-side", "-f", str(crd))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/trainingjobs.kubetrain.dev", "--timeout=60s")
+    wait_established(cluster, "trainingjobs.kubetrain.dev")
     return crd
+
+
+ESTABLISH_TIMEOUT_SECONDS = 60
+
+
+def wait_established(cluster: Cluster, *crds: str, timeout: float = ESTABLISH_TIMEOUT_SECONDS) -> None:
+    """Poll until every CRD named is Established. Not `kubectl wait --for=condition=Established`: a CRD
+    created a moment ago has no status.conditions yet, and kubectl wait then fails at once ("accessor
+    error: <nil>") instead of waiting (seen in CI)."""
+    from helpers.wait import wait_for
+
+    path = '{.status.conditions[?(@.type=="Established")].status}'
+
+    def established() -> bool:
+        return all(cluster.kubectl("get", "crd", crd, "-o", f"jsonpath={path}") == "True" for crd in crds)
+
+    wait_for(f"CRDs {', '.join(crds)} to be Established", established, timeout=timeout)

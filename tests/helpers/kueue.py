@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.kube import ROOT
+from helpers.kube import ROOT, wait_established
 from helpers.net import free_port
 from helpers.process import run, stop_process
 from helpers.wait import wait_for
@@ -37,9 +37,7 @@ def install_crds(cluster) -> None:
     for crd in crds:
         args += ["-f", str(crd)]
     run(*args, env=cluster.env, timeout=120)
-    run("kubectl", "wait", "--for=condition=Established", "--timeout=60s",
-        *[f"crd/{c.name.split('_', 1)[1].removesuffix('.yaml')}.kueue.x-k8s.io" for c in crds],
-        env=cluster.env, timeout=90)
+    wait_established(cluster, *[f"{c.name.split('_', 1)[1].removesuffix('.yaml')}.kueue.x-k8s.io" for c in crds])
 
 
 @contextmanager

@@ -24,7 +24,7 @@ RUN_TIMEOUT_SECONDS = 480
 
 def manifest(tmp_path: Path, name: str, mode: str, epochs: int, **extra) -> Path:
     doc = job_doc(name, mode, model={"name": "mlp", "args": {"hidden": 64}}, dataset={"name": "digits"},
-                  training={"epochs": epochs, "batchSize": 16, "seed": 0,
+                  training={"epochs": epochs, "batchSize": 32, "seed": 0,
                             "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
                   checkpoint={"intervalSteps": 50}, **extra)
     path = tmp_path / f"{name}.yaml"
@@ -44,13 +44,19 @@ def size_running(run: Path) -> int | None:
         return None
 
 
-def run_with_resizes(path: Path, run: Path, chief: str, resizes: list[tuple[int, int]]) -> tuple[int, str]:
-    """`kubetrain run`, and `kubetrain scale` to each size once the chief passed its step; each resize
-    is waited for (the run directory's status says the new size) before the next."""
+FIRST_RESIZE_STEP = 120
+STEPS_BETWEEN_RESIZES = 80  # counted from the chief's step once the previous resize is done: mid-run, always
+
+
+def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int]) -> tuple[int, str]:
+    """`kubetrain run`, and `kubetrain scale` to each size: the first once the chief passed
+    FIRST_RESIZE_STEP, each next STEPS_BETWEEN_RESIZES steps after the previous resize was done (the run
+    directory's status says the new size)."""
     proc = subprocess.Popen([sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir", str(run),
                              "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for at_step, size in resizes:
+        at_step = FIRST_RESIZE_STEP
+        for size in sizes:
             deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
             while chief_step(run, chief) < at_step:
                 assert proc.poll() is None, f"the run ended before step {at_step}:\n{proc.stdout.read()}"
@@ -63,6 +69,7 @@ def run_with_resizes(path: Path, run: Path, chief: str, resizes: list[tuple[int,
                 assert proc.poll() is None, f"the run ended before it was resized to {size}:\n{proc.stdout.read()}"
                 assert time.monotonic() < deadline, f"not resized to {size} in {RESIZE_TIMEOUT_SECONDS} s"
                 time.sleep(0.2)
+            at_step = chief_step(run, chief) + STEPS_BETWEEN_RESIZES
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_SECONDS)
         return proc.returncode, out
     finally:
@@ -71,25 +78,25 @@ def run_with_resizes(path: Path, run: Path, chief: str, resizes: list[tuple[int,
             proc.wait()
 
 
-@pytest.mark.parametrize("mode, spec, chief, resizes, unit", [
-    ("ParameterServer", {"parameterServer": {"workers": 2}}, "worker-0", [(250, 3), (600, 1)], "workers"),
-    ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2}}, "ddp-0", [(250, 1), (600, 2)], "nodes"),
+@pytest.mark.parametrize("mode, spec, chief, sizes, unit", [
+    ("ParameterServer", {"parameterServer": {"workers": 2}}, "worker-0", [3, 1], "workers"),
+    ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2}}, "ddp-0", [1, 2], "nodes"),
 ], ids=["ps-2-3-1", "ddp-2-1-2"])
-def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, resizes, unit):
-    epochs = 20
+def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, sizes, unit):
+    epochs = 25  # 575 steps at 2 replicas (digits, batch 32): the resizes land mid-run
     fixed = kubetrain("run", str(manifest(tmp_path, "fixed", mode, epochs, **spec)), "--run-dir",
                       str(tmp_path / "fixed"), "--quiet", timeout=RUN_TIMEOUT_SECONDS)
     assert fixed.returncode == 0, fixed.stderr
     baseline = json.loads((tmp_path / "fixed" / "summary.json").read_text())
 
     run = tmp_path / "elastic"
-    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, resizes)
+    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, sizes)
     assert code == 0, out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["state"] == "Succeeded" and summary["restarts"] == 0, summary
     assert abs(summary["eval_accuracy"] - baseline["eval_accuracy"]) <= 0.02, (summary, baseline)
     assert summary["epochs"] == pytest.approx(epochs, abs=0.01)
-    first, last = resizes[0][1], resizes[-1][1]
+    first, last = sizes
     start = 2
     assert f"Resizing from {start} to {first} {unit}" in out and f"Resized from {first} to {last} {unit}" in out, out
     # The job file holds the last size; the next `kubetrain run` of the same manifest keeps it.

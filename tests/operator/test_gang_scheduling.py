@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from conftest import Operator
+from helpers.kube import wait_established
 from support import ROOT
 from test_lifecycle import manifest, pods_of
 
@@ -27,7 +28,7 @@ CRD_FILES = {VOLCANO_CRD: CRDS / "scheduling.volcano.sh_podgroups.yaml",
 
 def install(cluster, crd: str) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILES[crd]))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    wait_established(cluster, crd)
 
 
 @pytest.fixture
