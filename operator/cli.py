@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from . import __version__
-from .api import InvalidSpec, dump_manifest, from_object, load_file, load_one
+from .api import InvalidSpec, TrainingJob, dump_manifest, from_object, load_file, load_one
 from .api.spec import DNS1123_PATTERN
 from .api.podtemplate import ALLOWANCES, parse_allowances, pod_security_problems
 
@@ -138,6 +138,11 @@ def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
     return faults
 
 
+def run_dir_of(job: TrainingJob, run_dir: str | None) -> Path:
+    """Where `kubetrain run` keeps a job's run: --run-dir, or runs/<name>."""
+    return Path(run_dir) if run_dir else Path("runs") / job.name
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .core.plan import replica_names
     from .local.backend import LocalBackend
@@ -152,7 +157,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if job.spec.mode == "DDP":  # a fault names a rank, and there are nodes x procsPerNode of them
         replicas = [f"ddp-{rank}" for rank in range(job.spec.world_size)]
     faults = parse_faults(args.fault, replicas)
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name
+    run_dir = run_dir_of(job, args.run_dir)
     try:
         # User code (a script, entry points) is found next to the manifest.
         code_dir = Path(args.file).resolve().parent
@@ -172,7 +177,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         run_dir = target
     else:
         job = load_one(target)
-        run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / job.name
+        run_dir = run_dir_of(job, args.run_dir)
     job_file = run_dir / "job.yaml"
     if not job_file.is_file():
         raise UsageError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")

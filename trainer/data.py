@@ -210,14 +210,17 @@ class EpochPlan:
         first = rank if rank >= h else h + (rank - h) % world  # its first index past the holes
         return range(self.start + first - h, self.start + total - h, world)
 
+    def _holes(self, rank: int, world: int) -> list[int]:
+        """Rank `rank`'s part of the holes (what it takes first)."""
+        return [self.holes[j] for j in range(rank, min(len(self.holes), self.dealt(world)), world)]
+
     def share(self, rank: int, world: int) -> list[int]:
         """Rank `rank`'s positions, in the order it takes them."""
-        holes = [self.holes[j] for j in range(rank, min(len(self.holes), self.dealt(world)), world)]
-        return holes + list(self._run(rank, world))
+        return self._holes(rank, world) + list(self._run(rank, world))
 
     def take(self, order: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         """Rank `rank`'s samples of an epoch whose shuffled order is `order` (`share`, as a slice where it can)."""
-        holes = [self.holes[j] for j in range(rank, min(len(self.holes), self.dealt(world)), world)]
+        holes = self._holes(rank, world)
         run = self._run(rank, world)
         tail = order[run.start : run.stop : run.step] if len(run) else order[:0]
         return torch.cat([order[torch.tensor(holes, dtype=torch.long)], tail]) if holes else tail
