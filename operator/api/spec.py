@@ -560,11 +560,8 @@ class Spec:
     def pod_count(self) -> int:
         """Pods of the job in a cluster: Single 1, ParameterServer shards + workers, DDP nodes."""
         if self.mode == "ParameterServer":
-            ps = self.parameter_server or ParameterServer()
-            return ps.replicas + ps.workers
-        if self.mode == "DDP":
-            return (self.ddp or DDP()).nodes
-        return 1
+            return (self.parameter_server or ParameterServer()).replicas + self.size
+        return self.size
 
     @property
     def size(self) -> int:
