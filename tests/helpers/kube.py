@@ -154,18 +154,22 @@ def install_crd(cluster: Cluster) -> Path:
     return crd
 
 
-ESTABLISH_TIMEOUT_SECONDS = 60
+ESTABLISH_TIMEOUT_SECONDS = 120  # an API server that has just started establishes its first CRDs after a while
 
 
 def wait_established(cluster: Cluster, *crds: str, timeout: float = ESTABLISH_TIMEOUT_SECONDS) -> None:
-    """Poll until every CRD named is Established. Not `kubectl wait --for=condition=Established`: a CRD
-    created a moment ago has no status.conditions yet, and kubectl wait then fails at once ("accessor
-    error: <nil>") instead of waiting (seen in CI)."""
+    """Poll until every CRD named is Established. Neither `kubectl wait --for=condition=Established` nor a
+    jsonpath filter on the conditions: a CRD the API server has not processed yet has no
+    status.conditions, and both fail at once on it ("accessor error: <nil>", seen in CI) instead of
+    waiting. The object as JSON is read instead."""
     from helpers.wait import wait_for
 
-    path = '{.status.conditions[?(@.type=="Established")].status}'
-
     def established() -> bool:
-        return all(cluster.kubectl("get", "crd", crd, "-o", f"jsonpath={path}") == "True" for crd in crds)
+        for crd in crds:
+            conditions = (json.loads(cluster.kubectl("get", "crd", crd, "-o", "json")).get("status") or {}).get(
+                "conditions") or []
+            if not any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+                return False
+        return True
 
     wait_for(f"CRDs {', '.join(crds)} to be Established", established, timeout=timeout)
