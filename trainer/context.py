@@ -55,6 +55,8 @@ class ReplicaContext:
     """Metric label; the job's name when empty."""
     termination_log: Path | None = None
     """Where the final results also go for the operator (a pod's /dev/termination-log); None: nowhere."""
+    job_file: Path | None = None
+    """The manifest the job was read from (KUBETRAIN_JOB_FILE); ps-0 reads an elastic job's size there."""
     stop_requested: bool = False
     """Set by the SIGTERM handler; training loops check it after every step."""
 
@@ -91,6 +93,7 @@ class ReplicaContext:
         run_dir = Path(env.get("KUBETRAIN_RUN_DIR") or Path("runs") / job.name)
         return cls(
             job=job,
+            job_file=Path(job_file),
             replica=replica,
             run_dir=run_dir,
             checkpoint_dir=Path(env.get("KUBETRAIN_CHECKPOINT_DIR") or run_dir / "checkpoints" / replica),

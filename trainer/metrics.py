@@ -126,6 +126,12 @@ class TrainerMetrics:
         self.ps_cancelled_streams_total = self._counter(
             "ps_cancelled_streams", "Streams a parameter server cancelled because their client stalled."
         )
+        self.ps_workers = self._gauge(
+            "ps_workers", "The workers of the set a parameter server serves now (an elastic job's size)."
+        )
+        self.ps_resizes_total = self._counter(
+            "ps_resizes", "Live resizes of the job's workers that ps-0 made (elastic jobs)."
+        )
         self.non_finite_steps_total = self._counter(
             "non_finite_steps", "Steps a worker skipped because its gradients held NaN or Inf."
         )

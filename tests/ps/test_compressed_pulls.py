@@ -32,6 +32,7 @@ def puller(address: str, index: int = 0) -> Worker:
     worker.client = PSClient([address], TOKEN, 1 << 20, Backoff(budget=5.0), call_timeout=5.0, wait_timeout=5.0)
     worker.ps_step, worker.ps_incarnation, worker.min_step, worker.shard_done = [0], [0], [0], [False]
     worker.copy, worker.copy_mismatches, worker.worker_step = [0], 0, 1
+    worker.membership, worker.world = 0, 1
     return worker
 
 

@@ -384,6 +384,7 @@ def bare_worker(tmp_path, address: str, compression: str = "None") -> Worker:
     worker.incarnation, worker.loss = 5, float("nan")
     worker.ps_step, worker.ps_incarnation, worker.min_step, worker.shard_done = [0], [0], [0], [False]
     worker.worker_step, worker.non_finite_streak = 0, 0
+    worker.membership, worker.world = 0, 1
     return worker
 
 

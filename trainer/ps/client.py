@@ -111,8 +111,11 @@ class PSClient:
             if self.metrics:
                 self.metrics.rpc_duration_seconds.labels(method=method).observe(time.perf_counter() - started)
 
-    def register(self, worker: int, incarnation: int) -> pb.RegisterReply:
-        request = pb.RegisterRequest(worker=worker, incarnation=incarnation)
+    def register(self, worker: int, incarnation: int, membership: int = 0, world_size: int = 0) -> pb.RegisterReply:
+        """Register with ps-0's coordinator; retried while it is away, or while a resize to a size that
+        takes this worker is still to be made (UNAVAILABLE)."""
+        request = pb.RegisterRequest(worker=worker, incarnation=incarnation, membership=membership,
+                                     world_size=world_size)
         return self._call("Register", 0, lambda: self.coordinator.Register(
             request, timeout=self.call_timeout, metadata=self.metadata))
 

@@ -5,6 +5,14 @@ reads the same data shard. Its cursor (ShardCursor state) arrives with every
 push to ps-0 and is checkpointed with ps-0's parameters: a restarted worker
 continues from the last step ps-0 took from it, and a restarted ps-0 hands
 out the cursors of its checkpoint. Workers stay stateless.
+
+The membership: the set of workers of an elastic job, numbered. When the
+job's size changes while it runs, ps-0's shard waits for a moment where no
+worker holds a batch it has not pushed (server.py, the cut), then `resize`
+deals what the workers left of the epoch again among the new set and numbers
+it anew. Workers name their membership in every call; one of an older set
+registers again and gets its new cursor, or is released (its index is past
+the size) and leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +32,11 @@ from . import ps_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# The most workers a job has (spec.parameterServer.workers, spec.replicas: the CRD's maximum). A Register
+# from an index past the job's size but below this is answered `released`; beyond it, refused as invalid.
+MAX_WORKERS = 1024
+MEMBERSHIP_KEY = "membership"
+
 
 @dataclass
 class Member:
@@ -42,6 +55,8 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
         self.liveness_timeout = liveness_timeout
         self.clock = clock
         self.members = {w: Member(last_contact=clock()) for w in range(workers)}
+        self.membership = 1
+        """The number of the current set of workers; 1 at the job's start, one more at every resize."""
         self.lock = threading.Lock()
 
     def _member(self, worker: int, context: grpc.ServicerContext) -> Member:
@@ -54,11 +69,23 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         with self.lock:
+            if self.workers <= request.worker < MAX_WORKERS:
+                if not request.membership and request.worker < request.world_size and not self._ending():
+                    # Started for a size the job file says and ps-0 has not taken yet: the resize comes (at
+                    # the shard's next cut, within seconds of ps-0 reading the file), and then its cursor.
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"worker {request.worker}: the job has {self.workers} workers until the resize to "
+                                  f"{request.world_size} is made; retry")
+                # Past the job's size: a worker a resize left out, or one started for a size the job did not
+                # take (asked as the job was ending). It leaves; nothing of the job is waiting for it.
+                return pb.RegisterReply(rank=request.worker, world_size=self.workers, membership=self.membership,
+                                        released=True)
             member = self._member(request.worker, context)
             member.incarnation = request.incarnation
             member.last_contact = self.clock()
             return pb.RegisterReply(
-                rank=request.worker, world_size=self.workers, cursor_json=member.cursor_json, finished=member.finished
+                rank=request.worker, world_size=self.workers, cursor_json=member.cursor_json, finished=member.finished,
+                membership=self.membership,
             )
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
@@ -87,19 +114,42 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
                 if not m.finished and now - m.last_contact < self.liveness_timeout
             ]
 
+    def _ending(self) -> bool:
+        """A member finished (under the lock): the job is ending, and takes no resize any more."""
+        return any(m.finished for m in self.members.values())
+
+    def resize(self, workers: int) -> int:
+        """A new set of `workers` workers, live: what the members' cursors (as their last pushes left
+        them) have not taken of the epoch is dealt again among the new set; returns its number. The
+        caller (the shard's cut) makes sure no member holds a batch it has not pushed."""
+        with self.lock:
+            saved = {w: {"cursor_json": m.cursor_json} for w, m in self.members.items()}
+            cursors = {w: json.loads(m["cursor_json"]) for w, m in saved.items() if m["cursor_json"]}
+            old = self.workers
+            self.workers = workers
+            self.members = {w: Member(last_contact=self.clock()) for w in range(workers)}
+            if cursors:
+                self._redeal(saved, cursors)
+            self.membership += 1
+            log.info("membership %d: %d workers (was %d)", self.membership, workers, old)
+            return self.membership
+
     def state_dict(self) -> dict:
         with self.lock:
-            return {
+            members = {
                 w: {"cursor_json": m.cursor_json, "worker_step": m.worker_step, "finished": m.finished}
                 for w, m in self.members.items()
             }
+            return {**members, MEMBERSHIP_KEY: self.membership}
 
     def load_state_dict(self, state: dict) -> bool:
         """Members and cursors from a checkpoint; True when the checkpoint was of another number of
         workers (an elastic job resized): then what its workers left of the epoch is dealt again among
         this job's workers (data.redeal), and every member starts afresh with its new cursor."""
         with self.lock:
-            saved = {int(w): m for w, m in state.items()}
+            # Checkpoints from before live resizes have no membership: the job's first.
+            self.membership = int(state.get(MEMBERSHIP_KEY, 1))
+            saved = {int(w): m for w, m in state.items() if w != MEMBERSHIP_KEY}
             cursors = {w: json.loads(m["cursor_json"]) for w, m in saved.items() if m["cursor_json"]}
             worlds = {c["world_size"] for c in cursors.values()}
             if len(saved) == self.workers and worlds <= {self.workers}:
@@ -111,6 +161,9 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
                 return False
             if cursors:
                 self._redeal(saved, cursors)
+            # A new set: numbered past any a lost cut could have handed out (a cut is durable before
+            # its workers hear of it, server.py), so every worker of the old one registers again.
+            self.membership += 1
             return True
 
     def _redeal(self, saved: dict[int, dict], cursors: dict[int, dict]) -> None:

@@ -28,7 +28,7 @@ class TensorPiece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_index: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker", "incarnation", "worker_step", "base_step", "ps_incarnation", "cursor_json", "loss", "no_gradient")
+    __slots__ = ("worker", "incarnation", "worker_step", "base_step", "ps_incarnation", "cursor_json", "loss", "no_gradient", "membership", "world_size")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     WORKER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class PushHeader(_message.Message):
     CURSOR_JSON_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NO_GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
     worker_step: int
@@ -45,21 +47,25 @@ class PushHeader(_message.Message):
     cursor_json: str
     loss: float
     no_gradient: bool
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., worker_step: _Optional[int] = ..., base_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., cursor_json: _Optional[str] = ..., loss: _Optional[float] = ..., no_gradient: _Optional[bool] = ...) -> None: ...
+    membership: int
+    world_size: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., worker_step: _Optional[int] = ..., base_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., cursor_json: _Optional[str] = ..., loss: _Optional[float] = ..., no_gradient: _Optional[bool] = ..., membership: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("step", "ps_incarnation", "done", "copy", "copy_crc32")
+    __slots__ = ("step", "ps_incarnation", "done", "copy", "copy_crc32", "membership")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PS_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
     COPY_CRC32_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     step: int
     ps_incarnation: int
     done: bool
     copy: int
     copy_crc32: int
-    def __init__(self, step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., done: _Optional[bool] = ..., copy: _Optional[int] = ..., copy_crc32: _Optional[int] = ...) -> None: ...
+    membership: int
+    def __init__(self, step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., done: _Optional[bool] = ..., copy: _Optional[int] = ..., copy_crc32: _Optional[int] = ..., membership: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("push", "pull", "pieces", "data")
@@ -74,20 +80,24 @@ class Frame(_message.Message):
     def __init__(self, push: _Optional[_Union[PushHeader, _Mapping]] = ..., pull: _Optional[_Union[PullHeader, _Mapping]] = ..., pieces: _Optional[_Iterable[_Union[TensorPiece, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "worker_step", "min_step", "ps_incarnation", "final", "copy")
+    __slots__ = ("worker", "worker_step", "min_step", "ps_incarnation", "final", "copy", "membership", "world_size")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WORKER_STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_STEP_FIELD_NUMBER: _ClassVar[int]
     PS_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     COPY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     worker_step: int
     min_step: int
     ps_incarnation: int
     final: bool
     copy: int
-    def __init__(self, worker: _Optional[int] = ..., worker_step: _Optional[int] = ..., min_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., final: _Optional[bool] = ..., copy: _Optional[int] = ...) -> None: ...
+    membership: int
+    world_size: int
+    def __init__(self, worker: _Optional[int] = ..., worker_step: _Optional[int] = ..., min_step: _Optional[int] = ..., ps_incarnation: _Optional[int] = ..., final: _Optional[bool] = ..., copy: _Optional[int] = ..., membership: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("outcome", "step", "staleness")
@@ -166,24 +176,32 @@ class FinishReply(_message.Message):
     def __init__(self, job_finished: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker", "incarnation")
+    __slots__ = ("worker", "incarnation", "membership", "world_size")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     incarnation: int
-    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    membership: int
+    world_size: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ..., membership: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("rank", "world_size", "cursor_json", "finished")
+    __slots__ = ("rank", "world_size", "cursor_json", "finished", "membership", "released")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CURSOR_JSON_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     cursor_json: str
     finished: bool
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., cursor_json: _Optional[str] = ..., finished: _Optional[bool] = ...) -> None: ...
+    membership: int
+    released: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., cursor_json: _Optional[str] = ..., finished: _Optional[bool] = ..., membership: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker", "incarnation", "worker_step")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import time
 
+from kubetrain_operator.api.load import documents, from_object
+from kubetrain_operator.api.schema import InvalidSpec, Problem
+
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
 from ..data import ShardCursor
@@ -14,7 +17,7 @@ from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import build_optimizer
 from ..training import log_interval
-from .coordinator import Coordinator
+from .coordinator import MAX_WORKERS, Coordinator
 from .job import chunk_bytes, model_and_data, ps_spec, shards_of
 from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
 from .tls import from_env as tls_from_env
@@ -40,6 +43,51 @@ def planned_worker_steps(ctx: ReplicaContext, steps_per_epoch: int) -> int | Non
     if training.max_steps is not None or not training.effective_epochs:
         return None
     return training.effective_epochs * steps_per_epoch
+
+
+def size_source(ctx: ReplicaContext):
+    """The job's size as its job file says now (ps-0 polls it: an elastic job resizes live); None when the
+    file does not load or says another job, logged once per content."""
+    path = ctx.job_file
+    seen: dict[str, int | None] = {}
+
+    def read() -> int | None:
+        if path is None:
+            return None
+        try:
+            text = path.read_text()
+        except OSError as err:
+            text = f"unreadable: {err}"
+        if text not in seen:
+            seen.clear()
+            seen[text] = _size_of(ctx, path, text)
+        return seen[text]
+
+    return read
+
+
+def _size_of(ctx: ReplicaContext, path, text: str) -> int | None:
+    if text.startswith("unreadable: "):
+        log.warning("%s: %s: %s; the job keeps its size", ctx.replica, path, text)
+        return None
+    try:
+        docs = documents(text, str(path))
+        if len(docs) != 1:
+            raise InvalidSpec([Problem("(file)", f"must hold exactly one TrainingJob, found {len(docs)}")], str(path))
+        job = from_object(docs[0], str(path))
+    except InvalidSpec as err:
+        log.warning("%s: %s no longer loads (%s); the job keeps its size", ctx.replica, path, err)
+        return None
+    if job.name != ctx.job.name or job.spec.mode != ctx.spec.mode:
+        log.warning("%s: %s now names another job; the job keeps its size", ctx.replica, path)
+        return None
+    return job.spec.size
+
+
+def steps_at(ctx: ReplicaContext, num_samples: int):
+    """planned_worker_steps at a number of workers: a shard's Finish check follows a resize."""
+    batch = ctx.spec.training.batch_size
+    return lambda workers: planned_worker_steps(ctx, ShardCursor(num_samples, 0, workers, batch, 0).steps_per_epoch)
 
 
 def run_ps(ctx: ReplicaContext) -> int:
@@ -88,20 +136,26 @@ def run_ps(ctx: ReplicaContext) -> int:
         chunk_bytes=chunk_bytes(),
         worker_steps=planned_worker_steps(ctx, steps_per_epoch),
         compression=ps.compression,
+        worker_steps_for=steps_at(ctx, len(data.train_x)),
+        size_source=size_source(ctx) if ctx.index == 0 else None,
     )
     coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds) if ctx.index == 0 else None
     shard = ParameterShard(
         config, params, lambda p: build_optimizer(p, spec.training.optimizer), store,
         coordinator=coordinator, metrics=metrics, after_step=after_step,
+        after_resize=lambda step, workers, membership: events.write(
+            "resize", step=step, workers=workers, membership=membership),
     )
     resumed = shard.restore()
     startup("restored", step=shard.step, resumed=resumed)
     metrics.process_starts_total.inc()
     metrics.total_steps.set(total_steps)
+    metrics.ps_workers.set(shard.config.workers)
     metrics.training_step.set(shard.step)
     metrics.serve(ctx.metrics_port, ctx.listen_address)
-    # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish.
-    server = build_server(shard, ctx.token, max_workers=2 * ps.workers + 8)
+    # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish. Threads
+    # start as calls need them, so the bound is the most workers a resize can bring (MAX_WORKERS).
+    server = build_server(shard, ctx.token, max_workers=2 * MAX_WORKERS + 8)
     tls = tls_from_env()  # the job's certificates: mutual TLS with every worker (tls.py)
     address = f"{ctx.listen_address}:{ctx.ps_port}"
     try:

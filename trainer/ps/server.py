@@ -20,6 +20,18 @@ Aggregation:
   maxStaleness of its own steps ahead of the slowest live worker is held in
   Pull until the others catch up.
 
+Elastic jobs, live (docs/scheduling.md#elastic-jobs): ps-0 reads the job's
+size from its job file (SIZE_POLL_SECONDS). When it changes, ps-0 holds every
+worker's next pull until none holds a batch it has not pushed (the cut: in
+Sync, at the step boundary), deals the rest of the epoch again among the new
+set (coordinator.resize), makes that durable, and answers the held pulls
+with the new membership: the workers register again for their new cursors,
+the ones past the size are released and leave, new ones join. A Sync step
+then waits for the new set (STARTUP_GRACE_SECONDS for a joiner); Async does
+not hold anyone for a joiner that has not called yet. The other shards learn
+the new set from the first call that names it. A call naming another set
+than the shard's is refused (FAILED_PRECONDITION, reason `membership`).
+
 Pulls: the parameters whole, or, with a lossy compression algorithm, the
 change since the copy the worker holds, which the shard keeps per worker
 (compression.PullCompressor; docs/parameter-server.md, Compressed pulls).
@@ -64,9 +76,10 @@ from ..metrics import TrainerMetrics
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
 from .client import wait_timeout
-from .coordinator import Coordinator
+from .coordinator import MAX_WORKERS, Coordinator
 from .transport import (
     GRPC_OPTIONS,
+    MEMBERSHIP,
     NON_FINITE,
     REFUSAL_KEY,
     Assembler,
@@ -114,6 +127,9 @@ STREAM_GRACE_SECONDS = 5.0
 # sequence without raising the floor past it. Memory: about 100 bytes per
 # entry, 6.4 KB per worker, 6.5 MB for the largest job (1024 workers).
 DEDUP_WINDOW_STEPS = 64
+# How often ps-0 reads the job's size from its job file (an elastic job: kubectl scale rewrites the
+# job's ConfigMap, kubetrain scale the run's job.yaml). A small file; a resize is seen within this.
+SIZE_POLL_SECONDS = 1.0
 
 
 class TakenSteps:
@@ -176,6 +192,8 @@ class WorkerState:
     receive_lock: threading.Lock = field(default_factory=threading.Lock)
     pull_lock: threading.Lock = field(default_factory=threading.Lock)
     """One compressed pull of this worker at a time: each one reads and replaces its copy (PullCompressor)."""
+    since: float | None = None
+    """When a resize made it one of the job's workers; None: one since the shard started."""
 
 
 @dataclass(eq=False)
@@ -213,6 +231,10 @@ class ShardConfig:
     """The job's algorithm: with a lossy one, pulls carry the change since the worker's copy (PullCompressor)."""
     worker_copy_bytes: int = MAX_WORKER_COPY_BYTES
     """What this shard may hold of workers' copies for compressed pulls (compression.MAX_WORKER_COPY_BYTES)."""
+    worker_steps_for: Callable[[int], int | None] | None = None
+    """worker_steps at another number of workers (an elastic job's resize); None: the job is never resized."""
+    size_source: Callable[[], int | None] | None = None
+    """ps-0: the job's size as its job file says now (None: unreadable, keep the current one)."""
 
     def __post_init__(self) -> None:
         if self.stream_seconds is None:
@@ -232,6 +254,7 @@ class ParameterShard:
         metrics: TrainerMetrics | None = None,
         after_step: Callable[[int], None] = lambda step: None,
         clock: Callable[[], float] = time.monotonic,
+        after_resize: Callable[[int, int, int], None] = lambda step, workers, membership: None,
     ):
         self.config = config
         self.params = {n: torch.nn.Parameter(t.detach().clone(), requires_grad=True) for n, t in params.items()}
@@ -241,6 +264,7 @@ class ParameterShard:
         self.coordinator = coordinator
         self.metrics = metrics
         self.after_step = after_step
+        self.after_resize = after_resize
         self.clock = clock
         self.counter = ByteCounter(metrics)
         self.raw_gradient_bytes = 0
@@ -252,6 +276,13 @@ class ParameterShard:
         self.checkpoint_step = -1
         self.started = clock()
         self.workers = {w: WorkerState() for w in range(config.workers)}
+        self.membership = coordinator.membership if coordinator is not None else 0
+        """The set of workers this shard serves (coordinator.py); the other shards take it from calls."""
+        self.target_size: int | None = None
+        """ps-0: the size the job file asks for, while it differs from the current set's."""
+        self.waiting: dict[int, int] = {}
+        """ps-0: pulls waiting, per worker: a worker waiting here has pushed all it computed (the cut)."""
+        self.size_checked = clock()
         self.pending: set[int] = set()
         """Sync: workers counted in the current step (with a gradient, or a push without one)."""
         self.contributors = 0
@@ -285,6 +316,7 @@ class ParameterShard:
             },
             "coordinator": self.coordinator.state_dict() if self.coordinator else {},
             "dropped_total": self.dropped_total,
+            "membership": self.membership,
         }
 
     def restore(self) -> bool:
@@ -312,6 +344,10 @@ class ParameterShard:
             worker.taken = TakenSteps.from_state(saved.get("taken", {"floor": saved["worker_step"]}))
         if self.coordinator is not None:
             self.coordinator.load_state_dict(state["coordinator"])
+            self.membership = self.coordinator.membership
+        elif not resized:
+            # The set its checkpoint served (0 from before live resizes: taken from the first call).
+            self.membership = state.get("membership", 0)
         if resized:
             log.info("%s: resumed at step %d with %d workers (the checkpoint had %d)", self.config.replica, step,
                      self.config.workers, len(state["workers"]))
@@ -338,7 +374,8 @@ class ParameterShard:
     # --- aggregation (all under self.cond) ------------------------------------------------
 
     def _touch(self, worker: int) -> WorkerState:
-        state = self.workers[worker]
+        """The worker's state, its contact now; one a resize released gets a state of its own, not kept."""
+        state = self.workers.get(worker) or WorkerState()
         state.last_contact = self.clock()
         return state
 
@@ -346,7 +383,8 @@ class ParameterShard:
         """Heard from within syncTimeoutSeconds; one not heard from yet is starting up, for a while."""
         now = self.clock()
         if state.last_contact is None:
-            return now - self.started < max(self.config.sync_timeout, STARTUP_GRACE_SECONDS)
+            since = self.started if state.since is None else state.since
+            return now - since < max(self.config.sync_timeout, STARTUP_GRACE_SECONDS)
         return now - state.last_contact < self.config.sync_timeout
 
     def _expected_workers(self) -> set[int]:
@@ -397,6 +435,96 @@ class ParameterShard:
             buffer.zero_()
         self.first_push_at = None
 
+    # --- elastic membership (all under self.cond) -----------------------------------------
+
+    def _check_membership(self, membership: int, world_size: int) -> None:
+        """A call names its worker's set of workers: the shard's own, or (not ps-0) a newer one it takes.
+
+        0 is a call that names none (a progress report, a client of before live resizes): not checked.
+        """
+        if not membership or membership == self.membership:
+            return
+        if self.coordinator is None and membership > self.membership:
+            if not self.membership and world_size == self.config.workers:
+                self.membership = membership  # the set this shard started with: nothing to change
+                return
+            if not 1 <= world_size <= MAX_WORKERS:
+                raise invalid(f"membership {membership} names {world_size} workers; a job has 1 to {MAX_WORKERS}")
+            self._set_size(world_size, membership)
+            return
+        raise WireError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the job's workers changed (membership {self.membership} on {self.config.replica}, the call's "
+            f"{membership}): register again",
+            reason=MEMBERSHIP,
+        )
+
+    def _set_size(self, workers: int, membership: int) -> None:
+        """Serve a new set of workers: every one starts afresh (its steps are counted again from its new
+        cursor), the ones past the size are forgotten (and their copies for compressed pulls)."""
+        now = self.clock()
+        old = self.config.workers
+        self.config.workers = workers
+        self.membership = membership
+        if self.config.worker_steps_for is not None:
+            self.config.worker_steps = self.config.worker_steps_for(workers)
+        for w in [w for w in self.workers if w >= workers]:
+            self.pulls.forget(w)
+        self.workers = {w: WorkerState(since=now) for w in range(workers)}
+        self.pending.clear()
+        self.contributors = 0
+        for buffer in self.pending_sum.values():
+            buffer.zero_()
+        self.first_push_at = None
+        if self.metrics:
+            self.metrics.ps_workers.set(workers)
+        log.info("%s: membership %d, %d workers (was %d) from step %d", self.config.replica, membership, workers,
+                 old, self.step)
+        self.after_resize(self.step, workers, membership)
+        self.cond.notify_all()
+
+    def _poll_size(self) -> None:
+        """ps-0: read the job's size (SIZE_POLL_SECONDS), and note a resize to make at the next cut."""
+        source = self.config.size_source
+        if source is None or self.clock() - self.size_checked < SIZE_POLL_SECONDS:
+            return
+        self.size_checked = self.clock()
+        size = source()
+        if size is None or size == (self.target_size or self.config.workers):
+            return
+        self.target_size = None if size == self.config.workers else size
+        if self.target_size is not None:
+            log.info("%s: the job's size is now %d workers (was %d): resizing at the next cut",
+                     self.config.replica, size, self.config.workers)
+
+    def _cut_due(self) -> bool:
+        """A resize is asked for and can still be made: no worker finished its share yet (after that the
+        job is ending; the size it ends with stays, a joiner is released)."""
+        return (self.target_size is not None and self.coordinator is not None and not self.done
+                and not any(s.finished or s.done_pushing for s in self.workers.values()))
+
+    def maybe_cut(self) -> bool:
+        """ps-0: make the resize once no worker holds a batch it has not pushed: each live one waits in a
+        pull here (all its pushes answered), and in Sync the step is complete. True when it was made."""
+        if not self._cut_due():
+            return False
+        if self.config.aggregation == "Sync" and self.pending:
+            return False
+        assert self.coordinator is not None and self.target_size is not None
+        live = set(self.coordinator.live())
+        for w, state in self.workers.items():
+            if state.last_contact is not None and w in live and not self.waiting.get(w):
+                return False  # still computing a step whose batch its cursor does not show yet
+        size, self.target_size = self.target_size, None
+        membership = self.coordinator.resize(size)
+        self._set_size(size, membership)
+        # Durable before any worker hears of it: a ps-0 restarted from an older checkpoint numbers
+        # its own new set past this one (coordinator.load_state_dict).
+        self.checkpoint(wait=True)
+        if self.metrics:
+            self.metrics.ps_resizes_total.inc()
+        return True
+
     def _reject(self, reason: str) -> None:
         """Count a push not applied: `duplicate`, `non_finite` or `invalid` (metrics.REJECT_REASONS)."""
         if self.metrics:
@@ -404,6 +532,9 @@ class ParameterShard:
 
     def _accept(self, header: pb.PushHeader, grads: dict[str, torch.Tensor] | None) -> pb.PushReply:
         """Take a push that arrived whole and finite (grads None: a push without a gradient)."""
+        # Again under the lock: a new set may have come while the push was received.
+        self._check_membership(header.membership, header.world_size)
+        self._check_worker(header.worker)
         worker = self._touch(header.worker)
         worker.incarnation = header.incarnation
         if self.done:
@@ -464,11 +595,16 @@ class ParameterShard:
             return False
         if request.final:
             return any(not s.finished for w, s in self.workers.items() if w != request.worker)
+        if self._cut_due():
+            return True  # a resize waits for every worker to come here (maybe_cut)
         if self.config.aggregation == "Sync":
             same_incarnation = request.ps_incarnation in (0, self.incarnation)
             return same_incarnation and request.min_step > self.step
+        # A worker a resize added is waited for once it called: Async takes the new set at once.
         others = [
-            s.worker_step for w, s in self.workers.items() if w != request.worker and not s.finished and self._alive(s)
+            s.worker_step for w, s in self.workers.items()
+            if w != request.worker and not s.finished and self._alive(s)
+            and not (s.since is not None and s.last_contact is None)
         ]
         return bool(others) and request.worker_step > min(others) + self.config.max_staleness
 
@@ -497,8 +633,12 @@ class ParameterShard:
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[WireFrame]:
         try:
+            with self.cond:
+                self._check_membership(request.membership, request.world_size)
             self._check_worker(request.worker)
         except WireError as err:
+            if err.reason:
+                context.set_trailing_metadata(((REFUSAL_KEY, err.reason),))
             context.abort(err.code, str(err))
         with self._watched("Pull", request.worker, context, stall_seconds=None):
             with self.cond:
@@ -507,15 +647,28 @@ class ParameterShard:
                 if request.final:
                     worker.done_pushing = True
                     self.maybe_complete_sync_step()
-                while self._held(request) and context.is_active():
-                    self.cond.wait(TICK_SECONDS)
-                    self._touch(request.worker)
+                entered = self.membership
+                self.waiting[request.worker] = self.waiting.get(request.worker, 0) + 1
+                try:
+                    # A new set of workers (a resize, here or taken from another worker's call) ends the
+                    # wait: the caller registers again, and its next pull is held as the new set's.
+                    while self.membership == entered and self._held(request) and context.is_active():
+                        self.cond.wait(TICK_SECONDS)
+                        self._touch(request.worker)
+                finally:
+                    self.waiting[request.worker] -= 1
                 if not context.is_active():
                     return  # cancelled while held: by its client, or by tick()
                 step, tensors = self.published
-                header = pb.PullHeader(step=step, ps_incarnation=self.incarnation, done=self.done)
-            yield from frames_for(self._pull_tensors(request, tensors, header), self.config.chunk_bytes,
-                                  pb.Frame(pull=header))
+                header = pb.PullHeader(step=step, ps_incarnation=self.incarnation, done=self.done,
+                                       membership=self.membership)
+                left = request.worker not in self.workers  # released by a resize while it waited
+            out = (self._whole_tensors(tensors) if left else self._pull_tensors(request, tensors, header))
+            yield from frames_for(out, self.config.chunk_bytes, pb.Frame(pull=header))
+
+    @staticmethod
+    def _whole_tensors(tensors: dict[str, torch.Tensor]) -> list[OutTensor]:
+        return [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), "None", as_bytes(t)) for n, t in tensors.items()]
 
     def _pull_tensors(self, request: pb.PullRequest, tensors: dict[str, torch.Tensor],
                       header: pb.PullHeader) -> list[OutTensor]:
@@ -526,7 +679,7 @@ class ParameterShard:
         old copy, which no longer matches, and gets a whole pull.
         """
         if not self.pulls.enabled:
-            return [OutTensor(n, dtype_name(t.dtype), tuple(t.shape), "None", as_bytes(t)) for n, t in tensors.items()]
+            return self._whole_tensors(tensors)
         with self.workers[request.worker].pull_lock:
             encoded = self.pulls.encode(request.worker, request.copy, tensors, request.worker_step, request.final)
         header.copy, header.copy_crc32 = encoded.copy, encoded.crc32
@@ -557,6 +710,8 @@ class ParameterShard:
             if not frame.header.HasField("push"):
                 raise invalid("the first frame of a push must carry a PushHeader")
             header = frame.header.push
+            with self.cond:
+                self._check_membership(header.membership, header.world_size)
             self._check_worker(header.worker)
             watch.worker = header.worker
             watch.last_message = self.clock()
@@ -689,6 +844,8 @@ class ParameterShard:
         """
         with self.cond:
             self.maybe_complete_sync_step()
+            self._poll_size()
+            self.maybe_cut()
         self.cancel_stalled_streams()
 
     def cancel_stalled_streams(self) -> list[StreamWatch]:

@@ -96,6 +96,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # without parsing the message (a worker skips a step refused as non_finite).
 REFUSAL_KEY = "x-kubetrain-refusal"
 NON_FINITE = "non_finite"
+# A call of a worker of another set of workers than the shard's (an elastic job resized): it registers again.
+MEMBERSHIP = "membership"
 
 
 class WireError(Exception):

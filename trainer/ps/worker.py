@@ -12,6 +12,12 @@ for it (the shards would refuse one), tells the shards the step is done so a
 Sync step does not wait for it, counts it and goes on. Checked before
 compression, so error feedback never carries a NaN into later steps.
 MAX_CONSECUTIVE_NON_FINITE_STEPS in a row end the worker: training diverged.
+
+An elastic job's resize is live (server.py, coordinator.py): a pull answered
+with another membership than the worker's, or refused for it, makes the
+worker register again. It then takes its new cursor (the rest of the epoch
+dealt again among the new set) and goes on, or, released (its index is past
+the new size), it exits 0 and leaves no result.
 """
 
 from __future__ import annotations
@@ -43,7 +49,17 @@ from .client import PSClient, wait_timeout
 from .job import chunk_bytes, model_and_data, ps_spec, shards_of
 from .serve import planned_global_steps, planned_worker_steps
 from .tls import from_env as tls_from_env
-from .transport import NON_FINITE, Assembler, Backoff, Expected, OutTensor, dtype_name, first_non_finite, refusal_reason
+from .transport import (
+    MEMBERSHIP,
+    NON_FINITE,
+    Assembler,
+    Backoff,
+    Expected,
+    OutTensor,
+    dtype_name,
+    first_non_finite,
+    refusal_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +71,10 @@ HEARTBEAT_SECONDS = 1.0
 # themselves give NaN: the run diverged (a learning rate too high, data with
 # NaN), and a restart would replay the same steps. Exit 2, permanent.
 MAX_CONSECUTIVE_NON_FINITE_STEPS = 10
+
+
+class Released(Exception):
+    """ps-0 released this worker: a resize left its index past the job's size."""
 
 
 class Worker:
@@ -86,7 +106,11 @@ class Worker:
         self.scratch: list[dict] = [{} for _ in self.shards]
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
-        self.cursor = ShardCursor(len(self.train_x), ctx.index, self.ps.workers, spec.training.batch_size, spec.training.seed)
+        self.world = self.ps.workers
+        """The workers of the job's current set (ps-0's membership): the job file's size until registered."""
+        self.membership = 0
+        self.redealt = False
+        self.cursor = ShardCursor(len(self.train_x), ctx.index, self.world, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
         self.local_total = planned_worker_steps(ctx, self.cursor.steps_per_epoch)
         self.epochs = None if spec.training.max_steps is not None else spec.training.effective_epochs
@@ -126,17 +150,31 @@ class Worker:
         return list(self.pool.map(fn, range(len(self.shards))))
 
     def pull(self, final: bool = False) -> list[pb.PullHeader]:
-        def one(s: int) -> pb.PullHeader:
+        """The parameters of every shard; a new set of workers (a resize) first: register again, pull again."""
+        headers = self._pull_once(final)
+        while any(h is None for h in headers) or headers[0].membership not in (0, self.membership):
+            self._join(self.client.register(self.ctx.index, self.incarnation, self.membership, self.world))
+            headers = self._pull_once(final)
+        return headers
+
+    def _pull_once(self, final: bool) -> list[pb.PullHeader | None]:
+        def one(s: int) -> pb.PullHeader | None:
             names = self.shards[s]
             expected = {n: Expected.of(self.params[n]) for n in names}
             request = pb.PullRequest(
                 worker=self.ctx.index, worker_step=self.worker_step, min_step=self.min_step[s],
                 ps_incarnation=self.ps_incarnation[s], final=final, copy=self.copy[s],
+                membership=self.membership, world_size=self.world,
             )
             # Lossy pieces are changes to this copy (compressed pulls), added in place.
-            header, _ = self.client.pull(
-                s, request, lambda: Assembler(expected, self.scratch[s], {n: self.landing[n] for n in names},
-                                              changes=True))
+            try:
+                header, _ = self.client.pull(
+                    s, request, lambda: Assembler(expected, self.scratch[s], {n: self.landing[n] for n in names},
+                                                  changes=True))
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION and refusal_reason(err) == MEMBERSHIP:
+                    return None  # the job's workers changed: register again (pull)
+                raise
             self.ps_step[s], self.ps_incarnation[s] = header.step, header.ps_incarnation
             self.shard_done[s] = header.done
             self.copy[s] = self._check_copy(s, header)
@@ -171,6 +209,7 @@ class Worker:
             worker=self.ctx.index, incarnation=self.incarnation, worker_step=self.worker_step,
             base_step=self.ps_step[s], ps_incarnation=self.ps_incarnation[s],
             cursor_json=cursor_json if s == 0 else "", loss=self.loss,
+            membership=self.membership, world_size=self.world,
         )
 
     def push(self, grads: dict[str, torch.Tensor] | None) -> list[pb.PushReply | None]:
@@ -257,6 +296,25 @@ class Worker:
             return max(0, self.local_total - self.cursor.steps_left(self.epochs))
         return self.cursor.epoch * self.cursor.steps_per_epoch + self.cursor.position // self.cursor.batch_size
 
+    def _join(self, registration: pb.RegisterReply) -> None:
+        """Take what ps-0's coordinator says of this worker: its set of workers and its cursor (the rest
+        of the epoch dealt again, after a resize); released, it leaves (Released)."""
+        if registration.released:
+            raise Released()
+        resized = registration.world_size != self.world
+        self.membership, self.world = registration.membership, registration.world_size
+        spec = self.ctx.spec
+        if resized:
+            self.cursor = ShardCursor(len(self.train_x), self.ctx.index, self.world, spec.training.batch_size,
+                                      spec.training.seed)
+            self.local_total = planned_worker_steps(self.ctx, self.cursor.steps_per_epoch)
+        if registration.cursor_json:
+            self.cursor.load_state_dict(json.loads(registration.cursor_json))
+        self.worker_step = self._step_of_cursor()
+        self.redealt = bool(self.cursor.plans)
+        # A new set's steps start from the shards' step as it is: no barrier of the old set applies.
+        self.min_step = [0] * len(self.shards)
+
     def _heartbeat(self) -> None:
         while not self._stop_heartbeat.wait(HEARTBEAT_SECONDS):
             try:
@@ -271,12 +329,9 @@ class Worker:
         self.metrics.process_starts_total.inc()
         self.metrics.total_steps.set(self.total_steps)
         self.metrics.serve(ctx.metrics_port, ctx.listen_address)
-        registration = self.client.register(ctx.index, self.incarnation)
+        registration = self.client.register(ctx.index, self.incarnation, 0, self.world)
         startup("registered", resumed=bool(registration.cursor_json))
-        if registration.cursor_json:
-            self.cursor.load_state_dict(json.loads(registration.cursor_json))
-        self.worker_step = self._step_of_cursor()
-        redealt = bool(self.cursor.plans)
+        self._join(registration)
         self.events.write("start", step=self.worker_step, worker_step=self.worker_step,
                           total_steps=self.total_steps, device=str(self.device))
         if registration.cursor_json:
@@ -294,12 +349,14 @@ class Worker:
             if self.epochs is not None and self.cursor.epoch >= self.epochs:
                 break
             headers = self.pull()
-            if redealt:
+            if self.epochs is not None and not self.cursor.steps_left(self.epochs):
+                break  # dealt nothing more by a resize (a share of the last epoch's rest that came out empty)
+            if self.redealt:
                 # Dealt a rest of an epoch by a resize: the job ends that many of its steps past the shards' step.
-                redealt = False
+                self.redealt = False
                 left = self.cursor.steps_left(self.epochs) if self.epochs is not None else 0
                 if left:
-                    self.total_steps = self.ps_step[0] + left * (1 if self.ps.aggregation == "Sync" else self.ps.workers)
+                    self.total_steps = self.ps_step[0] + left * (1 if self.ps.aggregation == "Sync" else self.world)
                     self.metrics.total_steps.set(self.total_steps)
             # Every shard: one restarted from a checkpoint may lag the others,
             # and it takes no Finish before it reaches maxSteps too.
@@ -418,6 +475,12 @@ def run_worker(ctx: ReplicaContext) -> int:
     worker = Worker(ctx)
     try:
         return worker.run()
+    except Released:
+        worker.events.write("released", step=worker.ps_step[0], worker_step=worker.worker_step,
+                            samples=worker.samples)
+        log.info("%s: released by a resize at its step %d (the job has %d workers now); its data is dealt to "
+                 "the others", ctx.replica, worker.worker_step, worker.world)
+        return EXIT_OK
     except grpc.RpcError as err:
         if ctx.stop_requested:
             log.info("%s: stopped by SIGTERM while a parameter server was away (%s); its cursor is with ps-0",

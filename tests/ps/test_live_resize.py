@@ -1,0 +1,170 @@
+"""An elastic parameter-server job resized live: real processes on loopback, no process restarted.
+
+The job file (what `kubetrain scale` and `kubectl scale` change) is rewritten
+while the job trains: ps-0 reads the new size, holds every worker's next pull
+until none holds a batch it has not pushed (the cut), deals the rest of the
+epoch again among the new set, and the workers register again. A joiner
+starts as a supervisor would start it; the workers past a smaller size are
+released and exit 0. Two shards, so the second learns the new set from the
+workers' calls. Run with -s for the figures.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import yaml
+from kubetrain_trainer.ps.client import PSClient
+from kubetrain_trainer.ps.transport import Backoff
+
+from cluster import TOKEN, Job, manifest
+
+pytestmark = pytest.mark.slow
+JOB_SECONDS = 240
+EPOCHS = 10
+TRAIN_SAMPLES = 1438  # digits with evalFraction 0.2
+
+
+def resize(job: Job, workers: int) -> None:
+    """Rewrite the job file with another size, atomically (as the kubelet swaps a ConfigMap volume)."""
+    job.doc["spec"]["replicas"] = workers
+    job.doc["spec"]["parameterServer"]["workers"] = workers
+    tmp = job.job_file.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(job.doc))
+    tmp.replace(job.job_file)
+
+
+def wait_until(what: str, check, job: Job, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        for replica, proc in job.procs.items():
+            if replica.startswith("ps-") and proc.poll() is not None:
+                raise AssertionError(f"{replica} exited {proc.returncode} while waiting for {what}:\n{job.logs()}")
+        time.sleep(0.2)
+    job.stop()
+    raise AssertionError(f"timed out waiting for {what}:\n{job.logs()}")
+
+
+def ps_step(job: Job) -> int:
+    """ps-0's step now, from its Status call (0 while it is not serving yet)."""
+    client = PSClient([f"127.0.0.1:{job.ports[0]}"], TOKEN, 1 << 20, Backoff(budget=1.0), call_timeout=5.0)
+    try:
+        return client.status(0).step
+    except grpc.RpcError:
+        return 0
+    finally:
+        client.close()
+
+
+def trained(job: Job, replica: str, after: float = 0.0) -> bool:
+    return any(e["time"] > after for e in job.events(replica, "train"))
+
+
+def run_resized(tmp_path, aggregation: str) -> tuple[Job, dict]:
+    """2 workers, then 3 (worker-2 joins), then 1 (workers 1 and 2 are released); two shards."""
+    doc = manifest(f"live-{aggregation.lower()}", replicas=2, aggregation=aggregation,
+                   training={"epochs": EPOCHS, "batchSize": 16})
+    job = Job(tmp_path / aggregation, doc)
+    job.start_all()
+    try:
+        first = ps_step(job) + 60
+        wait_until("60 steps", lambda: ps_step(job) >= first, job)
+        resize(job, 3)
+        job.replicas.append("worker-2")
+        job.start("worker-2")
+        resized = wait_until("the resize to 3", lambda: job.events("ps-0", "resize"), job)[0]
+        wait_until("worker-2's first steps", lambda: trained(job, "worker-2"), job)
+        joined = job.events("worker-2", "start")[0]
+        mark = ps_step(job) + 40
+        wait_until("40 steps of three workers", lambda: ps_step(job) >= mark, job)
+        resize(job, 1)
+        second = wait_until("the resize to 1", lambda: job.events("ps-0", "resize")[1:], job)[0]
+        codes = job.wait(JOB_SECONDS)
+    finally:
+        job.stop()
+    assert codes == {r: 0 for r in job.replicas}, job.logs()
+    return job, {"resized": resized, "joined": joined, "second": second}
+
+
+def samples_trained(job: Job) -> int:
+    """Samples the workers trained, all of them: worker-0's result, the released ones' last words."""
+    released = sum(job.events(f"worker-{i}", "released")[0]["samples"] for i in (1, 2))
+    return job.result("worker-0")["samples"] + released
+
+
+def fixed_size_accuracy(tmp_path, aggregation: str) -> float:
+    """The same job at 2 workers throughout."""
+    job = Job(tmp_path / f"fixed-{aggregation}", manifest(f"fixed-{aggregation.lower()}", replicas=2,
+                                                          aggregation=aggregation,
+                                                          training={"epochs": EPOCHS, "batchSize": 16}))
+    job.start_all()
+    try:
+        codes = job.wait(JOB_SECONDS)
+    finally:
+        job.stop()
+    assert codes == {r: 0 for r in job.replicas}, job.logs()
+    return job.result("worker-0")["eval_accuracy"]
+
+
+@pytest.mark.parametrize("aggregation", ["Sync", "Async"])
+def test_a_job_resized_2_3_1_live_finishes_without_a_restart_and_no_sample_twice(tmp_path, aggregation):
+    job, seen = run_resized(tmp_path, aggregation)
+    accuracy = job.result("worker-0")["eval_accuracy"]
+    fixed = fixed_size_accuracy(tmp_path, aggregation)
+    samples = samples_trained(job)
+    print(f"\n{aggregation} 2 -> 3 -> 1 live: accuracy {accuracy:.4f} (fixed size {fixed:.4f}), samples trained {samples} "
+          f"(10 epochs: {EPOCHS * (TRAIN_SAMPLES // 3 * 3)}..{EPOCHS * TRAIN_SAMPLES}), resizes at steps "
+          f"{seen['resized']['step']} and {seen['second']['step']}")
+    # No process restarted: each shard started once, and served three sets of workers.
+    for shard in ("ps-0", "ps-1"):
+        assert len(job.events(shard, "start")) == 1, job.logs()
+    assert [e["workers"] for e in job.events("ps-0", "resize")] == [3, 1]
+    assert [e["membership"] for e in job.events("ps-0", "resize")] == [2, 3]
+    assert [e["workers"] for e in job.events("ps-1", "resize")] == [3, 1]  # taken from the workers' calls
+    # The workers past the new size were released: exit 0 (checked above), no result, no Finish.
+    for replica in ("worker-1", "worker-2"):
+        assert job.events(replica, "released"), job.logs()
+        assert not (job.run_dir / "results" / f"{replica}.json").exists()
+    # Every epoch's samples trained once: a sample seen twice (a batch in flight dealt again) or lost
+    # (a batch dealt to nobody) moves the total by a batch of 16, outside the few an epoch leaves out
+    # (fewer than the workers of the epoch's plan).
+    assert EPOCHS * (TRAIN_SAMPLES // 3 * 3) <= samples <= EPOCHS * TRAIN_SAMPLES
+    assert job.result("worker-0")["epochs"] == EPOCHS
+    assert accuracy >= fixed - 0.02
+
+
+def test_async_takes_a_joiner_at_once_and_sync_waits_for_it(tmp_path):
+    """Async: the workers go on while the joiner starts; Sync: the step after the cut waits for it."""
+    moved = {}
+    for aggregation in ("Sync", "Async"):
+        # syncTimeoutSeconds 30 (the default): a Sync step waits that long for the joiner, then drops it.
+        doc = manifest(f"join-{aggregation.lower()}", replicas=1, aggregation=aggregation, syncTimeoutSeconds=30,
+                       training={"epochs": 6, "batchSize": 16})
+        job = Job(tmp_path / aggregation, doc)
+        job.start_all()
+        try:
+            first = ps_step(job) + 30
+            wait_until("30 steps", lambda: ps_step(job) >= first, job)
+            resize(job, 3)
+            # The joiner comes late: the cut is made without it, then the set is three.
+            resized = wait_until("the resize to 3", lambda: job.events("ps-0", "resize"), job)[0]
+            time.sleep(3.0)
+            job.replicas.append("worker-2")
+            job.start("worker-2")
+            # Its first step's event names the shard step of the parameters it pulled first.
+            at_join = wait_until("worker-2's first step", lambda: job.events("worker-2", "train"), job)[0]["step"] - 1
+            codes = job.wait(JOB_SECONDS)
+        finally:
+            job.stop()
+        assert codes == {r: 0 for r in job.replicas}, job.logs()
+        moved[aggregation] = at_join - resized["step"]
+        assert job.result("worker-0")["eval_accuracy"] >= 0.9
+    print(f"\nshard steps between the resize and the joiner's first pull: {moved}")
+    # Sync: no step completes without the new set (the joiner is waited for, up to syncTimeoutSeconds).
+    assert moved["Sync"] == 0
+    assert moved["Async"] >= 5
