@@ -465,6 +465,10 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         state.existing.add((obj["kind"], obj["metadata"]["name"]))
         log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
                  act.status.get("replicas"))
+    for pod, annotations in act.annotate_pods.items():  # after the job file: the kubelet remounts it
+        kube.annotate_pod(ns, pod, annotations)
+        log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
+                 ", ".join(f"{k}={v}" for k, v in sorted(annotations.items())))
     for obj in act.create:
         created = kube.create(obj)
         if obj["kind"] == "Pod":

@@ -270,7 +270,8 @@ def delete_pod(namespace: str, name: str, force: bool = False) -> None:
 
 def replace(obj: dict[str, Any]) -> None:
     """Render an existing child again (a resize, core/reconcile.RESIZED_KINDS): a ConfigMap's data, a
-    StatefulSet's size and pod template, each one JSON patch (lists replaced whole, nothing merged).
+    StatefulSet's size and pod template, a PodGroup's minMember and minResources, each one JSON patch
+    (lists replaced whole, nothing merged).
 
     The patch first tests that the object is this job's (its owner's uid), so a name taken by another's
     object in the meantime is reported (NotOurs), never overwritten; one that is missing is created.
@@ -284,6 +285,16 @@ def replace(obj: dict[str, Any]) -> None:
         ops = [{"op": "replace", "path": "/spec/template", "value": obj["spec"]["template"]},
                {"op": "replace", "path": "/spec/replicas", "value": obj["spec"]["replicas"]}]
         patch = client.AppsV1Api(_api()).patch_namespaced_stateful_set
+    elif kind in CUSTOM_PLURALS:
+        # Only what the size changes: the scheduler's own fields (a queue Volcano's webhook defaulted)
+        # stay. `add` replaces a member that exists.
+        ops = [{"op": "add", "path": f"/spec/{key}", "value": obj["spec"][key]}
+               for key in ("minMember", "minResources") if key in obj["spec"]]
+        group, version = _group_version(obj)
+
+        def patch(name, ns, body, **kw):
+            return client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+                group, version, ns, CUSTOM_PLURALS[kind], name, body, _content_type="application/json-patch+json", **kw)
     else:
         raise ValueError(f"cannot replace a {kind}")
     owner = {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": meta["ownerReferences"][0]["uid"]}
@@ -296,6 +307,18 @@ def replace(obj: dict[str, Any]) -> None:
         if err.status == 422:  # the test failed: not ours (NotOurs), or ours listed second (an error)
             _check_ours(obj)
         raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
+
+
+def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    """Set annotations on a pod (core/reconcile.SIZE_ANNOTATION: the kubelet syncs a pod that changed,
+    and refreshes its mounted job file); one that is gone meanwhile is no error."""
+    try:
+        client.CoreV1Api(_api()).patch_namespaced_pod(
+            name, namespace, {"metadata": {"annotations": annotations}}, _preload_content=False,
+            _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("patch", f"pod {namespace}/{name}", err) from None
 
 
 def scale_statefulset(namespace: str, name: str, replicas: int) -> None:
