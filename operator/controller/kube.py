@@ -227,6 +227,17 @@ def list_workloads(namespaces: list[str]) -> list[dict[str, Any]]:
     return items
 
 
+def delete_workload(namespace: str, name: str) -> None:
+    """Delete a job's Workload (it was resized: core/kueue.resized); one gone already is no error."""
+    try:
+        client.CustomObjectsApi(_api()).delete_namespaced_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name, _preload_content=False,
+            _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("delete", f"workload {namespace}/{name}", err) from None
+
+
 def get_kueue_object(plural: str, name: str) -> dict[str, Any] | None:
     """A cluster-scoped Kueue object (a ResourceFlavor, a WorkloadPriorityClass); None if missing."""
     try:

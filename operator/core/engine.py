@@ -120,7 +120,7 @@ class QueueAdmission:
     A job outside any queue has none and always may."""
 
     admitted: bool
-    reason: str = ""  # WorkloadPending | QueuedForAdmission | Evicted | Preempted | Admitted | Finished
+    reason: str = ""  # WorkloadPending | QueuedForAdmission | Resizing | Evicted | Preempted | Admitted | Finished
     message: str = ""
     evicted: bool = False  # admitted once, now evicted: stopped with a checkpoint, then queued again
 

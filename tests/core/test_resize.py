@@ -246,3 +246,29 @@ def test_a_resize_finished_by_an_operator_that_never_saw_the_children_renders_th
     done = reconcile(ddp(1), "u", "t", {}, stopping.status, T0 + 12, existing=set())
     assert sorted(o["kind"] for o in done.replace) == ["ConfigMap", "StatefulSet"]
     assert not [o for o in done.create if o["kind"] in ("ConfigMap", "StatefulSet")]
+
+
+# --- the gang: the PodGroup follows a resize ------------------------------------------------
+
+
+def test_the_podgroup_is_rendered_again_at_the_new_size_in_both_modes():
+    from core.test_gang import BOTH
+
+    gang = {"runPolicy": {"schedulingPolicy": {}}}
+    existing = EXISTING | {("PodGroup", "j")}
+    act = reconcile(job(replicas=3, **gang), "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, settings=BOTH,
+                    existing=existing)
+    group = next(o for o in act.replace if o["kind"] == "PodGroup")
+    assert group["spec"]["minMember"] == 4  # ps-0 and three workers
+    assert "PodGroup" not in [o["kind"] for o in act.create]
+    elastic = {"nodes": 2, "minNodes": 1, "maxNodes": 2}
+    stopping = reconcile(job("DDP", replicas=1, ddp=elastic, **gang), "u", "t", running("ddp-0", "ddp-1"), ACTIVE_AT_2, T0 + 10, settings=BOTH, existing=existing)
+    assert stopping.replace == []  # rendered when the group starts again, not while it stops
+    done = reconcile(job("DDP", replicas=1, ddp=elastic, **gang), "u", "t", {},
+                     stopping.status, T0 + 12, settings=BOTH, existing=existing)
+    assert next(o for o in done.replace if o["kind"] == "PodGroup")["spec"]["minMember"] == 1
+    # A minAvailable the user set stays.
+    fixed = {"runPolicy": {"schedulingPolicy": {"minAvailable": 2}}}
+    act = reconcile(job(replicas=3, **fixed), "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, settings=BOTH,
+                    existing=existing)
+    assert next(o for o in act.replace if o["kind"] == "PodGroup")["spec"]["minMember"] == 2
