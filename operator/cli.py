@@ -168,8 +168,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     """Set a local run's size (spec.replicas in its run directory's job.yaml), as `kubectl scale` does a
-    TrainingJob's: a `kubetrain run` in progress resizes the job within a second; otherwise the next run
-    starts at that size."""
+    TrainingJob's: a `kubetrain run` in progress resizes the job within a second (a ParameterServer job
+    live, a DDP job after a checkpoint); otherwise the next run starts at that size."""
     from .local.rundir import atomic_write
 
     target = Path(args.target)
@@ -191,8 +191,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
     job = from_object(doc, str(job_file))  # refuses a size the job cannot take, naming spec.replicas
     unit = {"ParameterServer": "worker", "DDP": "node", "Single": "replica"}[job.spec.mode] + ("s" if job.spec.size != 1 else "")
     atomic_write(job_file, dump_manifest(job))
+    how = "at once (live)" if job.spec.mode == "ParameterServer" else "after a checkpoint"
     print(f"{run_dir}: {job.name} scaled to {job.spec.size} {unit}; a `kubetrain run` in progress resizes it "
-          "after a checkpoint, otherwise the next run starts at that size")
+          f"{how}, otherwise the next run starts at that size")
     return 0
 
 

@@ -451,8 +451,9 @@ class Spec:
     replicas: int | None = field(
         "The job's size, what `kubectl scale trainingjob NAME --replicas N` sets (the scale subresource): "
         "the ParameterServer workers or the DDP nodes, in place of parameterServer.workers or ddp.nodes, which "
-        "stay the size the job was created with. A change stops the replicas after a checkpoint and starts "
-        "them again at the new size, the data of the epoch in progress dealt again among them "
+        "stay the size the job was created with. A ParameterServer job takes a change live: new workers join, "
+        "those above the size leave after their step; a DDP job's nodes stop after a checkpoint and start "
+        "again at the new size. The data of the epoch in progress is dealt again among the new set "
         "(docs/scheduling.md#elastic-jobs). DDP: between ddp.minNodes and ddp.maxNodes. Single: 1.",
         None, minimum=1, maximum=1024,
     )

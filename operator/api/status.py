@@ -84,7 +84,11 @@ class JobMemory:
     active_seconds: float = field("Time the job ran before activeSince (seconds; suspended time excluded).", 0.0)
     active_since: float | None = field("When the current active period began (unix seconds); None while stopped.", None)
     size: int | None = field(
-        "The size the replicas were started at (spec.size then): a spec.replicas that differs is a resize.", None
+        "The size the job runs at (spec.size when it last took it): a spec.replicas that differs is a resize.", None
+    )
+    resize_time: float | None = field(
+        "When a ParameterServer job last took a new size, live (unix seconds): workers above the size still "
+        "running RELEASE_GRACE_SECONDS (120 s) after it are stopped.", None
     )
     unschedulable_since: float | None = field(
         "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None

@@ -465,6 +465,10 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         state.existing.add((obj["kind"], obj["metadata"]["name"]))
         log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
                  act.status.get("replicas"))
+    for pod, annotations in act.annotate_pods.items():  # after the job file: the kubelet remounts it
+        kube.annotate_pod(ns, pod, annotations)
+        log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
+                 ", ".join(f"{k}={v}" for k, v in sorted(annotations.items())))
     for obj in act.create:
         created = kube.create(obj)
         if obj["kind"] == "Pod":
@@ -510,6 +514,12 @@ def _queue(job, uid: str, state: JobState, old_status: dict[str, Any]):
     workload = INDEX.workload(key, wl_name)
     if old_status.get("state") in TERMINAL:
         return workload, None, None
+    if workload is not None and kueue.resized(workload, job):
+        # Made again at the new size; the watch's DELETED event lets the round after it create the new one.
+        if not (workload.get("metadata") or {}).get("deletionTimestamp"):
+            kube.delete_workload(key[0], wl_name)
+            log.info("%s/%s: Workload %s deleted: the job was resized to %d", key[0], key[1], wl_name, job.spec.size)
+        return None, kueue.resizing(job), None
     if workload is None and ("Workload", wl_name) not in state.existing:
         # Kueue's WorkloadPriorityClass controller sets spec.priority only when the class changes;
         # a Workload created after it gets its value from its creator, as Kueue's own jobs do.

@@ -164,11 +164,16 @@ class NotOurs(Exception):
 _READERS = {
     "Pod": lambda api: client.CoreV1Api(api).read_namespaced_pod,
     "Service": lambda api: client.CoreV1Api(api).read_namespaced_service,
-    "ConfigMap": lambda api: client.CoreV1Api(api).read_namespaced_config_map,
     "PersistentVolumeClaim": lambda api: client.CoreV1Api(api).read_namespaced_persistent_volume_claim,
-    "StatefulSet": lambda api: client.AppsV1Api(api).read_namespaced_stateful_set,
     "NetworkPolicy": lambda api: client.NetworkingV1Api(api).read_namespaced_network_policy,
 }
+_TESTERS = {
+    "ConfigMap": lambda api: client.CoreV1Api(api).patch_namespaced_config_map,
+    "StatefulSet": lambda api: client.AppsV1Api(api).patch_namespaced_stateful_set,
+}
+"""Children the operator patches anyway (a resize renders them again): whether one is this job's is asked
+with a JSON patch that only tests its owner's uid (it changes nothing), so that the operator needs no
+`get` on them: two grants fewer under issue 15's ceiling (tests/cluster/test_chart.py)."""
 
 
 def _check_ours(obj: dict[str, Any]) -> None:
@@ -185,6 +190,9 @@ def _check_ours(obj: dict[str, Any]) -> None:
     if kind in ("Secret", "Workload"):
         return
     ns, name = meta.get("namespace", "default"), meta["name"]
+    if kind in _TESTERS:
+        _test_owner(kind, ns, name, meta["ownerReferences"][0]["uid"])
+        return
     try:
         if kind in CUSTOM_PLURALS:
             group, version = _group_version(obj)
@@ -208,6 +216,21 @@ def _check_ours(obj: dict[str, Any]) -> None:
     raise NotOurs(f"{kind} {ns}/{name} exists and is {whose}; the job will not adopt it: delete or rename it")
 
 
+def _test_owner(kind: str, ns: str, name: str, uid: str) -> None:
+    """NotOurs unless the object's first owner is `uid` (the operator's children carry their job first);
+    one gone meanwhile is no error (the next round creates it)."""
+    test = [{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": uid}]
+    try:
+        _TESTERS[kind](_api())(name, ns, test, _preload_content=False, _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status == 404:
+            return
+        if err.status == 422:  # the test failed: no owner, or another first
+            raise NotOurs(f"{kind} {ns}/{name} exists and is not owned by this job; the job will not adopt it: "
+                          "delete or rename it") from None
+        raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
+
+
 def list_workloads(namespaces: list[str]) -> list[dict[str, Any]]:
     """Every Kueue Workload that carries a job label (the index's first fill, as list_labelled)."""
     api = client.CustomObjectsApi(_api())
@@ -225,6 +248,17 @@ def list_workloads(namespaces: list[str]) -> list[dict[str, Any]]:
     except ApiException as err:
         raise KubeError("list", "Kueue workloads of TrainingJobs (is Kueue installed?)", err) from None
     return items
+
+
+def delete_workload(namespace: str, name: str) -> None:
+    """Delete a job's Workload (it was resized: core/kueue.resized); one gone already is no error."""
+    try:
+        client.CustomObjectsApi(_api()).delete_namespaced_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name, _preload_content=False,
+            _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("delete", f"workload {namespace}/{name}", err) from None
 
 
 def get_kueue_object(plural: str, name: str) -> dict[str, Any] | None:
@@ -270,7 +304,8 @@ def delete_pod(namespace: str, name: str, force: bool = False) -> None:
 
 def replace(obj: dict[str, Any]) -> None:
     """Render an existing child again (a resize, core/reconcile.RESIZED_KINDS): a ConfigMap's data, a
-    StatefulSet's size and pod template, each one JSON patch (lists replaced whole, nothing merged).
+    StatefulSet's size and pod template, a PodGroup's minMember and minResources, each one JSON patch
+    (lists replaced whole, nothing merged).
 
     The patch first tests that the object is this job's (its owner's uid), so a name taken by another's
     object in the meantime is reported (NotOurs), never overwritten; one that is missing is created.
@@ -284,6 +319,16 @@ def replace(obj: dict[str, Any]) -> None:
         ops = [{"op": "replace", "path": "/spec/template", "value": obj["spec"]["template"]},
                {"op": "replace", "path": "/spec/replicas", "value": obj["spec"]["replicas"]}]
         patch = client.AppsV1Api(_api()).patch_namespaced_stateful_set
+    elif kind in CUSTOM_PLURALS:
+        # Only what the size changes: the scheduler's own fields (a queue Volcano's webhook defaulted)
+        # stay. `add` replaces a member that exists.
+        ops = [{"op": "add", "path": f"/spec/{key}", "value": obj["spec"][key]}
+               for key in ("minMember", "minResources") if key in obj["spec"]]
+        group, version = _group_version(obj)
+
+        def patch(name, ns, body, **kw):
+            return client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+                group, version, ns, CUSTOM_PLURALS[kind], name, body, _content_type="application/json-patch+json", **kw)
     else:
         raise ValueError(f"cannot replace a {kind}")
     owner = {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": meta["ownerReferences"][0]["uid"]}
@@ -296,6 +341,18 @@ def replace(obj: dict[str, Any]) -> None:
         if err.status == 422:  # the test failed: not ours (NotOurs), or ours listed second (an error)
             _check_ours(obj)
         raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
+
+
+def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    """Set annotations on a pod (core/reconcile.SIZE_ANNOTATION: the kubelet syncs a pod that changed,
+    and refreshes its mounted job file); one that is gone meanwhile is no error."""
+    try:
+        client.CoreV1Api(_api()).patch_namespaced_pod(
+            name, namespace, {"metadata": {"annotations": annotations}}, _preload_content=False,
+            _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("patch", f"pod {namespace}/{name}", err) from None
 
 
 def scale_statefulset(namespace: str, name: str, replicas: int) -> None:

@@ -44,6 +44,14 @@ from . import policy
 from .plan import chief, replica_names
 from .status import TERMINAL, Observed, conditions
 
+RELEASE_GRACE_SECONDS = 120.0
+"""A ParameterServer job resized down: ps-0 releases each worker above the new size, which exits 0 after
+the step it is in. ps-0 reads its job file about once a second; in a cluster the file is a mounted ConfigMap
+that the kubelet refreshes within seconds of the pod update the operator makes (the size annotation),
+otherwise only on its periodic sync (60 s by default, plus its ConfigMap cache's TTL). A worker still running
+this long after the resize was not released (its ps-0 never read the new size, or the worker hangs): it is
+stopped as any replica is (SIGTERM, a kill after the grace period), an Event says so."""
+
 PS_DRAIN_SECONDS = 60.0
 """Parameter servers exit by themselves once every worker finished and they wrote their final
 checkpoint; one still running this long afterwards is stopped and the job succeeds."""
@@ -112,7 +120,7 @@ class QueueAdmission:
     A job outside any queue has none and always may."""
 
     admitted: bool
-    reason: str = ""  # WorkloadPending | QueuedForAdmission | Evicted | Preempted | Admitted | Finished
+    reason: str = ""  # WorkloadPending | QueuedForAdmission | Resizing | Evicted | Preempted | Admitted | Finished
     message: str = ""
     evicted: bool = False  # admitted once, now evicted: stopped with a checkpoint, then queued again
 
@@ -178,6 +186,7 @@ class _Round:
         self.names = [f"{role}-{index}" for role, index in replica_names(job)]
         self.is_ddp = self.spec.mode == "DDP"
         self.observed: Observed | None = None
+        self.departing: dict[str, ReplicaObservation] = {}  # workers above the size (`_release`)
 
     def run(self, progress: ProgressReading | None, volume_pending: list[str],
             admission: QueueAdmission | None = None) -> Round:
@@ -196,6 +205,7 @@ class _Round:
             return self._done()
         if self._resizing():
             return self._done()
+        self._release()
         for failure in self._failures():
             if not self._decide(failure):
                 return self._done()
@@ -250,7 +260,7 @@ class _Round:
         self.memory.pending_restarts = {}
         clean = self.spec.run_policy.clean_pod_policy
         self.actions.stop += [
-            n for n, r in self.replicas.items()
+            n for n, r in {**self.replicas, **self.departing}.items()
             if (clean == "All" or (clean == "Running" and r.phase in ("Pending", "Running"))) and n not in self.actions.stop
         ]  # fmt: skip
         self.actions.hold = clean != "None"
@@ -323,15 +333,20 @@ class _Round:
     # -- 4b. resize ----------------------------------------------------------------------
 
     def _resizing(self) -> bool:
-        """spec.replicas changed (`kubectl scale`): every replica stops after a checkpoint (as for
-        suspend), then the round that finds none left records the new size and starts them at it; the
-        trainers deal the data of the epoch in progress again among the new set. True while replicas
-        of the old size are still stopping."""
+        """spec.replicas changed (`kubectl scale`). True while replicas of the old size are still stopping.
+
+        A ParameterServer job resizes live (`_resize_live`): nothing stops. A DDP job restarts at the new
+        size: every replica stops after a checkpoint (as for suspend), then the round that finds none left
+        records the new size and starts them at it (torchrun's group has a fixed --nnodes); the trainers
+        deal the data of the epoch in progress again among the new set."""
         memory, size = self.memory, self.spec.size
         if memory.size is None or memory.size == size:
             memory.size = size
             return False
-        unit = "nodes" if self.is_ddp else "workers"
+        if not self.is_ddp:
+            self._resize_live()
+            return False
+        unit = "nodes"
         if self.replicas:
             # Every one, whatever its phase: a pod that failed or finished (a worker done before the
             # others) would otherwise stay, and the round that finds none left would never come.
@@ -355,6 +370,56 @@ class _Round:
             memory.last_step_time = self.now  # the hang clock restarts with the replicas
         self.actions.resized = True
         return False
+
+    def _resize_live(self) -> None:
+        """A ParameterServer job takes its new size while it runs. The new size is recorded at once and
+        the job file rendered again (`actions.resized`); ps-0 reads it about once a second and deals the
+        rest of the epoch again among the new set at a consistent cut. Workers below the new size that
+        have no replica start now (`_starts`) and join; those above it are released by ps-0 and exit 0
+        after their step (`_release`). Nothing is stopped, no restart is counted, the state stays what it
+        is: the replicas that keep running are the same incarnations (`memory.identities` stays)."""
+        memory, size = self.memory, self.spec.size
+        if size > memory.size:
+            how = f"{_listed(range(memory.size, size))} {'joins' if size - memory.size == 1 else 'join'}"
+        else:
+            how = (f"{_listed(range(size, memory.size))} "
+                   f"{'leaves after its step' if memory.size - size == 1 else 'leave after their step'}")
+        self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers, live: {how}; "
+                                                         f"ps-0 deals the rest of the epoch again among the {size}; "
+                                                         "nothing restarts."))
+        memory.size = size
+        memory.resize_time = self.now
+        # A restart due for a worker above the new size is not wanted any more; the others stand.
+        memory.pending_restarts = {n: t for n, t in memory.pending_restarts.items() if n in self.names}
+        memory.workers_done_time = None  # new workers have work to do; the drain clock starts again when they are done
+        self.actions.resized = True
+
+    def _release(self) -> None:
+        """The workers above a ParameterServer job's size (it was resized down) are no part of the job: taken
+        out of this round's replicas, so that no failure, success, restart, count or waiting reason sees them.
+        A running one is left alone: ps-0 releases it and it exits 0 after its step. One that ended (however)
+        or never ran (Pending) is stopped (its pod deleted); so is one still running RELEASE_GRACE_SECONDS
+        after the resize."""
+        if self.is_ddp:
+            return
+        wanted = set(self.names)
+        for name in [n for n in self.replicas if n not in wanted]:
+            seen = self.departing[name] = self.replicas.pop(name)
+            if seen.terminating:
+                continue
+            if seen.phase != "Running":
+                self.actions.stop.append(name)
+                continue
+            since = self.memory.resize_time if self.memory.resize_time is not None else self.now
+            left = RELEASE_GRACE_SECONDS - (self.now - since)
+            if left > 0:
+                self._requeue(left)
+                continue
+            self.actions.stop.append(name)
+            self.actions.events.append(("Warning", "ReleaseTimeout",
+                                        f"{name} is above the job's size ({self.spec.size} workers) and still ran "
+                                        f"{RELEASE_GRACE_SECONDS:.0f} s after the resize, not released by ps-0: "
+                                        "stopped."))
 
     # -- 5. failures -------------------------------------------------------------------
 
@@ -595,6 +660,12 @@ def interrupted(status: JobStatus, now: float) -> JobStatus:
     memory.identities = {}
     out.state = "Suspended"
     return out
+
+
+def _listed(indices: range) -> str:
+    """worker-1, worker-2 and worker-3."""
+    names = [f"worker-{i}" for i in indices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _finite(value: Any) -> bool:

@@ -79,13 +79,18 @@ def _role_templates(job: TrainingJob, uid: str, settings: Any) -> dict[str, dict
     return out
 
 
-def workload(job: TrainingJob, uid: str, settings: Any, priority: int | None = None) -> dict[str, Any]:
-    """The job's Workload: a pod set per role (count, the pods' template), owned by the job."""
+def pod_counts(job: TrainingJob) -> dict[str, int]:
+    """The pods of each role at the job's size: its Workload's pod sets' counts."""
     counts: dict[str, int] = {}
     for role, _ in replica_names(job):
         counts[role] = counts.get(role, 0) + 1
+    return counts
+
+
+def workload(job: TrainingJob, uid: str, settings: Any, priority: int | None = None) -> dict[str, Any]:
+    """The job's Workload: a pod set per role (count, the pods' template), owned by the job."""
     templates = _role_templates(job, uid, settings)
-    pod_sets = [{"name": role, "count": n, "template": templates[role]} for role, n in counts.items()]
+    pod_sets = [{"name": role, "count": n, "template": templates[role]} for role, n in pod_counts(job).items()]
     spec: dict[str, Any] = {"queueName": queue_name(job), "podSets": pod_sets}
     pc = priority_class(job)
     if pc:
@@ -155,6 +160,25 @@ def admission(wl: dict[str, Any] | None) -> QueueAdmission:
         why = requeued.get("message", "")
     message = f"Waiting for Kueue to admit the job in LocalQueue {queue}"
     return QueueAdmission(False, "QueuedForAdmission", f"{message}: {why}" if why else f"{message}.")
+
+
+def resized(wl: dict[str, Any], job: TrainingJob) -> bool:
+    """The Workload counts other pods than the job has at its size: the job was resized (`kubectl scale`).
+    A Workload's pod sets are immutable once Kueue reserved quota for them, so it is made again (deleted,
+    then created at the new counts), as Kueue's jobframework does with a Workload that no longer matches
+    its job; the job is held meanwhile (`resizing`)."""
+    have = {ps.get("name"): ps.get("count") for ps in (wl.get("spec") or {}).get("podSets") or []}
+    return have != pod_counts(job)
+
+
+def resizing(job: TrainingJob) -> QueueAdmission:
+    """What a resized job in a queue waits for: its Workload made again at the new size and admitted. The
+    replicas stop after a checkpoint (as for an eviction) and start at the new size once Kueue admits it:
+    the quota the job holds must be the quota of its size."""
+    unit = {"ParameterServer": "workers", "DDP": "nodes"}.get(job.spec.mode, "replicas")
+    return QueueAdmission(False, "Resizing",
+                          f"Resized to {job.spec.size} {unit}: the job's Kueue Workload is made again at the new size; "
+                          "the replicas stop after a checkpoint and start at the new size once Kueue admits it.")
 
 
 def placements(wl: dict[str, Any], flavors: dict[str, dict[str, Any]]) -> dict[str, Placement]:

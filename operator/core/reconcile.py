@@ -37,6 +37,7 @@ class Actions:
     replace: list[dict[str, Any]] = field(default_factory=list)  # existing children rendered again (a resize)
     delete_pods: list[str] = field(default_factory=list)  # pod names, deleted gracefully
     force_delete_pods: list[str] = field(default_factory=list)  # pod names, deleted at once (lost nodes)
+    annotate_pods: dict[str, dict[str, str]] = field(default_factory=dict)  # pod name -> annotations to patch on
     scale_statefulset: int | None = None
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
@@ -90,6 +91,8 @@ def reconcile(
         out.delete_pods = [pod_name(job, r) for r in act.stop]
     if act.hold or done.status.state in ("Succeeded", "Failed"):
         return out
+    if act.resized and not is_ddp:
+        out.annotate_pods = _size_annotations(job, pods, act.stop)
     start = set(act.start)
     for obj in children(job, uid, token, settings):
         if obj["kind"] in ("Pod", "StatefulSet") and placements:
@@ -109,10 +112,26 @@ def reconcile(
     return out
 
 
-RESIZED_KINDS = ("ConfigMap", "StatefulSet")
-"""What carries the job's size besides its pods: the job file every trainer reads (workers, nodes) and
-the DDP StatefulSet (its replicas, torchrun's --nnodes in its template). Rendered again when a resize
-is done, before the replicas of the new size start (made when missing: controller/kube.replace)."""
+RESIZED_KINDS = ("ConfigMap", "StatefulSet", "PodGroup")
+"""What carries the job's size besides its pods: the job file every trainer reads (workers, nodes),
+the DDP StatefulSet (its replicas, torchrun's --nnodes in its template) and the gang's PodGroup (its
+minMember and minResources). Rendered again when a resize is done, before the replicas of the new size
+start (made when missing: controller/kube.replace)."""
+
+SIZE_ANNOTATION = "kubetrain.dev/size"
+"""Set on a ParameterServer job's running shards at a live resize, to the new size. A pod's mounted
+ConfigMap (its job file, which ps-0 re-reads about once a second) is refreshed by the kubelet only when
+it syncs the pod: at its periodic sync (60 s by default, plus the ConfigMap cache's TTL) or when the pod
+changes. Changing the pod makes the kubelet sync it, and remount the projected file, within seconds."""
+
+
+def _size_annotations(job: TrainingJob, pods: dict[str, PodObservation], stopping: list[str]) -> dict[str, dict[str, str]]:
+    """The size annotation for every shard that runs (or is about to) and stays: those the resize round
+    creates read the new job file anyway."""
+    size = {SIZE_ANNOTATION: str(job.spec.size)}
+    return {pod_name(job, name): dict(size) for name, seen in sorted(pods.items())
+            if name.startswith("ps-") and seen.phase in ("Pending", "Running") and not seen.terminating
+            and name not in stopping}
 
 
 def selector(job: TrainingJob) -> str:

@@ -26,7 +26,7 @@ from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
 from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
-from ..core.plan import Replica, plan_replicas
+from ..core.plan import Replica, plan_replicas, replica_names
 from ..core.status import TERMINAL
 from ..core.tls import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
@@ -104,12 +104,19 @@ class LocalEndpoints:
         return "127.0.0.1"  # a local run is reachable from this machine only
 
 
-def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None) -> LocalEndpoints:
-    from ..core.plan import replica_names
-
+def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
+                    kept: dict[str, int] | None = None) -> LocalEndpoints:
+    """Free loopback ports for every replica of the job; `kept`: the ports of an earlier plan that stay
+    (a live resize: the shards' and the running workers' own), only the missing ones picked."""
     names = [f"{r}-{i}" for r, i in replica_names(job)]
     keys = [f"{n}/metrics" for n in names] + [f"{n}/grpc" for n in names if n.startswith("ps-")] + ["rendezvous"]
-    return LocalEndpoints(run, dict(zip(keys, free_ports(len(keys)))), job.spec.metrics.port != 0, code_dir)
+    ports = {k: (kept or {})[k] for k in keys if k in (kept or {})}
+    missing = [k for k in keys if k not in ports]
+    if missing:
+        taken = set(ports.values())
+        fresh = [port for port in free_ports(len(missing) + len(taken)) if port not in taken][: len(missing)]
+        ports.update(zip(missing, fresh))
+    return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir)
 
 
 def write_certificates(job: TrainingJob, run: RunDir) -> Path | None:
@@ -205,6 +212,7 @@ class LocalBackend:
         # The shared secret parameter servers check; a Secret in a cluster.
         self.token = secrets.token_hex(16)
         self.tls_dir: Path | None = None  # the run's certificates (write_certificates), as a pod's Secret
+        self.endpoints: LocalEndpoints | None = None  # the ports of the plan (_plan, _plan_live)
 
     # -- entry ----------------------------------------------------------------
 
@@ -276,18 +284,48 @@ class LocalBackend:
         return {"InvalidConfiguration": policy.EXIT_CONFIG, "LoadFailed": policy.EXIT_LOAD}.get(reason, 1)
 
     def _plan(self) -> None:
-        """The replicas of the job at its size (again after a resize: every replica is stopped then)."""
-        endpoints = local_endpoints(self.job, self.run, self.code_dir)
+        """The replicas of the job at its size (again after a DDP resize: every replica is stopped then)."""
+        self.endpoints = local_endpoints(self.job, self.run, self.code_dir)
         old = self.procs
         self.procs = {}
-        for replica in plan_replicas(self.job, endpoints):
+        for replica in plan_replicas(self.job, self.endpoints):
             if self.tls_dir is not None:  # in the plan, as a pod's environment has it
                 replica.env[TLS_DIR_VAR] = str(self.tls_dir)
             self.procs[replica.name] = Proc(replica, attempts=old[replica.name].attempts if replica.name in old else 0)
             self.tails.setdefault(replica.name, JsonlTail(self.run.metrics_file(replica.name)))
+        self._write_plan()
+        self._job_file_seen = self._job_file_stamp()
+
+    def _plan_live(self) -> None:
+        """A ParameterServer job resized live (core/engine.py `_resize_live`): the replicas that run keep their
+        processes and ports; a new worker gets a plan of its own, to start with the run's job.yaml, which
+        `kubetrain scale` rewrote at the new size (the shards' addresses are the ones they listen on). The
+        workers above the size stay until they ended: ps-0 releases them, and the engine has them stopped
+        (`_forget_departed`)."""
+        kept = dict(self.endpoints.ports) if self.endpoints is not None else {}
+        self.endpoints = local_endpoints(self.job, self.run, self.code_dir, kept)
+        for replica in plan_replicas(self.job, self.endpoints):
+            if replica.name in self.procs:
+                continue
+            if self.tls_dir is not None:
+                replica.env[TLS_DIR_VAR] = str(self.tls_dir)
+            self.procs[replica.name] = Proc(replica)
+            self.tails.setdefault(replica.name, JsonlTail(self.run.metrics_file(replica.name)))
+        self._write_plan()
+
+    def _forget_departed(self, stopped: list[str]) -> None:
+        """Workers above the job's size that the engine had stopped (they ended, or outstayed the release
+        grace) are no replicas of the job any more: gone from its processes, its plan and its scrape targets."""
+        wanted = {f"{role}-{index}" for role, index in replica_names(self.job)}
+        gone = [name for name in stopped if name not in wanted and name in self.procs]
+        for name in gone:
+            del self.procs[name]
+        if gone:
+            self._write_plan()
+
+    def _write_plan(self) -> None:
         self.run.write_targets(self.job, [p.replica for p in self.procs.values()])
         self.run.write_plan([p.replica for p in self.procs.values()])
-        self._job_file_seen = self._job_file_stamp()
 
     def _job_file_stamp(self) -> tuple[int, int] | None:
         try:
@@ -298,8 +336,9 @@ class LocalBackend:
 
     def _follow_scale(self) -> None:
         """`kubetrain scale` rewrote the run's job file with another spec.replicas: the job takes that
-        size (the engine stops the replicas after a checkpoint and starts the new set). A file that does
-        not load, or changed in more than its size, is reported once and ignored."""
+        size (the engine resizes a ParameterServer job live; a DDP job's nodes stop after a checkpoint and
+        the new set starts). A file that does not load, or changed in more than its size, is reported once
+        and ignored."""
         stamp = self._job_file_stamp()
         if stamp == self._job_file_seen:
             return
@@ -369,6 +408,8 @@ class LocalBackend:
         for name in actions.stop:
             self._terminate(self.procs[name])
             self.procs[name].phase = "Absent"
+        if self.job.spec.mode == "ParameterServer":
+            self._forget_departed(actions.stop)
         state = self.status.state
         if state in TERMINAL:
             condition = next((c for c in self.status.conditions if c.type == state), None)
@@ -382,7 +423,10 @@ class LocalBackend:
                     message += f" Last output: {last}"
             return state, reason, message
         if actions.resized:
-            self._plan()
+            if self.job.spec.mode == "DDP":
+                self._plan()  # every replica was stopped: the group starts again at the new size
+            else:
+                self._plan_live()
         # Parameter servers first: workers connect to them (and retry until they can).
         for name in sorted(actions.start, key=lambda n: (not n.startswith("ps-"), n)):
             self._start(self.procs[name])

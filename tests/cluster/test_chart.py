@@ -45,7 +45,7 @@ def grants(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 
 LEASE_GRANTS = {("coordination.k8s.io", "leases", v) for v in ("create", "get", "update")}
-KUEUE_GRANTS = {("kueue.x-k8s.io", "workloads", v) for v in ("create", "list", "watch")} | {
+KUEUE_GRANTS = {("kueue.x-k8s.io", "workloads", v) for v in ("create", "list", "watch", "delete")} | {
     ("kueue.x-k8s.io", "workloads/status", "patch"), ("kueue.x-k8s.io", "resourceflavors", "get"),
     ("kueue.x-k8s.io", "workloadpriorityclasses", "get")}
 GRANTS_LIMIT = 39
@@ -78,8 +78,9 @@ def test_rbac_is_least_privilege(cluster, namespaced, kind, replicas, kueue):
     assert {v for (_, r, v) in g if r == "networkpolicies"} == {"get", "create"}  # each job's, and the 409 owner check
     assert not {x for x in g if x[0] == "rbac.authorization.k8s.io"}
     assert not {x for x in g if "*" in x}
-    # Kueue's objects only with kueue.enabled: its Workloads created and watched, their status
-    # patched (quota given back, Finished), flavors and priority classes read, nothing deleted.
+    # Kueue's objects only with kueue.enabled: its Workloads created and watched (and deleted, to be made
+    # again, when the job is resized), their status patched (quota given back, Finished), flavors and
+    # priority classes read.
     assert {x for x in g if x[0] == "kueue.x-k8s.io"} == (KUEUE_GRANTS if kueue else set())
 
 
@@ -174,7 +175,7 @@ def test_without_network_policies_the_operator_is_told_so_and_may_not_create_the
 
 
 PODGROUP_GRANTS = {(group, "podgroups", verb) for group in ("scheduling.volcano.sh", "scheduling.x-k8s.io")
-                   for verb in ("get", "create")}
+                   for verb in ("get", "create", "patch")}
 
 
 @pytest.mark.parametrize("namespaced", [False, True])
@@ -188,7 +189,7 @@ def test_gang_scheduling_adds_podgroup_grants_and_flags_only_for_the_enabled_sch
                   "gangScheduling.schedulerPlugins.schedulerName=default-scheduler")
     g = set().union(*(grants(d["rules"]) for d in on if d["kind"] in ("Role", "ClusterRole")))
     print(f"\ngang scheduling on, namespaced={namespaced}, {replicas} replica(s): {len(g)} verb-resource grants")
-    assert {x for x in g if x[1] == "podgroups"} == PODGROUP_GRANTS  # create, and get for the 409 owner check
+    assert {x for x in g if x[1] == "podgroups"} == PODGROUP_GRANTS  # create, get for the 409 owner check, patch at a resize
     assert len(g) <= GRANTS_LIMIT
     # The flags the operator parses, the first (Volcano) the default of a job that names none.
     args = [a for a in operator_args(on) if a.startswith("--gang-scheduler")]
@@ -197,7 +198,8 @@ def test_gang_scheduling_adds_podgroup_grants_and_flags_only_for_the_enabled_sch
         ("volcano", "volcano"), ("scheduler-plugins", "default-scheduler"))
     one = rendered(cluster, *base, "gangScheduling.schedulerPlugins.enabled=true")
     g = set().union(*(grants(d["rules"]) for d in one if d["kind"] in ("Role", "ClusterRole")))
-    assert {x for x in g if x[1] == "podgroups"} == {("scheduling.x-k8s.io", "podgroups", v) for v in ("get", "create")}
+    assert {x for x in g if x[1] == "podgroups"} == {("scheduling.x-k8s.io", "podgroups", v)
+                                                    for v in ("get", "create", "patch")}
     assert [a for a in operator_args(one) if a.startswith("--gang-scheduler")] == [
         "--gang-scheduler=scheduler-plugins=scheduler-plugins-scheduler"]
 

@@ -184,3 +184,30 @@ def test_a_finished_job_finishes_its_workload_once():
 
 def test_the_external_framework_name_is_what_kueues_configuration_expects():
     assert kueue.EXTERNAL_FRAMEWORK == "TrainingJob.v1alpha1.kubetrain.dev"
+
+
+def test_a_resized_job_has_its_workload_made_again_and_waits_for_kueue_to_admit_the_new_size():
+    """Kueue's pod sets are immutable once it reserved quota: the operator deletes the Workload (made again
+    at the new counts), the replicas stop after a checkpoint as for an eviction, and the job starts at its
+    new size, live resize or not, once Kueue admits the new Workload."""
+    at_2 = job(parameterServer={"replicas": 1, "workers": 2})
+    wl = kueue.workload(at_2, "u", Settings())
+    at_3 = job(replicas=3, parameterServer={"replicas": 1, "workers": 2})
+    assert not kueue.resized(wl, at_2) and kueue.resized(wl, at_3)
+    assert [ps["count"] for ps in kueue.workload(at_3, "u", Settings())["spec"]["podSets"]] == [1, 3]
+    running = {n: Pod(n, "Running") for n in ("ps-0", "worker-0", "worker-1")}
+    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0, "size": 2}}
+    held = reconcile(at_3, "u", "tok", running, status, T0 + 60, admission=kueue.resizing(at_3))
+    assert sorted(held.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"] and held.create == []
+    assert held.status["state"] == "Suspended" and held.status["restarts"] == 0
+    suspended = next(c for c in held.status["conditions"] if c["type"] == "Suspended")
+    assert suspended["reason"] == "Resizing"
+    assert suspended["message"].startswith("Resized to 3 workers: the job's Kueue Workload is made again")
+    assert held.status["replicas"] == 2  # still the size it ran at
+    admitted = workload_status(("Admitted", "True", "Admitted", ""), admission={
+        "clusterQueue": "cq", "podSetAssignments": [{"name": "ps", "flavors": {}, "count": 1},
+                                                    {"name": "worker", "flavors": {}, "count": 3}]})
+    back = reconcile(at_3, "u", "tok", {}, held.status, T0 + 90, admission=kueue.admission(admitted), existing=set())
+    assert sorted(o["metadata"]["name"] for o in back.create if o["kind"] == "Pod") == [
+        "j-ps-0", "j-worker-0", "j-worker-1", "j-worker-2"]
+    assert [o["kind"] for o in back.replace] == ["ConfigMap"] and back.status["replicas"] == 3

@@ -1,12 +1,16 @@
 """Elastic jobs in the pure core: spec.replicas (what `kubectl scale` writes) against the size the
-replicas run at, one round at a time. A resize stops every replica after a checkpoint, then renders
-what carries the size again (the job file, the DDP StatefulSet) and starts the new set."""
+replicas run at, one round at a time. A ParameterServer job resizes live: the job file rendered again,
+its shards annotated (the kubelet remounts the file), new workers started, the workers above the size
+left to leave by themselves and deleted once they ended, never counted. A DDP job stops every replica
+after a checkpoint, then renders what carries the size again (the job file, the StatefulSet) and
+starts the new set."""
 
 import pytest
 import yaml
 
 from kubetrain_operator.api import from_object
 from kubetrain_operator.api.load import InvalidSpec
+from kubetrain_operator.core.engine import RELEASE_GRACE_SECONDS
 from kubetrain_operator.core.reconcile import iso, reconcile
 
 from core.test_reconcile import PS_PODS, T0, Pod, created_pods, job, running
@@ -53,36 +57,115 @@ def test_a_size_out_of_range_names_the_field(spec, path, words):
     assert path in text and words in text, text
 
 
-# --- a ParameterServer job: 2 -> 3 -> 1 workers -------------------------------------------
+# --- a ParameterServer job: 2 -> 3 -> 1 workers, live -------------------------------------
+
+ACTIVE_AT_3 = {**ACTIVE_AT_2, "memory": {**ACTIVE_AT_2["memory"], "size": 3}}
+AT_3 = ("ps-0", "worker-0", "worker-1", "worker-2")
+SIZE_3 = {"kubetrain.dev/size": "3"}
 
 
-def test_a_scale_up_stops_every_replica_then_starts_the_new_set_with_the_job_file_at_the_new_size():
+def test_a_scale_up_is_live_the_job_file_rendered_again_the_shards_annotated_and_the_new_worker_started():
     j = job(replicas=3)
     act = reconcile(j, "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, existing=EXISTING)
-    # Every replica stops (the shards checkpoint, the workers' cursors are with ps-0); none starts.
-    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"]
-    assert created_pods(act) == [] and act.replace == []
-    assert act.status["state"] == "Restarting"
-    assert condition(act.status, "Restarting")["reason"] == "Resizing"
-    assert act.events == [("Normal", "Resizing", "Resizing from 2 to 3 workers: the replicas stop after a "
-                                                 "checkpoint and start again at the new size.")]
-    assert act.status["replicas"] == 2 and act.status["restarts"] == 0
-    # While they stop: no second Event, nothing started.
-    stopping = {n: p for n, p in running(*PS_PODS).items() if n != "ps-0"}
-    again = reconcile(j, "u", "t", stopping, act.status, T0 + 11, existing=EXISTING)
-    assert again.events == [] and created_pods(again) == []
-    # None left: the job file is rendered again at 3 workers, then the four replicas start.
-    done = reconcile(j, "u", "t", {}, again.status, T0 + 12, existing=EXISTING)
-    assert [o["kind"] for o in done.replace] == ["ConfigMap"]
-    assert job_file(done.replace[0])["spec"]["parameterServer"]["workers"] == 3
-    assert sorted(created_pods(done)) == ["j-ps-0", "j-worker-0", "j-worker-1", "j-worker-2"]
-    assert done.events == [("Normal", "Resized", "Resized from 2 to 3 workers; the job resumes from its newest checkpoint.")]
-    assert done.status["replicas"] == 3 and done.status["restarts"] == 0
-    assert done.status["selector"] == "kubetrain.dev/job-name=j,kubetrain.dev/role=worker"
-    # The next round runs at 3: nothing rendered again.
-    steady = reconcile(j, "u", "t", running("ps-0", "worker-0", "worker-1", "worker-2"), done.status, T0 + 13,
+    assert act.delete_pods == [] and act.scale_statefulset is None  # nothing stops
+    assert created_pods(act) == ["j-worker-2"]
+    assert [o["kind"] for o in act.replace] == ["ConfigMap"]
+    assert job_file(act.replace[0])["spec"]["parameterServer"]["workers"] == 3
+    assert act.annotate_pods == {"j-ps-0": SIZE_3}  # the kubelet remounts the job file ps-0 reads
+    assert act.events == [("Normal", "Resized", "Resized from 2 to 3 workers, live: worker-2 joins; ps-0 deals the "
+                                                "rest of the epoch again among the 3; nothing restarts.")]
+    assert act.status["state"] == "Running" and not any(c["type"] == "Restarting" for c in act.status["conditions"])
+    assert act.status["replicas"] == 3 and act.status["restarts"] == 0 and act.status["workers"] == 3
+    assert act.status["memory"]["size"] == 3 and act.status["memory"]["resizeTime"] == T0 + 10
+    # The next round sees worker-2 Pending (the operator's expectation of the pod it created): no restart,
+    # nothing rendered again, nobody annotated again.
+    pods = {**running(*PS_PODS), "worker-2": Pod("worker-2", "Pending")}
+    steady = reconcile(j, "u", "t", pods, act.status, T0 + 11, existing=EXISTING)
+    assert steady.replace == [] and steady.annotate_pods == {} and steady.delete_pods == [] and created_pods(steady) == []
+    assert steady.events == [] and steady.status["restarts"] == 0 and steady.status["state"] == "Running"
+    assert steady.status["replicaStatuses"]["worker"] == {"active": 3, "succeeded": 0, "failed": 0}
+
+
+def test_a_scale_down_is_live_the_workers_above_the_size_are_left_to_leave_by_themselves():
+    j = job(replicas=1)
+    act = reconcile(j, "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING)
+    assert act.delete_pods == [] and created_pods(act) == []  # ps-0 releases them after their step
+    assert job_file(act.replace[0])["spec"]["parameterServer"]["workers"] == 1
+    assert act.annotate_pods == {"j-ps-0": {"kubetrain.dev/size": "1"}}
+    assert act.events == [("Normal", "Resized", "Resized from 3 to 1 workers, live: worker-1 and worker-2 leave "
+                                                "after their step; ps-0 deals the rest of the epoch again among the "
+                                                "1; nothing restarts.")]
+    # Counted at the job's size only: the departing ones are no part of it.
+    assert act.status["replicas"] == 1 and act.status["state"] == "Running"
+    assert act.status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
+    assert act.requeue_after is not None and act.requeue_after <= 10  # the engine looks again within its period
+
+
+@pytest.mark.parametrize("phase, code", [("Succeeded", 0), ("Failed", 1), ("Failed", 137), ("Pending", None)],
+                         ids=["exited-0", "exited-1", "killed", "never-ran"])
+def test_a_departing_worker_that_ended_or_never_ran_is_deleted_and_never_counted(phase, code):
+    at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
+    pods = {**running("ps-0", "worker-0", "worker-2"), "worker-1": Pod("worker-1", phase, exit_code=code)}
+    # restartPolicy Never: a failure of the job's own replica would end it at once.
+    j = job(replicas=1, restartPolicy={"policy": "Never"})
+    act = reconcile(j, "u", "t", pods, at_1, T0 + 12, existing=EXISTING)
+    assert act.delete_pods == ["j-worker-1"]  # worker-2 still runs: left alone
+    assert act.status["state"] == "Running" and act.status["restarts"] == 0 and act.events == []
+    assert act.status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
+    assert created_pods(act) == [] and act.restarted == []
+
+
+def test_a_departing_worker_still_running_after_the_grace_is_deleted_with_a_warning():
+    at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
+    before = reconcile(job(replicas=1), "u", "t", running(*AT_3), at_1, T0 + 10 + RELEASE_GRACE_SECONDS - 1,
                        existing=EXISTING)
-    assert steady.replace == [] and steady.delete_pods == [] and steady.status["state"] == "Running"
+    assert before.delete_pods == [] and before.requeue_after == pytest.approx(1.0)
+    after = reconcile(job(replicas=1), "u", "t", running(*AT_3), at_1, T0 + 10 + RELEASE_GRACE_SECONDS,
+                      existing=EXISTING)
+    assert sorted(after.delete_pods) == ["j-worker-1", "j-worker-2"]
+    assert [e[:2] for e in after.events] == [("Warning", "ReleaseTimeout")] * 2
+    assert "worker-1 is above the job's size (1 workers) and still ran 120 s after the resize" in after.events[0][2]
+    assert after.status["restarts"] == 0 and after.status["state"] == "Running"
+    # Being deleted (its grace period): left to go.
+    going = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Running", terminating=True)}
+    assert reconcile(job(replicas=1), "u", "t", going, after.status, T0 + 200, existing=EXISTING).delete_pods == []
+
+
+def test_the_job_succeeds_on_its_own_replicas_while_a_departing_worker_still_runs():
+    at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
+    pods = {"ps-0": Pod("ps-0", "Succeeded", exit_code=0), "worker-0": Pod("worker-0", "Succeeded", exit_code=0),
+            "worker-1": Pod("worker-1", "Running")}
+    act = reconcile(job(replicas=1), "u", "t", pods, at_1, T0 + 20, existing=EXISTING)
+    assert act.status["state"] == "Succeeded"
+    assert act.delete_pods == ["j-worker-1"]  # cleanPodPolicy Running: what still runs is stopped
+    assert act.status["replicaStatuses"]["worker"] == {"active": 0, "succeeded": 1, "failed": 0}
+
+
+def test_a_departing_worker_finished_is_not_the_job_finishing():
+    """The chief is worker-0, and only the workers of the job's size count in the parameter servers' drain."""
+    at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
+    pods = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Succeeded", exit_code=0),
+            "worker-2": Pod("worker-2", "Succeeded", exit_code=0)}
+    act = reconcile(job(replicas=1), "u", "t", pods, at_1, T0 + 20, existing=EXISTING)
+    assert act.status["state"] == "Running" and act.status["memory"].get("workersDoneTime") is None
+
+
+def test_a_restart_due_for_a_worker_above_the_new_size_is_dropped():
+    pending = {**ACTIVE_AT_3, "state": "Restarting",
+               "memory": {**ACTIVE_AT_3["memory"], "pendingRestarts": {"worker-2": T0 + 30, "worker-0": T0 + 30}}}
+    act = reconcile(job(replicas=2), "u", "t", running("ps-0", "worker-1"), pending, T0 + 10, existing=EXISTING)
+    assert act.status["memory"]["pendingRestarts"] == {"worker-0": T0 + 30}
+    assert created_pods(act) == [] and act.status["restarts"] == 0
+
+
+def test_a_scale_down_before_a_new_worker_ran_deletes_its_pod():
+    """2 -> 3 -> 2 within a moment: worker-2's pod, still Pending, is deleted; nothing else moves."""
+    up = reconcile(job(replicas=3), "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, existing=EXISTING)
+    pods = {**running(*PS_PODS), "worker-2": Pod("worker-2", "Pending")}
+    down = reconcile(job(replicas=2), "u", "t", pods, up.status, T0 + 11, existing=EXISTING)
+    assert down.delete_pods == ["j-worker-2"] and created_pods(down) == []
+    assert job_file(down.replace[0])["spec"]["parameterServer"]["workers"] == 2
+    assert down.status["restarts"] == 0 and down.status["replicas"] == 2
 
 
 def test_a_scale_down_starts_only_the_smaller_set():
@@ -90,7 +173,7 @@ def test_a_scale_down_starts_only_the_smaller_set():
     act = reconcile(j, "u", "t", {}, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
     assert sorted(created_pods(act)) == ["j-ps-0", "j-worker-0"]
     assert job_file(act.replace[0])["spec"]["parameterServer"]["workers"] == 1
-    assert act.status["replicas"] == 1
+    assert act.status["replicas"] == 1 and act.annotate_pods == {}
 
 
 def test_a_resize_asked_while_suspended_takes_effect_when_the_job_resumes():
@@ -101,29 +184,17 @@ def test_a_resize_asked_while_suspended_takes_effect_when_the_job_resumes():
     assert len(created_pods(resumed)) == 4 and [o["kind"] for o in resumed.replace] == ["ConfigMap"]
 
 
+def test_suspending_stops_the_departing_workers_too():
+    at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
+    act = reconcile(job(replicas=1, runPolicy={"suspend": True}), "u", "t", running(*AT_3), at_1, T0 + 11,
+                    existing=EXISTING)
+    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1", "j-worker-2"]
+
+
 def test_a_job_from_before_sizes_were_remembered_runs_at_its_spec_size():
     old = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(), "u", "t", running(*PS_PODS), old, T0 + 10, existing=EXISTING)
     assert act.delete_pods == [] and act.status["memory"]["size"] == 2 and act.status["replicas"] == 2
-
-
-def test_a_replica_that_failed_or_finished_before_the_resize_is_stopped_too():
-    """Else its pod stays, and the round that finds no replica left, the one that starts the new set,
-    never comes."""
-    pods = {**running("ps-0", "worker-1"), "worker-0": Pod("worker-0", "Succeeded", exit_code=0)}
-    act = reconcile(job(replicas=3), "u", "t", pods, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
-    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"]
-    pods = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Failed", exit_code=137)}
-    act = reconcile(job(replicas=3), "u", "t", pods, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
-    assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"] and act.status["restarts"] == 0
-
-
-def test_a_failure_while_resizing_is_no_restart():
-    pods = running("worker-0", "worker-1")
-    act = reconcile(job(replicas=3), "u", "t", pods, {**ACTIVE_AT_2, "memory": {**ACTIVE_AT_2["memory"],
-                    "pendingRestarts": {"ps-0": T0 + 30}}}, T0 + 10, existing=EXISTING)
-    assert act.status["restarts"] == 0 and act.status["memory"].get("pendingRestarts", {}) == {}
-    assert sorted(act.delete_pods) == ["j-worker-0", "j-worker-1"]
 
 
 # --- a DDP job: 2 -> 1 -> 2 nodes ---------------------------------------------------------
@@ -157,6 +228,17 @@ def test_a_ddp_resize_scales_the_group_to_zero_then_renders_its_statefulset_at_t
     assert sts["spec"]["replicas"] == 2 and grown.status["replicas"] == 2
 
 
+def test_a_ddp_rank_that_failed_before_the_resize_is_stopped_too_and_no_restart_is_counted():
+    """Else its pod stays, and the round that finds no replica left, the one that starts the new set,
+    never comes; a restart that was due is not wanted any more."""
+    pods = {**running("ddp-0"), "ddp-1": Pod("ddp-1", "Failed", exit_code=137)}
+    status = {**ACTIVE_AT_2, "memory": {**ACTIVE_AT_2["memory"], "pendingRestarts": {"ddp-1": T0 + 30}}}
+    act = reconcile(ddp(1), "u", "t", pods, status, T0 + 10, existing=EXISTING)
+    assert act.scale_statefulset == 0 and act.status["restarts"] == 0
+    assert act.status["memory"].get("pendingRestarts", {}) == {}
+    assert condition(act.status, "Restarting")["reason"] == "Resizing"
+
+
 def test_a_resize_finished_by_an_operator_that_never_saw_the_children_renders_them_again():
     """A restarted operator (or a new leader) knows of no child (`existing` empty) until a round made
     them: a create would meet the old ones and leave them at the old size."""
@@ -164,3 +246,29 @@ def test_a_resize_finished_by_an_operator_that_never_saw_the_children_renders_th
     done = reconcile(ddp(1), "u", "t", {}, stopping.status, T0 + 12, existing=set())
     assert sorted(o["kind"] for o in done.replace) == ["ConfigMap", "StatefulSet"]
     assert not [o for o in done.create if o["kind"] in ("ConfigMap", "StatefulSet")]
+
+
+# --- the gang: the PodGroup follows a resize ------------------------------------------------
+
+
+def test_the_podgroup_is_rendered_again_at_the_new_size_in_both_modes():
+    from core.test_gang import BOTH
+
+    gang = {"runPolicy": {"schedulingPolicy": {}}}
+    existing = EXISTING | {("PodGroup", "j")}
+    act = reconcile(job(replicas=3, **gang), "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, settings=BOTH,
+                    existing=existing)
+    group = next(o for o in act.replace if o["kind"] == "PodGroup")
+    assert group["spec"]["minMember"] == 4  # ps-0 and three workers
+    assert "PodGroup" not in [o["kind"] for o in act.create]
+    elastic = {"nodes": 2, "minNodes": 1, "maxNodes": 2}
+    stopping = reconcile(job("DDP", replicas=1, ddp=elastic, **gang), "u", "t", running("ddp-0", "ddp-1"), ACTIVE_AT_2, T0 + 10, settings=BOTH, existing=existing)
+    assert stopping.replace == []  # rendered when the group starts again, not while it stops
+    done = reconcile(job("DDP", replicas=1, ddp=elastic, **gang), "u", "t", {},
+                     stopping.status, T0 + 12, settings=BOTH, existing=existing)
+    assert next(o for o in done.replace if o["kind"] == "PodGroup")["spec"]["minMember"] == 1
+    # A minAvailable the user set stays.
+    fixed = {"runPolicy": {"schedulingPolicy": {"minAvailable": 2}}}
+    act = reconcile(job(replicas=3, **fixed), "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, settings=BOTH,
+                    existing=existing)
+    assert next(o for o in act.replace if o["kind"] == "PodGroup")["spec"]["minMember"] == 2

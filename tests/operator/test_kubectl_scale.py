@@ -1,7 +1,8 @@
 """Elastic jobs against the real API server and operator: `kubectl scale trainingjob` through the CRD's
-scale subresource, the resize the operator carries out (every old replica stopped, the job file and
-the DDP StatefulSet rendered again, the new set started), and the sizes the API server refuses
-(operator/api/crd.py SIZE_CEL).
+scale subresource, the resize the operator carries out (a ParameterServer job live: the job file rendered
+again, its shard annotated, new workers made, the workers above the size deleted once they ended; a DDP
+job's old replicas all stopped, the job file and StatefulSet rendered again, the new set started), and
+the sizes the API server refuses (operator/api/crd.py SIZE_CEL).
 
 The operator here runs as the chart's ServiceAccount with the chart's own (namespaced) Role, so a verb
 a resize needs and the chart does not grant is refused here as in a real install. Pods run on kwok's
@@ -143,48 +144,68 @@ def resize(op, name: str, replicas: int, tmp_path: Path) -> list[tuple[int | Non
     return sizes(versions)
 
 
-def test_kubectl_scale_resizes_a_parameter_server_job(operator, tmp_path):
+def uids(pods: dict[str, dict]) -> dict[str, str]:
+    return {name: p["metadata"]["uid"] for name, p in pods.items()}
+
+
+def test_kubectl_scale_resizes_a_parameter_server_job_live(operator, tmp_path):
     doc = manifest()
     name = doc["metadata"]["name"]
+    ps, w0, w1, w2 = (f"{name}-{r}" for r in ("ps-0", "worker-0", "worker-1", "worker-2"))
     operator.apply(doc)
-    before = running_set(operator, name, {"ps-0", "worker-0", "worker-1"})
+    before = uids(running_set(operator, name, {"ps-0", "worker-0", "worker-1"}))
     status = settled(operator, name, 2)
     assert status["selector"] == f"kubetrain.dev/job-name={name},kubetrain.dev/role=worker"
 
     went = resize(operator, name, 3, tmp_path)
-    # status.replicas stays at 2 while the old set stops, and is 3 only once the new set is started.
-    assert went[0] == (2, None) and (2, "Resizing") in went and went[-1] == (3, None), went
-    assert went.index((2, "Resizing")) < went.index((3, None)), went
-    pods = running_set(operator, name, {"ps-0", "worker-0", "worker-1", "worker-2"},
-                       {p["metadata"]["uid"] for p in before.values()})
+    # Live: status.replicas goes from 2 to 3 in one step, never through Restarting.
+    assert went == [(2, None), (3, None)], went
+    pods = running_set(operator, name, {"ps-0", "worker-0", "worker-1", "worker-2"})
+    assert {n: u for n, u in uids(pods).items() if n != w2} == before  # nothing stopped or replaced
+    assert pods[ps]["metadata"]["annotations"]["kubetrain.dev/size"] == "3"  # the kubelet remounts the job file
     spec = job_file(operator, name)["spec"]
     assert spec["replicas"] == 3 and spec["parameterServer"]["workers"] == 3
     status = operator.job_status(name)
     assert status["restarts"] == 0 and status["workers"] == 3
     assert status["replicaStatuses"]["worker"]["active"] == 3
-    assert reasons(operator, name)[-2:] == ["Resizing", "Resized"]
-    assert any(e["reason"] == "Resized" and e["message"].startswith("Resized from 2 to 3 workers")
+    seen = reasons(operator, name)
+    assert "Resized" in seen and "Resizing" not in seen, seen
+    assert any(e["reason"] == "Resized" and e["message"].startswith("Resized from 2 to 3 workers, live: worker-2 joins")
                for e in operator.events(name))
-    seen = scale_subresource(operator, name)
-    assert seen["kind"] == "Scale" and seen["spec"] == {"replicas": 3}
-    assert seen["status"] == {"replicas": 3, "selector": f"kubetrain.dev/job-name={name},kubetrain.dev/role=worker"}
+    scaled = scale_subresource(operator, name)
+    assert scaled["kind"] == "Scale" and scaled["spec"] == {"replicas": 3}
+    assert scaled["status"] == {"replicas": 3, "selector": f"kubetrain.dev/job-name={name},kubetrain.dev/role=worker"}
     # What the selector selects is what status.replicas counts.
-    assert len(operator.items("pods", seen["status"]["selector"])) == 3
-    # The job file was rendered again before the first pod of the new set was made.
+    assert len(operator.items("pods", scaled["status"]["selector"])) == 3
+    # The job file was rendered again before the new worker was made and before ps-0 was told.
     log = operator.log.read_text()
     rendered = log.index(f"ConfigMap {name}-config rendered again at size 3")
-    assert rendered < log.index(f"created pod {name}-worker-2")
-    assert rendered < log.rindex(f"created pod {name}-ps-0")
+    assert rendered < log.index(f"created pod {w2}")
+    assert rendered < log.index(f"annotated pod {ps} with kubetrain.dev/size=3")
 
     went = resize(operator, name, 1, tmp_path)
-    assert went[0] == (3, None) and (3, "Resizing") in went and went[-1] == (1, None), went
-    running_set(operator, name, {"ps-0", "worker-0"}, {p["metadata"]["uid"] for p in pods.values()})
-    spec = job_file(operator, name)["spec"]
-    assert spec["replicas"] == 1 and spec["parameterServer"]["workers"] == 1
+    assert went == [(3, None), (1, None)], went
+    assert job_file(operator, name)["spec"]["parameterServer"]["workers"] == 1
+    left = pods_of(operator, name)
+    assert left[ps]["metadata"]["annotations"]["kubetrain.dev/size"] == "1"
+    # worker-1 and worker-2 run on until ps-0 releases them (RELEASE_GRACE_SECONDS, 120 s, at most): left alone,
+    # and no longer counted.
+    assert {w1, w2} <= set(left) and not any(left[w].get("metadata", {}).get("deletionTimestamp") for w in (w1, w2))
     status = operator.job_status(name)
-    assert status["restarts"] == 0 and status["replicaStatuses"]["worker"]["active"] == 1
+    assert status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
+    assert len(operator.items("pods", scaled["status"]["selector"])) == 3  # still there, not counted
+    # Released, each ends as a trainer would: worker-1 exits 0, worker-2 is killed on its way out. kwok's
+    # pods never end by themselves: their status is written as a kubelet would.
+    operator.set_pod_status(w1, "Succeeded", exit_code=0)
+    operator.set_pod_status(w2, "Failed", exit_code=137)
+    operator.wait("worker-1 and worker-2 deleted", lambda: set(pods_of(operator, name)) == {ps, w0}, timeout=60)
+    status = settled(operator, name, 1)
+    assert status["restarts"] == 0 and status["state"] == "Running"
+    assert status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
+    assert uids(pods_of(operator, name)) == {n: before[n] for n in (ps, w0)}
+    assert reasons(operator, name).count("Resized") == 2 and "Resizing" not in reasons(operator, name)
+    assert not {"Killed", "Error", "Deleted"} & set(reasons(operator, name))
     assert scale_subresource(operator, name)["status"]["replicas"] == 1
-    assert reasons(operator, name).count("Resized") == 2
     assert "forbidden" not in operator.log.read_text().lower()
 
 
