@@ -35,16 +35,23 @@ def reasons(e2e, name: str) -> list[str]:
     return [e["reason"] for e in e2e.kube.events(name)]
 
 
-def scale_when(e2e, name: str, chief: str, at_step: int, size: int, pods: list[str]) -> tuple[float, int]:
+def scale_when(e2e, name: str, chief: str, at_step: int, size: int, pods: list[str]) -> tuple[float, int, float]:
     """`kubectl scale` once the chief's own /metrics (read every 0.2 s: the status is written every few
     seconds, and these jobs run tens of steps a second) passed `at_step`; waits until the job runs at
     `size` with `pods` Running. Returns the seconds from the scale to the new set's pods all Running,
-    and the chief's step once its new pod has stepped."""
+    the chief's step once its new pod has stepped, and (ParameterServer: live) the seconds from the scale
+    to ps-0's cut, read from ps-0's own /metrics (kubetrain_ps_workers: the kubelet refreshed its job file,
+    ps-0 read it and dealt the epoch again), else 0."""
     watch_metrics(e2e, chief, lambda m: m.get("kubetrain_training_step", 0) >= at_step, f"to pass step {at_step}",
                   timeout=600)
     assert job_status(e2e, name).get("state") != "Succeeded", f"{name} finished before its resize to {size}"
     start = time.monotonic()
     e2e.kubectl("scale", "trainingjob", name, "--replicas", str(size))
+    cut = 0.0
+    if name == "elastic-ps":
+        seen = watch_metrics(e2e, f"{name}-ps-0", lambda m: m.get("kubetrain_ps_workers") == size,
+                             f"to serve {size} workers", timeout=RESIZE_TIMEOUT_SECONDS)
+        cut = seen.at - start
 
     def resized() -> bool:
         status = job_status(e2e, name)
@@ -59,7 +66,7 @@ def scale_when(e2e, name: str, chief: str, at_step: int, size: int, pods: list[s
     took = time.monotonic() - start
     stepped = watch_metrics(e2e, chief, lambda m: m.get("kubetrain_steps_total", 0) > 0, "to step at the new size",
                             timeout=RESIZE_TIMEOUT_SECONDS)
-    return took, int(stepped.metrics["kubetrain_training_step"])
+    return took, int(stepped.metrics["kubetrain_training_step"]), cut
 
 
 FIRST_RESIZE_STEP = 100
@@ -75,10 +82,11 @@ EPOCHS = 40  # 920 steps at 2 replicas (digits, batch 32): hundreds left at ever
 def scaled_twice(e2e, name: str) -> str:
     _, sizes = CASES[name]
     chief = f"{name}-worker-0" if name == "elastic-ps" else f"{name}-ddp-0"
-    took, at = [], FIRST_RESIZE_STEP
+    took, cuts, at = [], [], FIRST_RESIZE_STEP
     for size, pods in sizes:
-        seconds, step = scale_when(e2e, name, chief, at, size, [f"{name}-{p}" for p in pods])
+        seconds, step, cut = scale_when(e2e, name, chief, at, size, [f"{name}-{p}" for p in pods])
         took.append(seconds)
+        cuts.append(cut)
         at = step + STEPS_BETWEEN_RESIZES
     status = succeeded(e2e, name, timeout=900)
     assert status.get("restarts", 0) == 0, status
@@ -88,8 +96,16 @@ def scaled_twice(e2e, name: str) -> str:
     assert seen.count("Resizing") == (0 if name == "elastic-ps" else 2) and seen.count("Resized") == 2, seen
     scale = json.loads(e2e.kubectl("get", "trainingjob", name, "--subresource=scale", "-o", "json"))
     assert scale["spec"]["replicas"] == sizes[-1][0] and scale["status"]["replicas"] == sizes[-1][0], scale
+    if name == "elastic-ps":
+        # Live: the shards and the chief ran through both resizes (one pod each, never replaced).
+        for pod in ("ps-0", "worker-0"):
+            starts = e2e.kubectl("get", "pod", f"{name}-{pod}", "-o", "jsonpath={.status.containerStatuses[0].restartCount}")
+            assert starts == "0", (pod, starts)
+        live = f", kubectl scale to ps-0's cut {cuts[0]:.1f} s / {cuts[1]:.1f} s"
+    else:
+        live = ""
     return (f"sizes 2 -> {sizes[0][0]} -> {sizes[1][0]}, each resize (kubectl scale to the new set Running) "
-            f"{took[0]:.1f} s / {took[1]:.1f} s")
+            f"{took[0]:.1f} s / {took[1]:.1f} s{live}")
 
 
 def test_jobs_scaled_twice_in_real_pods_finish_within_two_points_of_a_fixed_size_run(e2e, tmp_path):

@@ -24,6 +24,8 @@ CONTRACT = {
     "kubetrain_steps": "counter",
     "kubetrain_ps_rejected_pushes": "counter",
     "kubetrain_ps_cancelled_streams": "counter",
+    "kubetrain_ps_workers": "gauge",
+    "kubetrain_ps_resizes": "counter",
     "kubetrain_non_finite_steps": "counter",
     "kubetrain_samples": "counter",
     "kubetrain_step_duration_seconds": "histogram",

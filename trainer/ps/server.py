@@ -596,7 +596,11 @@ class ParameterShard:
         if request.final:
             return any(not s.finished for w, s in self.workers.items() if w != request.worker)
         if self._cut_due():
-            return True  # a resize waits for every worker to come here (maybe_cut)
+            # A resize waits for every worker to come here (maybe_cut); in Sync, not one whose push the
+            # step in progress still waits for: it gets this step's parameters, and the cut the boundary.
+            sync = self.config.aggregation == "Sync"
+            if not (sync and self.pending and request.worker not in self.pending):
+                return True
         if self.config.aggregation == "Sync":
             same_incarnation = request.ps_incarnation in (0, self.incarnation)
             return same_incarnation and request.min_step > self.step

@@ -1,0 +1,150 @@
+"""A live resize, one call at a time: a real shard server (ps-0, with its coordinator) on loopback, ticked
+as serve.py ticks it, and hand-made calls of the generated stub standing for the workers. The job's size
+comes from a value the test changes, as ps-0 reads it from its job file."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from cluster import TOKEN
+from helpers.net import free_port
+from helpers.wait import wait_for
+from test_hostile_clients import AUTH, PARAMS, frames, gradient, push
+from kubetrain_trainer.checkpoint import CheckpointStore
+from kubetrain_trainer.data import ShardCursor
+from kubetrain_trainer.ps import ps_pb2 as pb
+from kubetrain_trainer.ps import ps_pb2_grpc
+from kubetrain_trainer.ps.coordinator import Coordinator
+from kubetrain_trainer.ps.server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
+from kubetrain_trainer.ps.transport import MEMBERSHIP, REFUSAL_KEY
+
+SAMPLES, BATCH = 100, 5
+
+
+@contextmanager
+def ps0(tmp_path, aggregation: str = "Sync") -> Iterator[SimpleNamespace]:
+    size = {"now": 2}
+    config = ShardConfig(replica="ps-0", workers=2, aggregation=aggregation, sync_timeout=30.0, max_staleness=4,
+                         max_steps=None, interval_steps=1000, chunk_bytes=1 << 20, worker_steps=100,
+                         size_source=lambda: size["now"], worker_steps_for=lambda w: 100)
+    shard = ParameterShard(config, PARAMS, lambda p: torch.optim.SGD(p, lr=0.1),
+                           CheckpointStore(tmp_path, 2, "test", background=False),
+                           coordinator=Coordinator(2, 30.0))
+    server = build_server(shard, TOKEN, max_workers=16)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(TICK_SECONDS):
+            shard.tick()
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    pool = ThreadPoolExecutor(4)
+    try:
+        yield SimpleNamespace(shard=shard, size=size, stub=ps_pb2_grpc.ParameterShardStub(channel),
+                              coordinator=ps_pb2_grpc.CoordinatorStub(channel), pool=pool)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        channel.close()
+        stop.set()
+        ticker.join()
+        server.stop(None)
+
+
+def cursor_after(rank: int, world: int, batches: int) -> str:
+    cursor = ShardCursor(SAMPLES, rank, world, BATCH, 0)
+    for _ in range(batches):
+        cursor.next_batch()
+    return json.dumps(cursor.state_dict())
+
+
+def step_push(ps, worker: int, worker_step: int, base_step: int, membership: int = 1, world: int = 2) -> pb.PushReply:
+    """A worker's push of one step, its cursor after `worker_step` batches."""
+    [frame] = frames(gradient(), worker=worker, worker_step=worker_step, base_step=base_step)
+    frame.push.membership, frame.push.world_size = membership, world
+    frame.push.cursor_json = cursor_after(worker, world, worker_step)
+    return push(ps.stub, [frame])
+
+
+def pull(ps, worker: int, min_step: int, membership: int = 1, world: int = 2) -> Future:
+    """A worker's pull, in the background: its header when it is answered."""
+    request = pb.PullRequest(worker=worker, min_step=min_step, membership=membership, world_size=world)
+    return ps.pool.submit(lambda: list(ps.stub.Pull(request, metadata=AUTH, timeout=20))[0].pull)
+
+
+def test_sync_cut_lets_the_step_in_progress_complete_then_deals_the_rest_among_the_new_set(tmp_path):
+    with ps0(tmp_path) as ps:
+        assert step_push(ps, 0, 1, 0).outcome == pb.PushReply.APPLIED  # step 0: worker 0 in, worker 1 to come
+        ps.size["now"] = 3
+        wait_for("ps-0 to read size 3", lambda: ps.shard.target_size == 3, timeout=5, every=0.05)
+        held = pull(ps, 0, min_step=1)
+        # Worker 1 has not pushed step 0: the cut lets its pull through (the step waits for its push).
+        free = pull(ps, 1, min_step=0).result(timeout=5)
+        assert free.step == 0 and free.membership == 1
+        assert not held.done()
+        step_push(ps, 1, 1, 0)  # step 0 complete
+        assert ps.shard.step == 1 and not held.done()  # worker 0 waits for the cut
+        last = pull(ps, 1, min_step=1)
+        header = held.result(timeout=5)
+        assert header.membership == 2 and last.result(timeout=5).membership == 2
+        assert ps.shard.config.workers == 3 and ps.shard.step == 1
+        # The new set's cursors: what the two had not taken of epoch 0, dealt among three, none twice.
+        taken = {w: set(ShardCursor(SAMPLES, w, 2, BATCH, 0).positions(0)[:BATCH]) for w in range(2)}
+        dealt = []
+        for w in range(3):
+            reply = ps.coordinator.Register(pb.RegisterRequest(worker=w, incarnation=9, membership=1, world_size=3),
+                                            metadata=AUTH, timeout=5)
+            assert reply.membership == 2 and reply.world_size == 3 and not reply.released
+            cursor = ShardCursor(SAMPLES, w, 3, BATCH, 0)
+            cursor.load_state_dict(json.loads(reply.cursor_json))
+            dealt += cursor.positions(0)
+        assert len(dealt) == len(set(dealt)) == SAMPLES - 2 * BATCH
+        assert not set(dealt) & (taken[0] | taken[1])
+
+
+def test_a_call_of_the_old_set_is_refused_and_a_worker_past_the_size_is_released(tmp_path):
+    with ps0(tmp_path, aggregation="Async") as ps:
+        step_push(ps, 0, 1, 0)
+        step_push(ps, 1, 1, 1)
+        ps.size["now"] = 1
+        wait_for("ps-0 to read size 1", lambda: ps.shard.target_size == 1, timeout=5, every=0.05)
+        waiting = [pull(ps, 0, 0), pull(ps, 1, 0)]
+        assert {f.result(timeout=5).membership for f in waiting} == {2}
+        assert ps.shard.config.workers == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            step_push(ps, 0, 2, 2)  # membership 1: another set
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(refused.value.trailing_metadata())[REFUSAL_KEY] == MEMBERSHIP
+        assert ps.shard.step == 2  # nothing of the old set applied
+        gone = ps.coordinator.Register(pb.RegisterRequest(worker=1, incarnation=9, membership=1, world_size=2),
+                                       metadata=AUTH, timeout=5)
+        assert gone.released
+        stays = ps.coordinator.Register(pb.RegisterRequest(worker=0, incarnation=9, membership=1, world_size=2),
+                                        metadata=AUTH, timeout=5)
+        assert not stays.released and stays.membership == 2 and stays.world_size == 1
+        assert step_push(ps, 0, 3, 2, membership=2, world=1).outcome == pb.PushReply.APPLIED
+
+
+def test_a_joiner_waits_for_the_resize_its_job_file_asks_for(tmp_path):
+    with ps0(tmp_path, aggregation="Async") as ps:
+        request = pb.RegisterRequest(worker=2, incarnation=9, membership=0, world_size=3)
+        with pytest.raises(grpc.RpcError) as early:
+            ps.coordinator.Register(request, metadata=AUTH, timeout=5)
+        assert early.value.code() == grpc.StatusCode.UNAVAILABLE  # retried by a worker: the resize is coming
+        ps.size["now"] = 3
+        wait_for("the resize to 3", lambda: ps.shard.config.workers == 3, timeout=5, every=0.05)  # no worker computing: the cut is at once
+        joined = ps.coordinator.Register(request, metadata=AUTH, timeout=5)
+        assert not joined.released and joined.membership == 2 and joined.world_size == 3
