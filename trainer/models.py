@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -146,8 +146,9 @@ def build_model(
     return model
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], spec: Optimizer) -> torch.optim.Optimizer:
-    """sgd (momentum, weight decay) or adam (weight decay) with the spec's learning rate."""
+def build_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], spec: Optimizer) -> torch.optim.Optimizer:
+    """sgd (momentum, weight decay) or adam (weight decay) with the spec's learning rate; `params` may be
+    torch's parameter groups, whose own settings override the spec's."""
     if spec.name == "sgd":
         return torch.optim.SGD(params, lr=spec.learning_rate, momentum=spec.momentum, weight_decay=spec.weight_decay)
     if spec.name == "adam":

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kubetrain_operator.api.spec import ParameterServer
+import torch
+from kubetrain_operator.api.spec import Compression, Optimizer, ParameterServer
 from torch import nn
 
 from ..context import ReplicaContext
 from .. import models
+from ..compression import momentum_corrected
 from ..data import Data
 from ..errors import ConfigError
 from .sharding import assign_shards
@@ -55,3 +57,25 @@ def shards_of(model: nn.Module, shards: int) -> list[list[str]]:
     """Parameter names of each shard, balanced by bytes."""
     sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
     return assign_shards(sizes, shards)
+
+
+def shard_optimizer(params: list[nn.Parameter], optimizer: Optimizer, compression: Compression) -> torch.optim.Optimizer:
+    """The shard's optimizer: the job's, except for the tensors whose workers keep the momentum.
+
+    Those (compression.momentum_corrected: TopK under SGD with momentum) arrive as velocities with
+    the weight decay inside them, so the shard applies them with plain SGD, momentum and weight decay
+    0, in a parameter group of their own: momentum applied again would count each gradient 1/(1-m)^2
+    times (100 at m 0.9) instead of 1/(1-m) (10). Every other
+    tensor, and every job without such tensors, gets the job's optimizer unchanged (one group).
+    """
+    corrected = [momentum_corrected(compression, optimizer, p) for p in params]
+    if not any(corrected):
+        return models.build_optimizer(params, optimizer)
+    plain = {"momentum": 0.0, "weight_decay": 0.0}
+    groups = [{"params": [p for p, c in zip(params, corrected) if not c]},
+              {"params": [p for p, c in zip(params, corrected) if c], **plain}]
+    built = models.build_optimizer([g for g in groups if g["params"]], optimizer)
+    # torch restores a group's settings from the checkpoint: one written before momentum correction
+    # (a single group, the job's momentum) would put the momentum back on top of the workers'.
+    built.register_load_state_dict_post_hook(lambda opt: opt.param_groups[-1].update(plain))
+    return built

@@ -15,10 +15,9 @@ from ..device import make_deterministic
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
-from ..models import build_optimizer
 from ..training import log_interval
 from .coordinator import MAX_WORKERS, Coordinator
-from .job import chunk_bytes, model_and_data, ps_spec, shards_of
+from .job import chunk_bytes, model_and_data, ps_spec, shard_optimizer, shards_of
 from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
 from .tls import from_env as tls_from_env
 
@@ -141,7 +140,7 @@ def run_ps(ctx: ReplicaContext) -> int:
     )
     coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds) if ctx.index == 0 else None
     shard = ParameterShard(
-        config, params, lambda p: build_optimizer(p, spec.training.optimizer), store,
+        config, params, lambda p: shard_optimizer(p, spec.training.optimizer, ps.compression), store,
         coordinator=coordinator, metrics=metrics, after_step=after_step,
         after_resize=lambda step, workers, membership: events.write(
             "resize", step=step, workers=workers, membership=membership),

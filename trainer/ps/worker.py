@@ -114,7 +114,7 @@ class Worker:
         self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
         self.local_total = planned_worker_steps(ctx, self.cursor.steps_per_epoch)
         self.epochs = None if spec.training.max_steps is not None else spec.training.effective_epochs
-        self.compressor = GradientCompressor(self.ps.compression)
+        self.compressor = GradientCompressor(self.ps.compression, spec.training.optimizer, self.params)
         self.metrics = TrainerMetrics(ctx)
         self.events = EventLog(ctx.run_dir, ctx.replica)
         self.incarnation = random.getrandbits(63) or 1
