@@ -14,18 +14,22 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
+import yaml
 
-from cluster import TOKEN
+from cluster import TOKEN, manifest
 from helpers.net import free_port
 from helpers.wait import wait_for
 from test_hostile_clients import AUTH, PARAMS, frames, gradient, push
+from kubetrain_operator.api import load_one
 from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.data import ShardCursor
 from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps import ps_pb2_grpc
 from kubetrain_trainer.ps.coordinator import Coordinator
 from kubetrain_trainer.ps.server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.transport import MEMBERSHIP, REFUSAL_KEY
+from kubetrain_trainer.ps.client import PSClient
+from kubetrain_trainer.ps.transport import MEMBERSHIP, REFUSAL_KEY, Backoff
+from kubetrain_trainer.ps.worker import Released, Worker
 
 SAMPLES, BATCH = 100, 5
 
@@ -55,6 +59,7 @@ def ps0(tmp_path, aggregation: str = "Sync") -> Iterator[SimpleNamespace]:
     pool = ThreadPoolExecutor(4)
     try:
         yield SimpleNamespace(shard=shard, size=size, stub=ps_pb2_grpc.ParameterShardStub(channel),
+                              address=f"127.0.0.1:{port}",
                               coordinator=ps_pb2_grpc.CoordinatorStub(channel), pool=pool)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -148,3 +153,28 @@ def test_a_joiner_waits_for_the_resize_its_job_file_asks_for(tmp_path):
         wait_for("the resize to 3", lambda: ps.shard.config.workers == 3, timeout=5, every=0.05)  # no worker computing: the cut is at once
         joined = ps.coordinator.Register(request, metadata=AUTH, timeout=5)
         assert not joined.released and joined.membership == 2 and joined.world_size == 3
+
+
+def released_worker(tmp_path, ps, size_in_file: int) -> Worker:
+    """worker-1 as a process is when ps-0's answer releases it, its job file saying `size_in_file` workers."""
+    doc = manifest("flip", replicas=size_in_file)
+    doc["spec"]["parameterServer"]["workers"] = size_in_file
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    job = load_one(job_file)
+    worker = Worker.__new__(Worker)
+    worker.ctx = SimpleNamespace(index=1, replica="worker-1", job=job, spec=job.spec, job_file=job_file)
+    worker.client = PSClient([ps.address], TOKEN, 1 << 20, Backoff(budget=20.0), call_timeout=5.0)
+    worker.incarnation, worker.world, worker.membership = 9, 2, 1
+    worker.train_x = torch.zeros(SAMPLES)
+    worker.cursor = ShardCursor(SAMPLES, 1, 2, BATCH, 0)
+    worker.epochs, worker.local_total, worker.shards = None, None, [["w", "b"]]
+    return worker
+
+
+def test_a_released_worker_leaves(tmp_path):
+    with ps0(tmp_path, aggregation="Async") as ps:
+        worker = released_worker(tmp_path, ps, size_in_file=1)
+        with pytest.raises(Released):
+            worker._join(pb.RegisterReply(rank=1, world_size=1, membership=2, released=True))
+        worker.client.close()
