@@ -42,14 +42,16 @@ LABELS = {"namespace": "default", "job": "hostile", "role": "ps", "replica": "ps
 
 
 @contextmanager
-def serving(tmp_path, **config) -> Iterator[SimpleNamespace]:
-    """A shard server on loopback, ticked every TICK_SECONDS as serve.py does; its stub and metrics."""
+def serving(tmp_path, coordinator=None, **config) -> Iterator[SimpleNamespace]:
+    """A shard server on loopback, ticked every TICK_SECONDS as serve.py does; its stub and metrics (and, with a
+    coordinator, ps-0: the coordinator's stub)."""
     settings = dict(replica="ps-0", workers=2, aggregation="Sync", sync_timeout=30.0, max_staleness=4,
                     max_steps=None, interval_steps=1000, chunk_bytes=1 << 20, worker_steps=3)
     settings.update(config)
     metrics = TrainerMetrics(LABELS)
     shard = ParameterShard(ShardConfig(**settings), PARAMS, lambda p: torch.optim.SGD(p, lr=0.1),
-                           CheckpointStore(tmp_path, 2, "test", background=False), metrics=metrics)
+                           CheckpointStore(tmp_path, 2, "test", background=False), metrics=metrics,
+                           coordinator=coordinator)
     server = build_server(shard, TOKEN, max_workers=16)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -65,7 +67,7 @@ def serving(tmp_path, **config) -> Iterator[SimpleNamespace]:
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield SimpleNamespace(shard=shard, stub=ps_pb2_grpc.ParameterShardStub(channel), metrics=metrics,
-                              address=f"127.0.0.1:{port}")
+                              address=f"127.0.0.1:{port}", coordinator=ps_pb2_grpc.CoordinatorStub(channel))
     finally:
         channel.close()
         stop.set()

@@ -65,15 +65,18 @@ def trained(job: Job, replica: str, after: float = 0.0) -> bool:
     return any(e["time"] > after for e in job.events(replica, "train"))
 
 
+def started(tmp_path, name: str, steps: int, epochs: int, **ps_fields) -> Job:
+    """A job of 2 workers (batch 16), its processes started, once ps-0 made `steps` steps."""
+    job = Job(tmp_path / name, manifest(name, training={"epochs": epochs, "batchSize": 16}, **ps_fields))
+    job.start_all()
+    wait_until(f"{steps} steps", lambda: ps_step(job) >= steps, job)  # stops the job when it fails
+    return job
+
+
 def run_resized(tmp_path, aggregation: str) -> tuple[Job, dict]:
     """2 workers, then 3 (worker-2 joins), then 1 (workers 1 and 2 are released); two shards."""
-    doc = manifest(f"live-{aggregation.lower()}", replicas=2, aggregation=aggregation,
-                   training={"epochs": EPOCHS, "batchSize": 16})
-    job = Job(tmp_path / aggregation, doc)
-    job.start_all()
+    job = started(tmp_path, f"live-{aggregation.lower()}", 60, EPOCHS, replicas=2, aggregation=aggregation)
     try:
-        first = ps_step(job) + 60
-        wait_until("60 steps", lambda: ps_step(job) >= first, job)
         resize(job, 3)
         job.replicas.append("worker-2")
         job.start("worker-2")
@@ -143,13 +146,9 @@ def test_async_takes_a_joiner_at_once_and_sync_waits_for_it(tmp_path):
     moved = {}
     for aggregation in ("Sync", "Async"):
         # syncTimeoutSeconds 30 (the default): a Sync step waits that long for the joiner, then drops it.
-        doc = manifest(f"join-{aggregation.lower()}", replicas=1, aggregation=aggregation, syncTimeoutSeconds=30,
-                       training={"epochs": 6, "batchSize": 16})
-        job = Job(tmp_path / aggregation, doc)
-        job.start_all()
+        job = started(tmp_path, f"join-{aggregation.lower()}", 30, 6, replicas=1, aggregation=aggregation,
+                      syncTimeoutSeconds=30)
         try:
-            first = ps_step(job) + 30
-            wait_until("30 steps", lambda: ps_step(job) >= first, job)
             resize(job, 3)
             # The joiner comes late: the cut is made without it, then the set is three.
             resized = wait_until("the resize to 3", lambda: job.events("ps-0", "resize"), job)[0]

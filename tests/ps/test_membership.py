@@ -5,7 +5,6 @@ comes from a value the test changes, as ps-0 reads it from its job file."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,16 +16,12 @@ import torch
 import yaml
 
 from cluster import TOKEN, manifest
-from helpers.net import free_port
 from helpers.wait import wait_for
-from test_hostile_clients import AUTH, PARAMS, frames, gradient, push
+from test_hostile_clients import AUTH, frames, gradient, push, serving
 from kubetrain_operator.api import load_one
-from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.data import ShardCursor
 from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps import ps_pb2_grpc
 from kubetrain_trainer.ps.coordinator import Coordinator
-from kubetrain_trainer.ps.server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
 from kubetrain_trainer.ps.client import PSClient
 from kubetrain_trainer.ps.transport import MEMBERSHIP, REFUSAL_KEY, Backoff
 from kubetrain_trainer.ps.worker import Released, Worker
@@ -36,37 +31,12 @@ SAMPLES, BATCH = 100, 5
 
 @contextmanager
 def ps0(tmp_path, aggregation: str = "Sync") -> Iterator[SimpleNamespace]:
+    """ps-0 of a job of 2 workers, its size read from `size["now"]`, and a pool for calls that wait."""
     size = {"now": 2}
-    config = ShardConfig(replica="ps-0", workers=2, aggregation=aggregation, sync_timeout=30.0, max_staleness=4,
-                         max_steps=None, interval_steps=1000, chunk_bytes=1 << 20, worker_steps=100,
-                         size_source=lambda: size["now"], worker_steps_for=lambda w: 100)
-    shard = ParameterShard(config, PARAMS, lambda p: torch.optim.SGD(p, lr=0.1),
-                           CheckpointStore(tmp_path, 2, "test", background=False),
-                           coordinator=Coordinator(2, 30.0))
-    server = build_server(shard, TOKEN, max_workers=16)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.wait(TICK_SECONDS):
-            shard.tick()
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    pool = ThreadPoolExecutor(4)
-    try:
-        yield SimpleNamespace(shard=shard, size=size, stub=ps_pb2_grpc.ParameterShardStub(channel),
-                              address=f"127.0.0.1:{port}",
-                              coordinator=ps_pb2_grpc.CoordinatorStub(channel), pool=pool)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        channel.close()
-        stop.set()
-        ticker.join()
-        server.stop(None)
+    with serving(tmp_path, Coordinator(2, 30.0), aggregation=aggregation, worker_steps=100,
+                 size_source=lambda: size["now"], worker_steps_for=lambda w: 100) as ps, ThreadPoolExecutor(4) as pool:
+        ps.size, ps.pool = size, pool
+        yield ps
 
 
 def cursor_after(rank: int, world: int, batches: int) -> str:
