@@ -16,6 +16,7 @@ from helpers.jsonl import read_events
 from helpers.net import free_ports
 
 TOKEN = "test-token-0123456789"
+JOB_SECONDS = 120  # a job of the quickstart's size, 10 epochs, on a busy 2-core machine
 
 def manifest(name: str, **ps_fields) -> dict:
     compression = ps_fields.pop("compression", {})
@@ -119,3 +120,15 @@ class Job:
     def events(self, replica: str, event: str | None = None) -> list[dict]:
         """The replica's event log so far ([] before it started), only `event`s when given."""
         return read_events(self.run_dir / "metrics" / f"{replica}.jsonl", event)
+
+
+def run_job(tmp_path, name, faults=None, **ps_fields) -> Job:
+    """A job of `manifest(name, **ps_fields)` run to its end; every replica must exit 0."""
+    job = Job(tmp_path / name, manifest(name, **ps_fields))
+    job.start_all(faults)
+    try:
+        codes = job.wait(JOB_SECONDS)
+    finally:
+        job.stop()
+    assert codes == {r: 0 for r in job.replicas}, job.logs()
+    return job

@@ -100,25 +100,13 @@ def samples_trained(job: Job) -> int:
     return job.result("worker-0")["samples"] + released
 
 
-def fixed_size_accuracy(tmp_path, aggregation: str) -> float:
-    """The same job at 2 workers throughout."""
-    job = Job(tmp_path / f"fixed-{aggregation}", manifest(f"fixed-{aggregation.lower()}", replicas=2,
-                                                          aggregation=aggregation,
-                                                          training={"epochs": EPOCHS, "batchSize": 16}))
-    job.start_all()
-    try:
-        codes = job.wait(JOB_SECONDS)
-    finally:
-        job.stop()
-    assert codes == {r: 0 for r in job.replicas}, job.logs()
-    return job.result("worker-0")["eval_accuracy"]
-
-
 @pytest.mark.parametrize("aggregation", ["Sync", "Async"])
-def test_a_job_resized_2_3_1_live_finishes_without_a_restart_and_no_sample_twice(tmp_path, aggregation):
+def test_a_job_resized_2_3_1_live_finishes_without_a_restart_and_no_sample_twice(tmp_path, aggregation, request):
     job, seen = run_resized(tmp_path, aggregation)
     accuracy = job.result("worker-0")["eval_accuracy"]
-    fixed = fixed_size_accuracy(tmp_path, aggregation)
+    # The same job at 2 workers throughout (on one shard: how the parameters are sharded does not change
+    # an update), shared with test_ps_training.
+    fixed = request.getfixturevalue(f"{aggregation.lower()}_job").result("worker-0")["eval_accuracy"]
     samples = samples_trained(job)
     print(f"\n{aggregation} 2 -> 3 -> 1 live: accuracy {accuracy:.4f} (fixed size {fixed:.4f}), samples trained {samples} "
           f"(10 epochs: {EPOCHS * (TRAIN_SAMPLES // 3 * 3)}..{EPOCHS * TRAIN_SAMPLES}), resizes at steps "

@@ -12,31 +12,15 @@ import time
 
 import pytest
 
-from cluster import Job, manifest
+from cluster import JOB_SECONDS, Job, manifest
+from cluster import run_job as run
 
 pytestmark = pytest.mark.slow
-JOB_SECONDS = 120
 STEPS = 450  # 10 epochs of ceil((1438 // 2) / 16) = 45 steps per worker
-
-
-def run(tmp_path, name, faults=None, **ps_fields) -> Job:
-    job = Job(tmp_path / name, manifest(name, **ps_fields))
-    job.start_all(faults)
-    try:
-        codes = job.wait(JOB_SECONDS)
-    finally:
-        job.stop()
-    assert codes == {r: 0 for r in job.replicas}, job.logs()
-    return job
 
 
 def accuracy(job: Job) -> float:
     return job.result("worker-0")["eval_accuracy"]
-
-
-@pytest.fixture(scope="module")
-def sync_job(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("sync"), "sync")
 
 
 def test_sync_reaches_95_percent_and_every_replica_reports_its_bytes(sync_job):
@@ -53,8 +37,8 @@ def test_sync_reaches_95_percent_and_every_replica_reports_its_bytes(sync_job):
     assert sync_job.events("ps-0", "checkpoint")[-1]["step"] == ps["steps"]
 
 
-def test_async_with_max_staleness_4_lands_within_2_points_of_sync(tmp_path, sync_job):
-    job = run(tmp_path, "async", aggregation="Async", maxStaleness=4)
+def test_async_with_max_staleness_4_lands_within_2_points_of_sync(async_job, sync_job):
+    job = async_job
     print(f"\nAsync eval accuracy: {accuracy(job):.4f} (Sync {accuracy(sync_job):.4f})")
     assert accuracy(job) >= accuracy(sync_job) - 0.02
     assert job.result("ps-0")["steps"] == 2 * STEPS  # every push is an update
