@@ -93,7 +93,8 @@ class Nodes:
 
 @pytest.fixture
 def nodes(cluster):
-    pool = uuid.uuid4().hex[:6]
+    # A letter first: a label value such as 812e00 is a number to kubectl's YAML (seen once in CI), not a string.
+    pool = f"p{uuid.uuid4().hex[:6]}"
     made = Nodes(cluster, pool)
     try:
         yield made
