@@ -452,7 +452,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         pods = observed_replicas((ns, name), state)
         progress = _progress(job, pods)
     pvc_pending = INDEX.pending_claims((ns, name)) if old_status.get("state") in (None, "Created") and pods else None
-    workload, admission, placements = _queue(job, uid, state, old_status)
+    workload, admission, placements = _queue(job, uid, state, old_status, pods)
     act = reconcile(
         job, uid, state.token, pods, old_status, _now(), progress, CONFIG.settings, pvc_pending, state.existing,
         admission, placements,
@@ -504,7 +504,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     return act.requeue_after
 
 
-def _queue(job, uid: str, state: JobState, old_status: dict[str, Any]):
+def _queue(job, uid: str, state: JobState, old_status: dict[str, Any], pods: dict[str, ReplicaObservation]):
     """(the job's Workload, Kueue's admission, the admission's placements) for a job in a Kueue
     queue; (None, None, None) for any other. The Workload is created on the first round."""
     if not CONFIG.kueue or kueue.queue_name(job) is None:
@@ -516,7 +516,10 @@ def _queue(job, uid: str, state: JobState, old_status: dict[str, Any]):
         return workload, None, None
     if workload is not None and kueue.resized(workload, job):
         # Made again at the new size; the watch's DELETED event lets the round after it create the new one.
-        if not (workload.get("metadata") or {}).get("deletionTimestamp"):
+        # Deleted once the replicas of the old size are gone (the engine stops them meanwhile): Kueue frees
+        # the quota at once, and another job must not be admitted into it while they still checkpoint.
+        stopped = not any(p.phase in ("Pending", "Running") for p in pods.values())
+        if stopped and not (workload.get("metadata") or {}).get("deletionTimestamp"):
             kube.delete_workload(key[0], wl_name)
             log.info("%s/%s: Workload %s deleted: the job was resized to %d", key[0], key[1], wl_name, job.spec.size)
         return None, kueue.resizing(job), None

@@ -288,11 +288,17 @@ class _Round:
         the job resumes from that checkpoint when the queue admits it again."""
         self.actions.stop = [n for n, r in self.replicas.items() if r.phase in ("Pending", "Running") and not r.terminating]
         self.actions.hold = True
+        message = admission.message
+        ran_at = self.memory.size
+        if ran_at is not None and ran_at != self.spec.size and admission.reason != "Resizing":
+            # The new size's Workload waits: Kueue's words alone would not say why a job that ran stopped.
+            unit = "nodes" if self.is_ddp else "workers"
+            message = f"Resized from {ran_at} to {self.spec.size} {unit}, not admitted at the new size yet. {message}"
         old = next((c for c in self.status.conditions if c.type == "Suspended"), None)
         if self.before != "Suspended" or old is None or old.reason != admission.reason:
             kind = "Warning" if admission.evicted else "Normal"
-            self.actions.events.append((kind, admission.reason, admission.message))
-        self.observed = Observed("Suspended", admission.reason, admission.message)
+            self.actions.events.append((kind, admission.reason, message))
+        self.observed = Observed("Suspended", admission.reason, message)
         self.status.state = "Suspended"
         self._pause_clock()
         self.memory.pending_restarts = {}
@@ -377,16 +383,25 @@ class _Round:
         rest of the epoch again among the new set at a consistent cut. Workers below the new size that
         have no replica start now (`_starts`) and join; those above it are released by ps-0 and exit 0
         after their step (`_release`). Nothing is stopped, no restart is counted, the state stays what it
-        is: the replicas that keep running are the same incarnations (`memory.identities` stays)."""
+        is: the replicas that keep running are the same incarnations (`memory.identities` stays). A job
+        resized while its replicas were stopped (suspended, or held by its Kueue queue until the Workload of
+        the new size is admitted) starts them all now at the new size, and its Event says that instead."""
         memory, size = self.memory, self.spec.size
-        if size > memory.size:
-            how = f"{_listed(range(memory.size, size))} {'joins' if size - memory.size == 1 else 'join'}"
+        if self.before == "Suspended":
+            # Resized while its replicas were stopped (suspended, or a queued job whose Workload Kueue
+            # admitted again at the new size): every replica starts now, from the newest checkpoint.
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers while "
+                                                             "stopped: the job resumes at the new size from its "
+                                                             "newest checkpoint."))
         else:
-            how = (f"{_listed(range(size, memory.size))} "
-                   f"{'leaves after its step' if memory.size - size == 1 else 'leave after their step'}")
-        self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers, live: {how}; "
-                                                         f"ps-0 deals the rest of the epoch again among the {size}; "
-                                                         "nothing restarts."))
+            if size > memory.size:
+                how = f"{_listed(range(memory.size, size))} {'joins' if size - memory.size == 1 else 'join'}"
+            else:
+                how = (f"{_listed(range(size, memory.size))} "
+                       f"{'leaves after its step' if memory.size - size == 1 else 'leave after their step'}")
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers, live: "
+                                                             f"{how}; ps-0 deals the rest of the epoch again among the "
+                                                             f"{size}; nothing restarts."))
         memory.size = size
         memory.resize_time = self.now
         # A restart due for a worker above the new size is not wanted any more; the others stand.

@@ -104,7 +104,8 @@ def test_a_queued_job_creates_no_pod_and_is_suspended_with_kueues_message():
     assert [o for o in act.create if o["kind"] == "Pod"] == []
     assert act.status["state"] == "Suspended"
     cond = next(c for c in act.status["conditions"] if c["type"] == "Suspended")
-    assert cond["reason"] == "QueuedForAdmission" and "insufficient quota" in cond["message"]
+    assert cond["reason"] == "QueuedForAdmission"
+    assert cond["message"] == "Waiting for Kueue to admit the job in LocalQueue team: insufficient quota"
     assert ("Normal", "QueuedForAdmission") in [e[:2] for e in act.events]
     # The next round, still queued: no second Event, the clock still stopped.
     again = reconcile(j, "u", "tok", {}, act.status, T0 + 30, admission=queued)
@@ -204,6 +205,17 @@ def test_a_resized_job_has_its_workload_made_again_and_waits_for_kueue_to_admit_
     assert suspended["reason"] == "Resizing"
     assert suspended["message"].startswith("Resized to 3 workers: the job's Kueue Workload is made again")
     assert held.status["replicas"] == 2  # still the size it ran at
+    # The new Workload queued: Kueue's words, and what the job waits for at which size.
+    too_big = kueue.admission(workload_status(("QuotaReserved", "False", "Pending", "couldn't assign flavors to pod "
+                                               "set worker: insufficient quota for cpu in flavor f, ... > maximum "
+                                               "capacity (4)")))
+    queued = reconcile(at_3, "u", "tok", {}, held.status, T0 + 70, admission=too_big)
+    waiting = next(c for c in queued.status["conditions"] if c["type"] == "Suspended")
+    assert waiting["reason"] == "QueuedForAdmission" and queued.create == [] and queued.status["replicas"] == 2
+    assert waiting["message"] == ("Resized from 2 to 3 workers, not admitted at the new size yet. Waiting for Kueue "
+                                  "to admit the job in LocalQueue team: couldn't assign flavors to pod set worker: "
+                                  "insufficient quota for cpu in flavor f, ... > maximum capacity (4)")
+    assert [e[:2] for e in queued.events] == [("Normal", "QueuedForAdmission")]
     admitted = workload_status(("Admitted", "True", "Admitted", ""), admission={
         "clusterQueue": "cq", "podSetAssignments": [{"name": "ps", "flavors": {}, "count": 1},
                                                     {"name": "worker", "flavors": {}, "count": 3}]})
@@ -211,3 +223,6 @@ def test_a_resized_job_has_its_workload_made_again_and_waits_for_kueue_to_admit_
     assert sorted(o["metadata"]["name"] for o in back.create if o["kind"] == "Pod") == [
         "j-ps-0", "j-worker-0", "j-worker-1", "j-worker-2"]
     assert [o["kind"] for o in back.replace] == ["ConfigMap"] and back.status["replicas"] == 3
+    assert [e[1] for e in back.events] == ["Resumed", "Resized"]
+    assert back.events[1][2].startswith("Resized from 2 to 3 workers while stopped: the job resumes at the new size")
+    assert back.status["restarts"] == 0

@@ -182,6 +182,11 @@ def test_a_resize_asked_while_suspended_takes_effect_when_the_job_resumes():
     assert held.replace == [] and created_pods(held) == []
     resumed = reconcile(job(replicas=3), "u", "t", {}, held.status, T0 + 20, existing=EXISTING)
     assert len(created_pods(resumed)) == 4 and [o["kind"] for o in resumed.replace] == ["ConfigMap"]
+    # Not "live": every replica starts from the checkpoint (it said "worker-2 joins ...; nothing restarts").
+    assert [e for e in resumed.events if e[1] == "Resized"] == [(
+        "Normal", "Resized", "Resized from 2 to 3 workers while stopped: the job resumes at the new size from its "
+        "newest checkpoint.")]
+    assert resumed.status["restarts"] == 0
 
 
 def test_suspending_stops_the_departing_workers_too():

@@ -8,6 +8,7 @@ pod of the second job, Kueue starts none until the whole job fits.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -204,3 +205,106 @@ def test_a_preempted_ddp_job_is_scaled_to_zero_and_scaled_back_when_readmitted(q
     all_running(op, lo, 2)
     op.wait(f"{lo} Running", lambda: op.job_status(lo).get("state") == "Running")
     assert op.job_status(lo)["restarts"] == 0
+
+
+def counts(wl: dict) -> dict[str, int]:
+    return {s["name"]: s["count"] for s in wl["spec"]["podSets"]}
+
+
+def scale(op, job: str, replicas: int) -> None:
+    """What a user types: the CRD's scale subresource writes spec.replicas."""
+    assert "scaled" in op.kubectl("scale", "trainingjob", job, f"--replicas={replicas}")
+
+
+def new_workload(op, job: str, than: set[str], at: dict[str, int]) -> dict:
+    """The job's Workload once it is another one than the uids in `than`, made at the pod counts `at`."""
+    return wait_for(f"a new Workload of {job} with podSets {at}", lambda: (w := workload_of(op, job))
+                    and w["metadata"]["uid"] not in than and counts(w) == at and w, timeout=60,
+                    explain=lambda: explain(op))
+
+
+def admitted(op, job: str, uid: str) -> dict:
+    """The job's Workload `uid` once Kueue admitted it."""
+    return wait_for(f"Workload {uid} of {job} admitted", lambda: (w := workload_of(op, job))
+                    and w["metadata"]["uid"] == uid and (condition(w.get("status") or {}, "Admitted") or {}).get(
+                        "status") == "True" and w, timeout=60, explain=lambda: explain(op))
+
+
+HOLD = "kubetrain.dev/test-hold"
+"""A finalizer of the test's own on a pod: the pod stays terminating until the test takes it off."""
+
+
+def test_a_resized_job_gets_a_workload_at_its_new_counts_and_runs_at_the_size_kueue_admits(queue):
+    """`kubectl scale` on a queued ParameterServer job. Kueue's pod sets are immutable once admitted: the
+    operator deletes the Workload once the replicas of the old size are gone and makes it again at the
+    new counts, the job held (its replicas stopped) until Kueue admits it. 2 -> 3 workers is 4 CPUs:
+    admitted, the job runs at 3. 3 -> 5 is 6 CPUs, more than the ClusterQueue's 4: the job waits with no
+    pod and Kueue's reason. 5 -> 2: admitted and running again. No restart is counted."""
+    op = queue
+    doc = queued_job()
+    name = doc["metadata"]["name"]
+    op.apply(doc)
+    before = all_running(op, name)
+    first = workload_of(op, name)
+    assert counts(first) == {"ps": 1, "worker": 2}
+    seen = {first["metadata"]["uid"]}
+
+    # 2 -> 3 workers: 4 pods of 1 CPU, the whole quota. A finalizer keeps ps-0 terminating (as a trainer
+    # writing its checkpoint would): meanwhile the job is held and its old Workload keeps its quota.
+    ps0 = f"{name}-ps-0"
+    op.kubectl("patch", "pod", ps0, "--type=merge", "-p", json.dumps({"metadata": {"finalizers": [HOLD]}}))
+    scale(op, name, 3)
+    suspended_by(op, name, "Resizing", "Resized to 3 workers: the job's Kueue Workload is made again")
+    op.wait(f"{ps0} stopped", lambda: (pods_of(op, name).get(ps0) or {}).get("metadata", {}).get("deletionTimestamp"))
+    assert workload_of(op, name)["metadata"]["uid"] == first["metadata"]["uid"]
+    assert op.job_status(name)["replicas"] == 2
+    op.kubectl("patch", "pod", ps0, "--type=json", "-p", json.dumps([{"op": "remove", "path": "/metadata/finalizers"}]))
+    wl = new_workload(op, name, seen, {"ps": 1, "worker": 3})
+    seen.add(wl["metadata"]["uid"])
+    wl = admitted(op, name, wl["metadata"]["uid"])
+    assert {a["name"]: a["count"] for a in wl["status"]["admission"]["podSetAssignments"]} == {"ps": 1, "worker": 3}
+    pods = all_running(op, name, 4)
+    assert sorted(pods) == sorted(f"{name}-{r}" for r in ("ps-0", "worker-0", "worker-1", "worker-2"))
+    assert all(p["spec"]["nodeSelector"] == POOL for p in pods.values())
+    # Not live: the replicas of 2 were stopped (after a checkpoint) and those of 3 started.
+    assert pods[f"{name}-ps-0"]["metadata"]["uid"] != before[f"{name}-ps-0"]["metadata"]["uid"]
+    status = op.wait(f"{name} Running at 3", lambda: (s := op.job_status(name)).get("state") == "Running"
+                     and s.get("replicas") == 3 and s)
+    assert status["restarts"] == 0
+    events = {e["reason"]: e["message"] for e in op.events(name)}
+    assert events["Resizing"].startswith("Resized to 3 workers: the job's Kueue Workload is made again"), events
+    assert events["Resized"].startswith("Resized from 2 to 3 workers while stopped"), events
+
+    # 3 -> 5 workers: 6 CPUs, more than the ClusterQueue has at all. The job waits, no pod runs.
+    scale(op, name, 5)
+    wl = new_workload(op, name, seen, {"ps": 1, "worker": 5})
+    seen.add(wl["metadata"]["uid"])
+    waiting = suspended_by(op, name, "QueuedForAdmission", "> maximum capacity (4)")
+    op.wait(f"no pod of {name}", lambda: pods_of(op, name) == {})
+    status = op.job_status(name)
+    print(f"\nwaiting at 5: replicas={status.get('replicas')} restarts={status.get('restarts')}\n"
+          f"  Suspended: {waiting['reason']}: {waiting['message']}")
+    assert status["state"] == "Suspended" and status["restarts"] == 0
+    assert waiting["message"].startswith("Resized from 3 to 5 workers, not admitted at the new size yet. Waiting "
+                                         "for Kueue to admit the job in LocalQueue team: "), waiting
+    assert "insufficient quota for cpu" in waiting["message"]
+    assert status["replicas"] == 3  # the size it last ran at
+    held = workload_of(op, name)["status"]
+    assert condition(held, "QuotaReserved")["status"] == "False" and "admission" not in held
+    assert (condition(held, "Admitted") or {}).get("status") != "True"
+
+    # 5 -> 2 workers: 3 CPUs, admitted again.
+    scale(op, name, 2)
+    wl = new_workload(op, name, seen, {"ps": 1, "worker": 2})
+    admitted(op, name, wl["metadata"]["uid"])
+    pods = all_running(op, name, 3)
+    assert sorted(pods) == sorted(f"{name}-{r}" for r in ("ps-0", "worker-0", "worker-1"))
+    status = op.wait(f"{name} Running at 2", lambda: (s := op.job_status(name)).get("state") == "Running"
+                     and s.get("replicas") == 2 and s)
+    assert status["restarts"] == 0
+    resized = sorted((e for e in op.events(name) if e["reason"] == "Resized"),
+                     key=lambda e: int(e["metadata"]["resourceVersion"]))
+    print("Resized events:", [e["message"] for e in resized])
+    assert [e["message"] for e in resized] == [
+        f"Resized from {a} to {b} workers while stopped: the job resumes at the new size from its newest checkpoint."
+        for a, b in ((2, 3), (3, 2))]
