@@ -483,13 +483,17 @@ class ParameterShard:
         self.after_resize(self.step, workers, membership)
         self.cond.notify_all()
 
-    def _poll_size(self) -> None:
-        """ps-0: read the job's size (SIZE_POLL_SECONDS), and note a resize to make at the next cut."""
+    def _read_size(self) -> int | None:
+        """ps-0: the job's size from its job file, every SIZE_POLL_SECONDS (None between, or unreadable).
+        Outside the lock: a file read."""
         source = self.config.size_source
         if source is None or self.clock() - self.size_checked < SIZE_POLL_SECONDS:
-            return
+            return None
         self.size_checked = self.clock()
-        size = source()
+        return source()
+
+    def _note_size(self, size: int | None) -> None:
+        """ps-0: a size read from the job file; one that differs is the resize to make at the next cut."""
         if size is None or size == (self.target_size or self.config.workers):
             return
         self.target_size = None if size == self.config.workers else size
@@ -846,9 +850,10 @@ class ParameterShard:
         Pushes alone cannot notice silence; and a stream's handler, blocked
         waiting for its client, cannot notice it is stalled.
         """
+        size = self._read_size()
         with self.cond:
             self.maybe_complete_sync_step()
-            self._poll_size()
+            self._note_size(size)
             self.maybe_cut()
         self.cancel_stalled_streams()
 
