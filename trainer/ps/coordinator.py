@@ -123,13 +123,12 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
         them) have not taken of the epoch is dealt again among the new set; returns its number. The
         caller (the shard's cut) makes sure no member holds a batch it has not pushed."""
         with self.lock:
-            saved = {w: {"cursor_json": m.cursor_json} for w, m in self.members.items()}
-            cursors = {w: json.loads(m["cursor_json"]) for w, m in saved.items() if m["cursor_json"]}
+            cursors = {w: json.loads(m.cursor_json) for w, m in self.members.items() if m.cursor_json}
             old = self.workers
             self.workers = workers
             self.members = {w: Member(last_contact=self.clock()) for w in range(workers)}
             if cursors:
-                self._redeal(saved, cursors)
+                self._redeal(cursors)
             self.membership += 1
             log.info("membership %d: %d workers (was %d)", self.membership, workers, old)
             return self.membership
@@ -160,13 +159,13 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
                     member.finished = m["finished"]
                 return False
             if cursors:
-                self._redeal(saved, cursors)
+                self._redeal(cursors)
             # A new set: numbered past any a lost cut could have handed out (a cut is durable before
             # its workers hear of it, server.py), so every worker of the old one registers again.
             self.membership += 1
             return True
 
-    def _redeal(self, saved: dict[int, dict], cursors: dict[int, dict]) -> None:
+    def _redeal(self, cursors: dict[int, dict]) -> None:
         any_cursor = next(iter(cursors.values()))
         old_world = int(any_cursor["world_size"])
         # A worker that never pushed has its cursor's start: epoch 0, nothing taken.
