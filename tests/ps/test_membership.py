@@ -148,3 +148,26 @@ def test_a_released_worker_leaves(tmp_path):
         with pytest.raises(Released):
             worker._join(pb.RegisterReply(rank=1, world_size=1, membership=2, released=True))
         worker.client.close()
+
+
+def test_a_ps0_restarted_at_another_size_deals_its_checkpoints_cursors_and_numbers_a_new_set():
+    """ps-0 restored from a checkpoint of 2 workers with its job file saying 3 (restarted while a resize was
+    due): the cursors of the checkpoint are dealt among 3, and the set is numbered past the checkpoint's,
+    so every worker of the old set registers again."""
+    old = Coordinator(2, 30.0)
+    for w in range(2):
+        old.record(w, 4, cursor_after(w, 2, 4))
+    state = old.state_dict()
+    restored = Coordinator(3, 30.0)
+    assert restored.load_state_dict(state) is True
+    assert restored.membership == old.membership + 1
+    taken = {p for w in range(2) for p in ShardCursor(SAMPLES, w, 2, BATCH, 0).positions(0)[:4 * BATCH]}
+    dealt = []
+    for w in range(3):
+        cursor = ShardCursor(SAMPLES, w, 3, BATCH, 0)
+        cursor.load_state_dict(json.loads(restored.members[w].cursor_json))
+        dealt += cursor.positions(0)
+    assert len(dealt) == len(set(dealt)) == SAMPLES - len(taken) and not set(dealt) & taken
+    # The same size: the checkpoint's set and cursors as they were.
+    same = Coordinator(2, 30.0)
+    assert same.load_state_dict(state) is False and same.membership == old.membership
