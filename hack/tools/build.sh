@@ -57,21 +57,23 @@ prometheus_ldflags="-s -w -X github.com/prometheus/common/version.Version=3.16.0
 prometheus_ldflags+=" -X github.com/prometheus/common/version.Branch=v3.16.0"
 prometheus_tags="remove_all_sd,enable_kubernetes_sd"
 
-# name | module directory | main package | ldflags variable [| build tags]
-targets=(
+# Two build streams run side by side, each a list of units built one after the other:
+#   name[,name...] | module directory | main package[ package...] | ldflags variable [| build tags]
+# A unit of several packages is one `go build -o bin/` (the binaries are named after the
+# packages), so one binary links while the next compiles. Two streams rather than one: a
+# single `go build` leaves a core idle while it downloads modules, links, or compiles a package
+# nothing else waits on; the second stream fills those gaps (docs/test-cluster.md has the cold
+# times). The streams are balanced by their cold compile times one after the other.
+stream_a=(
+  "kube-apiserver,kube-controller-manager,kube-scheduler,kubectl,kubelet,kube-proxy|kubernetes|k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy|k8s_ldflags"
   "etcd|etcd|go.etcd.io/etcd/server/v3|etcd_ldflags"
-  "kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|kwok_ldflags"
-  "kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwokctl|kwok_ldflags"
-  "kube-apiserver|kubernetes|k8s.io/kubernetes/cmd/kube-apiserver|k8s_ldflags"
-  "kube-controller-manager|kubernetes|k8s.io/kubernetes/cmd/kube-controller-manager|k8s_ldflags"
-  "kube-scheduler|kubernetes|k8s.io/kubernetes/cmd/kube-scheduler|k8s_ldflags"
-  "kubectl|kubernetes|k8s.io/kubernetes/cmd/kubectl|k8s_ldflags"
-  "kubelet|kubernetes|k8s.io/kubernetes/cmd/kubelet|k8s_ldflags"
-  "kube-proxy|kubernetes|k8s.io/kubernetes/cmd/kube-proxy|k8s_ldflags"
   "helm|helm|helm.sh/helm/v3/cmd/helm|helm_ldflags"
+  "kube-router|kube-router|github.com/cloudnativelabs/kube-router/v2/cmd/kube-router|kube_router_ldflags"
+)
+stream_b=(
+  "kwok,kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl|kwok_ldflags"
   "coredns|coredns|github.com/coredns/coredns|coredns_ldflags"
   "local-path-provisioner|local-path|github.com/rancher/local-path-provisioner|local_path_ldflags"
-  "kube-router|kube-router|github.com/cloudnativelabs/kube-router/v2/cmd/kube-router|kube_router_ldflags"
   "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|prometheus_ldflags|$prometheus_tags"
 )
 
@@ -125,38 +127,59 @@ fi
 rm -rf "$dir"
 mkdir -p "$bin"
 start=$SECONDS
-say "building the test cluster's tools with $go_version into $dir (cold: about 20 minutes)"
+say "building the test cluster's tools with $go_version into $dir (cold: about 25 minutes on a quiet 2-core machine)"
 
-for module in etcd kwok kubernetes helm coredns local-path kube-router prometheus; do
-  t=$SECONDS
-  (cd "$here/$module" && go mod download)
-  say "downloaded the $module modules ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
-done
-
-i=0
-for target in "${targets[@]}"; do
-  IFS='|' read -r name module pkg flags_var tags <<<"$target"
-  i=$((i + 1))
-  t=$SECONDS
-  say "[$i/${#targets[@]}] $name ..."
-  (cd "$here/$module" && go build -tags "${tags:-}" -ldflags "${!flags_var}" -o "$bin/$name" "$pkg") &
-  pid=$!
-  # A heartbeat: kube-apiserver alone compiles for several silent minutes.
-  beat=$((t + 60))
-  while kill -0 "$pid" 2>/dev/null; do
-    sleep 1
-    if [ "$SECONDS" -ge "$beat" ]; then
-      say "      $name still compiling ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
-      beat=$((beat + 60))
+# One stream: for each unit, download its module's dependencies, then build it, with a
+# heartbeat (kube-apiserver alone compiles for several silent minutes). Exits non-zero at the
+# first failure.
+build_stream() {
+  local label=$1 unit names module pkgs flags_var tags t pid beat out
+  shift
+  for unit in "$@"; do
+    IFS='|' read -r names module pkgs flags_var tags <<<"$unit"
+    t=$SECONDS
+    (cd "$here/$module" && go mod download) || { say "[$label] go mod download in $module failed"; return 1; }
+    say "[$label] $names: modules downloaded ($((SECONDS - t)) s, total $((SECONDS - start)) s); building"
+    # One package: -o names the file; several: -o names the directory, each binary after its package.
+    if [[ $names == *,* ]]; then out="$bin/"; else out="$bin/$names"; fi
+    # shellcheck disable=SC2086 # $pkgs is a list of packages
+    (cd "$here/$module" && go build -tags "${tags:-}" -ldflags "${!flags_var}" -o "$out" $pkgs) &
+    pid=$!
+    beat=$((SECONDS + 60))
+    while kill -0 "$pid" 2>/dev/null; do
+      sleep 1
+      if [ "$SECONDS" -ge "$beat" ]; then
+        say "[$label]       $names still compiling ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
+        beat=$((beat + 60))
+      fi
+    done
+    if ! wait "$pid"; then
+      say "[$label] go build of $names ($pkgs) failed; $dir stays incomplete and is rebuilt next time"
+      return 1
     fi
+    for name in ${names//,/ }; do
+      [ -x "$bin/$name" ] || { say "[$label] go build of $names wrote no $bin/$name"; return 1; }
+    done
+    say "[$label] $names done ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
   done
-  if ! wait "$pid"; then
-    say "go build of $name ($pkg) failed; $dir stays incomplete and is rebuilt next time"
-    exit 1
-  fi
-  say "[$i/${#targets[@]}] $name done ($((SECONDS - t)) s, total $((SECONDS - start)) s)"
-done
+}
 
+# Ctrl-C or a failure stops both streams (their `go build`s are in the same process group).
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+build_stream a "${stream_a[@]}" &
+pid_a=$!
+build_stream b "${stream_b[@]}" &
+pid_b=$!
+# Both are waited for, so that a failed stream does not leave the other writing into $dir.
+rc=0
+wait "$pid_a" || rc=1
+wait "$pid_b" || rc=1
+if [ "$rc" -ne 0 ]; then
+  say "a build stream failed (above); $dir stays incomplete and is rebuilt next time"
+  exit 1
+fi
+
+trap - EXIT
 du -sh "$bin" | awk '{print "binaries: " $1}' >&2
 date -u +%Y-%m-%dT%H:%M:%SZ >"$dir/.complete"
 say "done in $((SECONDS - start)) s"
