@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from kubetrain_operator.api.exitcodes import EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_TERMINATED, EXIT_TRANSIENT
+from kubetrain_operator.api.exitcodes import (EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_RELEASED, EXIT_TERMINATED,
+                                              EXIT_TRANSIENT)
 
-__all__ = ["EXIT_CONFIG", "EXIT_LOAD", "EXIT_OK", "EXIT_TERMINATED", "EXIT_TRANSIENT", "TrainerError",
+__all__ = ["EXIT_CONFIG", "EXIT_LOAD", "EXIT_OK", "EXIT_RELEASED", "EXIT_TERMINATED", "EXIT_TRANSIENT", "TrainerError",
            "ConfigError", "LoadError", "TransientError"]
 
 

@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..api import TrainingJob
+from ..api.exitcodes import EXIT_RELEASED
 from ..api.spec import MAX_REPORTED_METRICS
 from ..api import schema
 from ..api.status import Condition, JobMemory, JobStatus, LastCheckpoint, Progress, ReplicaCounts, read_object, read_status
@@ -412,11 +413,26 @@ class _Round:
     def _release(self) -> None:
         """The workers above a ParameterServer job's size (it was resized down) are no part of the job: taken
         out of this round's replicas, so that no failure, success, restart, count or waiting reason sees them.
-        A running one is left alone: ps-0 releases it and it exits 0 after its step. One that ended (however)
-        or never ran (Pending) is stopped (its pod deleted); so is one still running RELEASE_GRACE_SECONDS
-        after the resize."""
+        A running one is left alone: ps-0 releases it and it exits EXIT_RELEASED after its step. One that
+        ended (however) or never ran (Pending) is stopped (its pod deleted); so is one still running
+        RELEASE_GRACE_SECONDS after the resize.
+
+        A worker of the job's size that ended released was scaled away and back before it left (3 -> 1 -> 3
+        within a step: ps-0 released it at the first resize and waits for it at the second): it rejoins,
+        stopped and started again as a restart is (`pending_restarts`, due now) but counted as none."""
         if self.is_ddp:
             return
+        for name in self.names:
+            seen = self.replicas.get(name)
+            if seen is None or name in self.memory.pending_restarts or not _released(seen):
+                continue
+            self.memory.pending_restarts[name] = self.now
+            if not seen.terminating:
+                self.actions.stop.append(name)
+            self.actions.events.append(("Normal", "Rejoining",
+                                        f"{name} was released by ps-0 at a resize and the job has "
+                                        f"{self.spec.size} workers again: it starts again and joins; "
+                                        "no restart is counted."))
         wanted = set(self.names)
         for name in [n for n in self.replicas if n not in wanted]:
             seen = self.departing[name] = self.replicas.pop(name)
@@ -688,9 +704,14 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _released(seen: ReplicaObservation) -> bool:
+    """A parameter-server worker that ps-0 released at a resize: it ended, neither failed nor succeeded."""
+    return seen.phase in ("Succeeded", "Failed") and seen.exit_code == EXIT_RELEASED
+
+
 def _failure(seen: ReplicaObservation) -> policy.Failure | None:
-    """A replica that stopped and must be dealt with; None while it is fine."""
-    if seen.terminating or seen.phase != "Failed":
+    """A replica that stopped and must be dealt with; None while it is fine (or released: `_release`)."""
+    if seen.terminating or seen.phase != "Failed" or _released(seen):
         return None
     if seen.reason == "Evicted":
         return policy.Failure(seen.replica, reason="Evicted")
@@ -719,8 +740,8 @@ def _counts(names: list[str], replicas: Mapping[str, ReplicaObservation], is_ddp
     for name in names:
         counts = out.setdefault(name.rsplit("-", 1)[0], ReplicaCounts())
         seen = replicas.get(name)
-        if seen is None:
-            continue
+        if seen is None or _released(seen):
+            continue  # a released worker that rejoins is neither: `_release`
         if _succeeded(seen, is_ddp):
             counts.succeeded += 1
         elif seen.phase == "Failed":

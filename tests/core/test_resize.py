@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from kubetrain_operator.api import from_object
+from kubetrain_operator.api.exitcodes import EXIT_RELEASED
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.core.engine import RELEASE_GRACE_SECONDS
 from kubetrain_operator.core.reconcile import iso, reconcile
@@ -101,8 +102,8 @@ def test_a_scale_down_is_live_the_workers_above_the_size_are_left_to_leave_by_th
     assert act.requeue_after is not None and act.requeue_after <= 10  # the engine looks again within its period
 
 
-@pytest.mark.parametrize("phase, code", [("Succeeded", 0), ("Failed", 1), ("Failed", 137), ("Pending", None)],
-                         ids=["exited-0", "exited-1", "killed", "never-ran"])
+@pytest.mark.parametrize("phase, code", [("Failed", EXIT_RELEASED), ("Succeeded", 0), ("Failed", 1), ("Failed", 137),
+                                         ("Pending", None)], ids=["released", "exited-0", "exited-1", "killed", "never-ran"])
 def test_a_departing_worker_that_ended_or_never_ran_is_deleted_and_never_counted(phase, code):
     at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
     pods = {**running("ps-0", "worker-0", "worker-2"), "worker-1": Pod("worker-1", phase, exit_code=code)}
@@ -113,6 +114,32 @@ def test_a_departing_worker_that_ended_or_never_ran_is_deleted_and_never_counted
     assert act.status["state"] == "Running" and act.status["restarts"] == 0 and act.events == []
     assert act.status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
     assert created_pods(act) == [] and act.restarted == []
+
+
+def test_a_worker_released_and_wanted_again_rejoins_without_a_restart():
+    """3 -> 1 -> 3 within a step: ps-0 released worker-1 at the first resize (it exited EXIT_RELEASED after
+    the second was asked), and waits for it at the second. Its pod is deleted and made again, as a restart
+    is, but nothing is counted; worker-2, still running (never released), is left alone."""
+    at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
+    at_3 = reconcile(job(replicas=3), "u", "t", running(*AT_3), at_1, T0 + 11, existing=EXISTING)
+    assert at_3.delete_pods == [] and created_pods(at_3) == [] and at_3.status["replicas"] == 3
+    released = {**running("ps-0", "worker-0", "worker-2"), "worker-1": Pod("worker-1", "Failed", exit_code=EXIT_RELEASED)}
+    act = reconcile(job(replicas=3), "u", "t", released, at_3.status, T0 + 12, existing=EXISTING)
+    assert act.delete_pods == ["j-worker-1"] and created_pods(act) == []  # started once its pod is gone
+    assert act.events == [("Normal", "Rejoining", "worker-1 was released by ps-0 at a resize and the job has 3 "
+                                                  "workers again: it starts again and joins; no restart is counted.")]
+    assert act.status["restarts"] == 0 and act.restarted == [] and act.status["state"] == "Running"
+    assert act.status["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
+    # Being deleted: waited for, once, with no second event.
+    going = {**released, "worker-1": Pod("worker-1", "Failed", exit_code=EXIT_RELEASED, terminating=True)}
+    wait = reconcile(job(replicas=3), "u", "t", going, act.status, T0 + 13, existing=EXISTING)
+    assert wait.delete_pods == [] and created_pods(wait) == [] and wait.events == []
+    gone = reconcile(job(replicas=3), "u", "t", running("ps-0", "worker-0", "worker-2"), wait.status, T0 + 14,
+                     existing=EXISTING)
+    assert created_pods(gone) == ["j-worker-1"] and gone.events == [] and gone.status["restarts"] == 0
+    assert gone.status["memory"].get("pendingRestarts", {}) == {}
+    steady = reconcile(job(replicas=3), "u", "t", running(*AT_3), gone.status, T0 + 15, existing=EXISTING)
+    assert steady.events == [] and created_pods(steady) == [] and steady.status["restarts"] == 0
 
 
 def test_a_departing_worker_still_running_after_the_grace_is_deleted_with_a_warning():

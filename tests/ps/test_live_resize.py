@@ -5,7 +5,7 @@ while the job trains: ps-0 reads the new size, holds every worker's next pull
 until none holds a batch it has not pushed (the cut), deals the rest of the
 epoch again among the new set, and the workers register again. A joiner
 starts as a supervisor would start it; the workers past a smaller size are
-released and exit 0. Two shards, so the second learns the new set from the
+released and exit 76 (EXIT_RELEASED). Two shards, so the second learns the new set from the
 workers' calls. Run with -s for the figures.
 """
 
@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 import yaml
+from kubetrain_trainer.errors import EXIT_RELEASED
 from kubetrain_trainer.ps.client import PSClient
 from kubetrain_trainer.ps.transport import Backoff
 
@@ -93,7 +94,8 @@ def run_resized(tmp_path, aggregation: str) -> tuple[Job, dict]:
         codes = job.wait(JOB_SECONDS)
     finally:
         job.stop()
-    assert codes == {r: 0 for r in job.replicas}, job.logs()
+    # worker-2, released at the second resize, exits EXIT_RELEASED (neither a failure nor a success).
+    assert codes == {r: EXIT_RELEASED if r == "worker-2" else 0 for r in job.replicas}, job.logs()
     return job, {"resized": resized, "joined": joined, "second": second}
 
 
@@ -120,7 +122,7 @@ def test_a_job_resized_2_3_2_live_finishes_without_a_restart_and_no_sample_twice
     assert [e["workers"] for e in job.events("ps-0", "resize")] == [3, 2]
     assert [e["membership"] for e in job.events("ps-0", "resize")] == [2, 3]
     assert [e["workers"] for e in job.events("ps-1", "resize")] == [3, 2]  # taken from the workers' calls
-    # The worker past the new size was released: exit 0 (checked above), no result, no Finish.
+    # The worker past the new size was released: exit 76 (checked above), no result, no Finish.
     assert job.events("worker-2", "released"), job.logs()
     assert not (job.run_dir / "results" / "worker-2.json").exists()
     assert not job.events("worker-1", "released") and job.result("worker-1")["epochs"] == EPOCHS

@@ -17,7 +17,7 @@ An elastic job's resize is live (server.py, coordinator.py): a pull answered
 with another membership than the worker's, or refused for it, makes the
 worker register again. It then takes its new cursor (the rest of the epoch
 dealt again among the new set) and goes on, or, released (its index is past
-the new size), it exits 0 and leaves no result.
+the new size), it exits EXIT_RELEASED (76) and leaves no result.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..compression import GradientCompressor, copy_crc32
 from ..context import ReplicaContext
 from ..data import ShardCursor
 from ..device import make_deterministic, select_device
-from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
+from ..errors import EXIT_OK, EXIT_RELEASED, EXIT_TERMINATED, ConfigError, TransientError
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import evaluate
@@ -471,7 +471,8 @@ class Worker:
 
 
 def run_worker(ctx: ReplicaContext) -> int:
-    """Train as one worker until the job's steps are done (0) or SIGTERM (143)."""
+    """Train as one worker until the job's steps are done (0), ps-0 releases it at a resize (76) or
+    SIGTERM (143)."""
     worker = Worker(ctx)
     try:
         return worker.run()
@@ -480,7 +481,7 @@ def run_worker(ctx: ReplicaContext) -> int:
                             samples=worker.samples)
         log.info("%s: released by a resize at its step %d (the job has %d workers now); its data is dealt to "
                  "the others", ctx.replica, worker.worker_step, worker.world)
-        return EXIT_OK
+        return EXIT_RELEASED
     except grpc.RpcError as err:
         if ctx.stop_requested:
             log.info("%s: stopped by SIGTERM while a parameter server was away (%s); its cursor is with ps-0",
