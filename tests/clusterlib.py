@@ -1,7 +1,7 @@
 """The `cluster` fixture: one test cluster per session, brought up and taken down by hack/cluster.
 
 The tools (kube-apiserver, kubectl, helm, ...) must be built before the
-session starts (`hack/cluster build`, about 20 minutes cold): a cold build
+session starts (`hack/cluster build`, about 30 minutes cold): a cold build
 inside a fixture would run into pytest's per-test timeout, so the fixture
 fails at once, saying what to run, instead of building. The Cluster handle
 and hack/cluster's wrappers are helpers.kube's (the e2e fixture uses them too).

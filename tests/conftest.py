@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import sys
 from pathlib import Path
 
@@ -21,6 +22,46 @@ def write_job(tmp_path):
         return path
 
     return write
+
+
+# --- where the suite's CPU goes ------------------------------------------------------
+#
+# The suite is CPU-bound on the 2-core machines (hack/test's two lanes keep both cores busy), so its
+# wall time is its CPU time over 2: the CPU each test costs is what to cut. Each test's is its
+# pytest process's own user + system time plus that of the processes it started and reaped (a
+# trainer, `kubetrain run` and its replicas, kubectl): getrusage(RUSAGE_CHILDREN) counts a process
+# once it and its own children were waited for. Daemons of a session (the test cluster, the real
+# node's containerd and its pods) are nobody's. Printed at the end, beside --durations.
+CPU_REPORT_TESTS = 20
+_cpu_seconds: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _cpu_now()
+    yield
+    _cpu_seconds[item.nodeid] = _cpu_now() - before
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _cpu_seconds:
+        return
+    total = sum(_cpu_seconds.values())
+    terminalreporter.write_sep("=", f"most CPU: {CPU_REPORT_TESTS} tests of {len(_cpu_seconds)}, "
+                                    f"{total:.0f} CPU seconds in all (setup, call and teardown; reaped children included)")
+    for nodeid, seconds in sorted(_cpu_seconds.items(), key=lambda kv: -kv[1])[:CPU_REPORT_TESTS]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+    by_file: dict[str, float] = {}
+    for nodeid, seconds in _cpu_seconds.items():
+        by_file[nodeid.split("::", 1)[0]] = by_file.get(nodeid.split("::", 1)[0], 0.0) + seconds
+    terminalreporter.write_sep("-", "most CPU by file")
+    for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:CPU_REPORT_TESTS]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {path}")
 
 
 from clusterlib import cluster  # noqa: E402,F401  (the session's test cluster, for every area)

@@ -72,7 +72,7 @@ stream_a=(
 )
 stream_b=(
   "kwok,kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl|kwok_ldflags"
-  "coredns|coredns|github.com/coredns/coredns|coredns_ldflags"
+  "coredns|coredns|kubetrain/hack/tools/coredns|coredns_ldflags"
   "local-path-provisioner|local-path|github.com/rancher/local-path-provisioner|local_path_ldflags"
   "prometheus|prometheus|github.com/prometheus/prometheus/cmd/prometheus|prometheus_ldflags|$prometheus_tags"
 )

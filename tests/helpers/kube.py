@@ -130,7 +130,7 @@ def require_tools(env: dict[str, str] | None = None) -> None:
     if built.returncode != 0:
         pytest.fail(
             f"the test cluster's tools are not built: run `hack/cluster build` first "
-            f"(Go 1.26+, about 20 minutes cold). {built.stderr.strip()}",
+            f"(Go 1.26+, about 30 minutes cold). {built.stderr.strip()}",
             pytrace=False,
         )
 

@@ -308,3 +308,40 @@ def test_a_resized_job_gets_a_workload_at_its_new_counts_and_runs_at_the_size_ku
     assert [e["message"] for e in resized] == [
         f"Resized from {a} to {b} workers while stopped: the job resumes at the new size from its newest checkpoint."
         for a, b in ((2, 3), (3, 2))]
+
+
+def test_a_resized_ddp_job_in_a_queue_runs_its_group_at_the_size_kueue_admits(queue):
+    """`kubectl scale` on a queued DDP job, 2 -> 3 -> 1 nodes of 1 CPU (the ClusterQueue has 4). The group
+    stops (its StatefulSet at 0) and the Workload is made again at the new count; once Kueue admits it,
+    the StatefulSet runs at the new size with torchrun's --nnodes to match. No restart is counted."""
+    op = queue
+    doc = manifest("DDP", resources={"worker": {"requests": {"cpu": "1"}}})
+    doc["spec"]["ddp"].update(minNodes=1, maxNodes=3)
+    doc["metadata"]["labels"] = {QUEUE_LABEL: "team"}
+    name = doc["metadata"]["name"]
+    op.apply(doc)
+    all_running(op, name, 2)
+    first = workload_of(op, name)
+    assert counts(first) == {"ddp": 2}
+    seen = {first["metadata"]["uid"]}
+    for size in (3, 1):
+        scale(op, name, size)
+        wl = new_workload(op, name, seen, {"ddp": size})
+        seen.add(wl["metadata"]["uid"])
+        wl = admitted(op, name, wl["metadata"]["uid"])
+        assert {a["name"]: a["count"] for a in wl["status"]["admission"]["podSetAssignments"]} == {"ddp": size}
+        pods = all_running(op, name, size)
+        assert sorted(pods) == [f"{name}-ddp-{i}" for i in range(size)]
+        sts = op.get("statefulset", f"{name}-ddp")
+        command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert sts["spec"]["replicas"] == size and command[command.index("--nnodes") + 1] == str(size)
+        assert sts["spec"]["template"]["spec"]["nodeSelector"] == POOL
+        status = op.wait(f"{name} Running at {size}", lambda: (s := op.job_status(name)).get("state") == "Running"
+                         and s.get("replicas") == size and s)
+        assert status["restarts"] == 0
+    messages = [e["message"] for e in sorted((e for e in op.events(name) if e["reason"] in ("Resizing", "Resized")),
+                                             key=lambda e: int(e["metadata"]["resourceVersion"]))]
+    print("Resizing/Resized events:", messages)
+    assert [m.split(":")[0].split(";")[0] for m in messages if m.startswith("Resized from")] == [
+        "Resized from 2 to 3 nodes", "Resized from 3 to 1 nodes"]
+    assert sum(m.startswith("Resized to") for m in messages) == 2  # the Workload made again, twice

@@ -1,4 +1,5 @@
-// Pins CoreDNS, the real node's cluster DNS (cluster.local). Its own module
+// Pins CoreDNS, the real node's cluster DNS (cluster.local), built from main.go
+// with only the plugins the node's Corefile names. Its own module
 // graph: CoreDNS pins its own client-go, gRPC and OpenTelemetry.
 module kubetrain/hack/tools/coredns
 

@@ -1,7 +1,0 @@
-//go:build tools
-
-// Package tools names the main package built from this module, so that
-// `go mod tidy` keeps its dependencies (and go.sum) pinned.
-package tools
-
-import _ "github.com/coredns/coredns"
