@@ -16,6 +16,8 @@ EXIT_TRANSIENT = 75
 EXIT_RELEASED = 76
 """A parameter-server worker that ps-0 released at a resize (its index at or past the job's new
 size): no failure, no success. The engine deletes its pod, and starts it again, with no restart
-counted, only if the job has grown back past its index meanwhile (3 -> 1 -> 3 within a step)."""
+counted, only if the job has grown back past its index meanwhile (3 -> 1 -> 3 within a step).
+Only a parameter-server worker (kubetrain's own loop) means that by 76: from a user's script (a
+Single or DDP replica) it is a failure like any other code."""
 EXIT_TERMINATED = 143
 """128 + SIGTERM: stopped on request after writing a checkpoint, not finished."""

@@ -705,8 +705,11 @@ def _finite(value: Any) -> bool:
 
 
 def _released(seen: ReplicaObservation) -> bool:
-    """A parameter-server worker that ps-0 released at a resize: it ended, neither failed nor succeeded."""
-    return seen.phase in ("Succeeded", "Failed") and seen.exit_code == EXIT_RELEASED
+    """A parameter-server worker that ps-0 released at a resize: it ended, neither failed nor succeeded.
+    Only a worker (kubetrain's own loop) means that by 76: a user's script (a Single or DDP replica)
+    exiting 76 has failed."""
+    return seen.replica.startswith("worker-") and seen.phase in ("Succeeded", "Failed") \
+        and seen.exit_code == EXIT_RELEASED
 
 
 def _failure(seen: ReplicaObservation) -> policy.Failure | None:

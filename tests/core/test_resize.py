@@ -304,3 +304,11 @@ def test_the_podgroup_is_rendered_again_at_the_new_size_in_both_modes():
     act = reconcile(job(replicas=3, **fixed), "u", "t", running(*PS_PODS), ACTIVE_AT_2, T0 + 10, settings=BOTH,
                     existing=existing)
     assert next(o for o in act.replace if o["kind"] == "PodGroup")["spec"]["minMember"] == 2
+
+
+def test_76_from_a_replica_other_than_a_worker_is_a_failure():
+    """Only a parameter-server worker is released at a resize: a user's script exiting 76 has failed."""
+    single = job("Single", script={"command": ["python", "train.py"]}, restartPolicy={"policy": "Never"})
+    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    act = reconcile(single, "u", "t", {"single-0": Pod("single-0", "Failed", exit_code=EXIT_RELEASED)}, status, T0 + 5)
+    assert act.status["state"] == "Failed" and "exited with code 76" in condition(act.status, "Failed")["message"]
