@@ -164,7 +164,8 @@ build_stream() {
   done
 }
 
-# Ctrl-C or a failure stops both streams (their `go build`s are in the same process group).
+# Ctrl-C reaches both streams and their `go build`s (one process group); any other exit
+# before both are waited for kills the streams.
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 build_stream a "${stream_a[@]}" &
 pid_a=$!
