@@ -48,6 +48,7 @@ class Job:
     doc: dict
     ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    environ: dict[str, str] = field(default_factory=dict)  # more variables for every replica
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +70,7 @@ class Job:
             "KUBETRAIN_PS_ADDRS": ",".join(f"127.0.0.1:{p}" for p in self.ports),
             "KUBETRAIN_JOB_TOKEN": TOKEN,
             "KUBETRAIN_FAULT": fault,
+            **self.environ,
         }
         if replica.startswith("ps-"):
             env["KUBETRAIN_PS_PORT"] = str(self.ports[index])
