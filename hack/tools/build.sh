@@ -109,7 +109,11 @@ fi
 
 export GOTOOLCHAIN=local CGO_ENABLED=0
 export GOMODCACHE="$cache/go/mod" GOCACHE="$cache/go/build"
-export GOFLAGS="-mod=readonly -trimpath -buildvcs=false"
+# -dwarf=false: the compiler writes no debug information, which -ldflags -w would strip
+# from the binaries anyway. The binaries are the same size; the compile takes about 10 %
+# less CPU (etcd from an empty build cache, user+sys: 165 and 148 s with DWARF, 152 and
+# 133 s without, runs alternated; GOGC=400 on top gave nothing steady: 146 and 138 s).
+export GOFLAGS="-mod=readonly -trimpath -buildvcs=false -gcflags=all=-dwarf=false"
 mkdir -p "$cache/tools" "$GOMODCACHE" "$GOCACHE"
 
 # Two builds at once (a developer and CI on one machine) would clobber each
