@@ -17,6 +17,7 @@ from collections.abc import Callable
 from .context import ReplicaContext
 from .errors import TrainerError
 from .events import startup
+from .exiting import exit_now
 
 PROG = "python -m kubetrain_trainer"
 
@@ -56,4 +57,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # no interpreter teardown: it would delay a recovery by seconds (trainer/exiting.py)

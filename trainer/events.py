@@ -132,6 +132,9 @@ def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
 STARTUP_TAG = "kubetrain-startup"
 """The prefix of a milestone line: `kubetrain-startup {"milestone": ..., "time": <unix s>, ...}`."""
 _STARTUP_SEEN: set[str] = set()
+# A forked process (a DDP rank forked from its agent, trainer/ddp/agent.py) is a new process: its
+# milestones start again from its own `process`.
+os.register_at_fork(after_in_child=_STARTUP_SEEN.clear)
 
 
 def process_start_time() -> float:

@@ -13,11 +13,21 @@ Two things torchrun alone gets wrong for kubetrain:
   the rank's own code: 2 and 3 are permanent, 75 and 128+N are retried. The
   agent exits with the first failed rank's code (a rank killed by signal N as
   128+N), and with 128+N itself when it is stopped by signal N.
+
+And one thing it makes slow: every rank of every attempt is a new interpreter
+that imports torch again (1.5-3 s idle on the 2-core machine, several times
+that under load), after the agent's own import and on the path of every
+recovery. The built-in loop's ranks are forked from the agent instead
+(`fork_ranks`), with torch already imported. A user's command (the `script`
+role) still runs as torchrun starts it: it is the user's process.
 """
 
 import logging
 import os
+import signal
 import sys
+
+from ..exiting import exit_now
 
 
 def host_conf(argv: list[str], environ: dict[str, str]) -> list[str]:
@@ -58,6 +68,60 @@ def poll_rendezvous_faster() -> None:
     dynamic_rendezvous._delay = delay
 
 
+# The argv tail (after the interpreter and its `-u`) of a rank that runs the built-in loop.
+FORKED_COMMAND = ("-m", "kubetrain_trainer", "ddp")
+
+# The signals torch elastic's agent turns into SignalException (its default `signals_to_handle`).
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def forked_rank(role: str) -> None:
+    """One rank, forked from the agent: what `python -u -m kubetrain_trainer ROLE` runs, minus the new
+    interpreter and its imports.
+
+    The agent's signal handlers and log handlers are not the rank's: they are reset to what a new
+    interpreter has, and the trainer installs its own. A non-zero exit code leaves as SystemExit,
+    which multiprocessing turns into the process's exit code, so the agent reads it as it reads a
+    command's.
+    """
+    for sig in AGENT_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+    logging.root.setLevel(logging.WARNING)
+    from ..__main__ import main as trainer_main
+
+    code = trainer_main([role])
+    if code:
+        raise SystemExit(code)
+
+
+def fork_ranks() -> None:
+    """Make torchrun fork the built-in loop's ranks from this process instead of starting interpreters.
+
+    torchrun hands `elastic_launch` the interpreter and its arguments; for the built-in loop's
+    command the launch gets `forked_rank` with the start method `fork` instead (torch elastic's
+    own path for a function entry point). Any other command is launched unchanged. Where torch
+    has no such hook any more, nothing changes.
+    """
+    from torch.distributed import run
+
+    original = getattr(run, "elastic_launch", None)
+    if original is None or getattr(original, "kubetrain_fork", False):
+        return
+
+    def launch(config, entrypoint):
+        def call(*args):
+            if entrypoint == sys.executable and tuple(args[-len(FORKED_COMMAND):]) == FORKED_COMMAND:
+                config.start_method = "fork"
+                return original(config, forked_rank)(FORKED_COMMAND[-1])
+            return original(config, entrypoint)(*args)
+        return call
+
+    launch.kubetrain_fork = True
+    run.elastic_launch = launch
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..events import startup
 
@@ -78,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if quiet:
         del os.environ["LOGLEVEL"]
     poll_rendezvous_faster()
+    fork_ranks()
 
     # What follows, up to the ranks' own `process`: torchrun's rendezvous of the nodes.
     startup("imports", role="agent")
@@ -93,4 +158,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # no interpreter teardown: it would delay a recovery by seconds (trainer/exiting.py)
