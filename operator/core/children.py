@@ -190,7 +190,18 @@ def token_secret(job: TrainingJob, uid: str, token: str) -> dict[str, Any]:
 
 
 def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
-    """One headless Service per shard, so workers reach `<job>-ps-<i>` by name."""
+    """One Service per shard, so workers reach `<job>-ps-<i>` by name, at an address that outlives the pod.
+
+    A ClusterIP Service, not a headless one: the name resolves to the Service's
+    virtual address for the job's whole life, and kube-proxy sends a new
+    connection to whichever pod backs it now. With a headless Service the name
+    resolved to the pod's own address, which a replaced shard changes, and
+    every cache on the way (the cluster DNS's, 5 s with CoreDNS's defaults and
+    30 s as kubeadm configures it) kept handing the workers the dead pod's
+    address: 5.4-5.6 s of a shard's recovery went to the workers finding the
+    new one (docs/benchmarks.md, Recovery). publishNotReadyAddresses: a shard
+    is reachable as soon as it listens (it has no readiness probe to wait for).
+    """
     assert job.spec.parameter_server is not None
     out = []
     for i in range(job.spec.parameter_server.replicas):
@@ -201,7 +212,6 @@ def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
                 "kind": "Service",
                 "metadata": _meta(job, uid, pod_name(job, replica), {LABEL_ROLE: "ps"}),
                 "spec": {
-                    "clusterIP": "None",
                     "publishNotReadyAddresses": True,
                     "selector": {LABEL_JOB: job.name, LABEL_REPLICA: replica},
                     "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT}],

@@ -34,6 +34,10 @@ def test_parameter_server_children():
         ref = o["metadata"]["ownerReferences"][0]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("TrainingJob", "j", "uid-1", True)
         assert o["metadata"]["namespace"] == "ns"
+    # Each shard's Service has a virtual address (not headless): the name outlives the pod's address.
+    for service in (o for o in objs if o["kind"] == "Service"):
+        assert "clusterIP" not in service["spec"] and service["spec"]["publishNotReadyAddresses"] is True
+        assert service["spec"]["selector"]["kubetrain.dev/replica"] == service["metadata"]["name"][len("j-"):]
     worker = objs[-1]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["KUBETRAIN_PS_ADDRS"] == "j-ps-0:50051,j-ps-1:50051"

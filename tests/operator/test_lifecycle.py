@@ -6,6 +6,7 @@ written through the pod's status subresource.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import uuid
 
@@ -52,6 +53,9 @@ def test_parameter_server_job_gets_its_children_and_a_status(operator):
         obj = operator.get(kind, child)
         assert obj is not None, f"{kind} {child} missing"
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    # The shard's Service got a virtual address from the cluster's Service range.
+    assert ipaddress.ip_address(operator.get("service", f"{name}-ps-0")["spec"]["clusterIP"]) in \
+        ipaddress.ip_network("10.0.0.0/16")
     worker = pods[f"{name}-worker-1"]["spec"]["containers"][0]
     env = {e["name"]: e for e in worker["env"]}
     assert env["KUBETRAIN_PS_ADDRS"]["value"] == f"{name}-ps-0:50051"

@@ -139,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from ..preload import preload
+
     if quiet:
         del os.environ["LOGLEVEL"]
     poll_rendezvous_faster()
-    fork_ranks()
+    if tuple(argv[-len(FORKED_COMMAND):]) == FORKED_COMMAND:
+        fork_ranks()
+        # torch._dynamo, which every rank imports, imported beside the rendezvous: a forked rank
+        # inherits it, and a rank a surviving agent restarts gets it free (trainer/preload.py).
+        preload(before_fork=True)
 
     # What follows, up to the ranks' own `process`: torchrun's rendezvous of the nodes.
     startup("imports", role="agent")

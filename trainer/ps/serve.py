@@ -15,6 +15,7 @@ from ..device import make_deterministic
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TransientError
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
+from ..preload import preload, without_dynamo_import
 from ..training import log_interval
 from .coordinator import MAX_WORKERS, Coordinator
 from .job import chunk_bytes, model_and_data, ps_spec, shard_optimizer, shards_of
@@ -99,6 +100,7 @@ def run_ps(ctx: ReplicaContext) -> int:
     if not ctx.ps_port:
         raise ConfigError("KUBETRAIN_PS_PORT: not set; a parameter server needs a port to listen on")
     make_deterministic()
+    without_dynamo_import()  # the optimizer's constructor and restore, without torch._dynamo (preload.py)
     model, data = model_and_data(ctx)
     startup("model")
     names = shards_of(model, ps.replicas)[ctx.index]
@@ -166,6 +168,8 @@ def run_ps(ctx: ReplicaContext) -> int:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     server.start()
     startup("serving")
+    # torch._dynamo, which the first update imports, imported while the workers (re)connect.
+    preload()
     events.write("start", step=shard.step, total_steps=total_steps, tensors=len(params),
                  parameter_bytes=sum(e.nbytes for e in shard.expected.values()), incarnation=shard.incarnation)
     if resumed:

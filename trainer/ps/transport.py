@@ -46,7 +46,7 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
 DATA_FIELD_TAG = (15 << 3) | 2
 
 RECONNECT_BACKOFF_INITIAL_MS = 100
-RECONNECT_BACKOFF_MAX_MS = 1000
+RECONNECT_BACKOFF_MAX_MS = 500
 MIN_CONNECT_TIMEOUT_MS = 3000
 """How long one dial may take before gRPC gives up on it, re-resolves the name and dials again.
 gRPC's default is 20 s: a restarted shard's old pod IP is gone without a reset (its network
@@ -65,15 +65,20 @@ GRPC_OPTIONS = [
     ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
     ("grpc.experimental.tcp_min_read_chunk_size", 1 << 20),
     ("grpc.experimental.tcp_max_read_chunk_size", 8 << 20),
-    # A restarted shard's pod comes back at a new IP behind the same (headless)
-    # Service name; gRPC re-resolves the name at most every 30 s by default,
+    # A restarted shard's pod comes back at a new IP. A shard's Service now has
+    # a virtual address that does not change (operator/core/children.py); a job
+    # made by an older operator keeps its headless Service, whose name follows
+    # the pod's IP, and gRPC re-resolves a name at most every 30 s by default,
     # which kept workers dialling the dead address for 27 s in the e2e test.
     ("grpc.dns_min_time_between_resolutions_ms", 1000),
     # A shard away for seconds (restarting) is dialled again after gRPC's
     # reconnect backoff: 1 s growing by 1.6x to 120 s by default, so a shard
     # back after 6 s was reached 1.4-5 s later (measured on loopback); at most
-    # RECONNECT_BACKOFF_MAX_MS between dials it is 0.4-2 s. Beyond it a dial
-    # costs little: a refused TCP connection, at most once a second per shard.
+    # RECONNECT_BACKOFF_MAX_MS between dials it is 0.4-2 s (at 1 s). Beyond it a
+    # dial costs little: a refused TCP connection, twice a second per shard. At
+    # 500 ms rather than 1 s, with the worker's retries capped alike
+    # (Backoff.cap), a restarted shard was answered 1.6-2.6 s after it
+    # listened in real pods before, and 0.4-0.7 s after (docs/benchmarks.md, Recovery).
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     # gRPC core reads its minimum connect timeout from this (misleadingly named) argument.
@@ -467,7 +472,9 @@ class Backoff:
     """Exponential backoff with full jitter (AWS architecture blog, 2015): sleep U(0, min(cap, base * 2^n))."""
 
     base: float = 0.05
-    cap: float = 2.0
+    cap: float = 0.5
+    """The longest sleep between two tries: a shard back from a restart is tried again within it
+    (together with the channel's own RECONNECT_BACKOFF_MAX_MS)."""
     budget: float = 600.0
     """Seconds of consecutive failures after which the call gives up."""
     give_up: Callable[[], bool] = lambda: False

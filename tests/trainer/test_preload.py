@@ -1,0 +1,55 @@
+"""trainer/preload.py: the optimizer without torch._dynamo's import, and the import in a thread before a fork."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def run(script: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_an_optimizer_is_built_saved_and_restored_without_importing_dynamo():
+    assert run("""
+        import sys, torch
+        from kubetrain_trainer.preload import without_dynamo_import
+        without_dynamo_import()
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(3, 4)).sum().backward()
+        before = "torch._dynamo" in sys.modules
+        optimizer.step()  # the step itself imports it (a graph break for torch.compile), as torch does
+        optimizer.load_state_dict(optimizer.state_dict())
+        optimizer.zero_grad()
+        print(before, optimizer.state_dict()["state"][0]["momentum_buffer"].shape == (2, 4))
+    """) == "False True"
+
+
+def test_with_dynamo_loaded_already_the_wrappers_are_left_alone():
+    assert run("""
+        import torch, torch._dynamo  # a plug-in that compiles loaded it first
+        from kubetrain_trainer.preload import without_dynamo_import
+        without_dynamo_import()
+        torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1).zero_grad()
+        inner = torch.optim.Optimizer.zero_grad.__wrapped__
+        print(inner.__dynamo_disable is not inner)
+    """) == "True"
+
+
+def test_a_fork_waits_for_the_preload_and_the_child_has_it():
+    assert run("""
+        import os, sys
+        from kubetrain_trainer.preload import preload
+        assert "torch._dynamo" not in sys.modules
+        thread = preload(before_fork=True)
+        pid = os.fork()  # at once: the fork must wait for the import, never copy it half done
+        if pid == 0:
+            os._exit(0 if "torch._dynamo" in sys.modules else 1)
+        _, status = os.waitpid(pid, 0)
+        print(thread.is_alive(), os.waitstatus_to_exitcode(status))
+    """) == "False 0"
