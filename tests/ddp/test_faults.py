@@ -70,7 +70,9 @@ def scraped(port: int) -> dict:
 def test_sigterm_on_one_rank_checkpoints_the_group_which_resumes_there(tmp_path):
     # Twice the epochs: the group must still be training when the signal lands.
     ports = free_ports(2)
-    nodes = Nodes(write_job(tmp_path, training={"epochs": 20}), tmp_path / "run", metrics_ports=ports).start()
+    # device cpu: ranks on CPUs are forked from their agent (asserted below), whatever GPUs this machine has.
+    nodes = Nodes(write_job(tmp_path, training={"epochs": 20, "device": "cpu"}), tmp_path / "run",
+                  metrics_ports=ports).start()
     run_dir = nodes.run_dir
     pid = wait_for_event(run_dir, 1, "start", 0)["pid"]
     # The built-in loop's rank was forked from its node's agent (trainer/ddp/agent.py), not started as

@@ -17,9 +17,10 @@ Two things torchrun alone gets wrong for kubetrain:
 And one thing it makes slow: every rank of every attempt is a new interpreter
 that imports torch again (1.5-3 s idle on the 2-core machine, several times
 that under load), after the agent's own import and on the path of every
-recovery. The built-in loop's ranks are forked from the agent instead
-(`fork_ranks`), with torch already imported. A user's command (the `script`
-role) still runs as torchrun starts it: it is the user's process.
+recovery. The built-in loop's ranks on CPUs are forked from the agent instead
+(`fork_ranks`), with torch already imported. Ranks on GPUs (a CUDA context
+does not survive a fork) and a user's command (the `script` role: it is the
+user's process) are started as torchrun starts any command.
 """
 
 import logging
@@ -96,6 +97,27 @@ def forked_rank(role: str) -> None:
         raise SystemExit(code)
 
 
+def ranks_on_cpu(environ: dict[str, str]) -> bool:
+    """Whether the job's ranks train on CPUs only: gloo, and `spec.training.device` cpu, or auto with no
+    GPU visible. Only then are they forked: a CUDA context does not survive a fork, and torch elastic
+    spawns ranks for a GPU anyway. `torch.cuda.device_count` asks NVML, which leaves CUDA untouched
+    in the agent. A job file that does not load is not this function's to report: no fork, and the
+    rank says what is wrong."""
+    try:
+        from kubetrain_operator.api import load_one
+
+        spec = load_one(environ["KUBETRAIN_JOB_FILE"]).spec
+    except Exception:  # noqa: BLE001 - see the docstring
+        return False
+    if spec.ddp is None or spec.ddp.backend != "gloo":
+        return False
+    if spec.training.device == "cpu":
+        return True
+    import torch
+
+    return spec.training.device == "auto" and torch.cuda.device_count() == 0
+
+
 def fork_ranks() -> None:
     """Make torchrun fork the built-in loop's ranks from this process instead of starting interpreters.
 
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if quiet:
         del os.environ["LOGLEVEL"]
     poll_rendezvous_faster()
-    if tuple(argv[-len(FORKED_COMMAND):]) == FORKED_COMMAND:
+    if tuple(argv[-len(FORKED_COMMAND):]) == FORKED_COMMAND and ranks_on_cpu(dict(os.environ)):
         fork_ranks()
         # torch._dynamo, which every rank imports, imported beside the rendezvous: a forked rank
         # inherits it, and a rank a surviving agent restarts gets it free (trainer/preload.py).
