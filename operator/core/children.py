@@ -203,6 +203,11 @@ def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     is reachable as soon as it listens (it has no readiness probe to wait for).
     """
     assert job.spec.parameter_server is not None
+    # The shard's ports reached by the Service's name: gRPC, and /metrics where it is on (the name
+    # reached it when it resolved to the pod's own address; the operator scrapes by pod IP).
+    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT}]
+    if job.spec.metrics.port:
+        ports.append({"name": "metrics", "port": job.spec.metrics.port, "targetPort": job.spec.metrics.port})
     out = []
     for i in range(job.spec.parameter_server.replicas):
         replica = f"ps-{i}"
@@ -214,7 +219,7 @@ def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
                 "spec": {
                     "publishNotReadyAddresses": True,
                     "selector": {LABEL_JOB: job.name, LABEL_REPLICA: replica},
-                    "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT}],
+                    "ports": ports,
                 },
             }
         )

@@ -38,6 +38,8 @@ def test_parameter_server_children():
     for service in (o for o in objs if o["kind"] == "Service"):
         assert "clusterIP" not in service["spec"] and service["spec"]["publishNotReadyAddresses"] is True
         assert service["spec"]["selector"]["kubetrain.dev/replica"] == service["metadata"]["name"][len("j-"):]
+        assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == \
+            [("grpc", 50051, 50051), ("metrics", 9090, 9090)]
     worker = objs[-1]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["KUBETRAIN_PS_ADDRS"] == "j-ps-0:50051,j-ps-1:50051"

@@ -102,7 +102,7 @@ def test_parameter_server_job_refuses_outside_pods_and_survives_a_killed_worker(
     first = first_step(e2e, f"{name}-worker-0")
     assert_policy_of(e2e, name)
     ps, w0, w1 = (pod_ip(e2e, f"{name}-{r}") for r in ("ps-0", "worker-0", "worker-1"))
-    service = f"{name}-ps-0"  # headless: the name resolves to ps-0's IP
+    service = f"{name}-ps-0"  # its Service's virtual address: kube-proxy takes the connection to ps-0
 
     probed = time.monotonic()
     outsider = reach(e2e, OUTSIDER, [(ps, GRPC_PORT), (service, GRPC_PORT), (ps, METRICS_PORT), (w0, METRICS_PORT),

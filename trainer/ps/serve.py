@@ -149,6 +149,13 @@ def run_ps(ctx: ReplicaContext) -> int:
     )
     resumed = shard.restore()
     startup("restored", step=shard.step, resumed=resumed)
+    # torch._dynamo, which the first update imports (preload.py). A shard restarted mid-job has
+    # workers waiting for it: it listens first and imports it while they reconnect. A new job's
+    # workers are starting too (their own imports take as long), so its shard imports it before it
+    # listens, and no worker's first push waits for it.
+    preloading = preload()
+    if not resumed:
+        preloading.join()
     metrics.process_starts_total.inc()
     metrics.total_steps.set(total_steps)
     metrics.ps_workers.set(shard.config.workers)
@@ -168,8 +175,6 @@ def run_ps(ctx: ReplicaContext) -> int:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     server.start()
     startup("serving")
-    # torch._dynamo, which the first update imports, imported while the workers (re)connect.
-    preload()
     events.write("start", step=shard.step, total_steps=total_steps, tensors=len(params),
                  parameter_bytes=sum(e.nbytes for e in shard.expected.values()), incarnation=shard.incarnation)
     if resumed:
