@@ -53,6 +53,7 @@ def figures(results: dict[str, dict[str, Any]], summary: dict[str, Any]) -> dict
         "total_bytes": push + pull,
         "whole_pulls": sum(s.get("whole_pulls", 0) for s in shards),
         "compressed_pulls": sum(s.get("compressed_pulls", 0) for s in shards),
+        "sparse_pull_tensors": sum(s.get("sparse_pull_tensors", 0) for s in shards),
     }
 
 

@@ -1,4 +1,4 @@
-"""Compressed pulls: a shard's copy of what each worker holds, the change since it, and the Ternary codec."""
+"""Compressed pulls: a shard's copy of what each worker holds, the change since it, the Ternary and Sparse codecs."""
 
 import math
 
@@ -12,6 +12,7 @@ from kubetrain_trainer.compression import (
     PULL_CODECS,
     CompressionError,
     PullCompressor,
+    Sparse,
     Ternary,
     copy_crc32,
     decode,
@@ -91,6 +92,52 @@ def test_ternary_refuses_a_payload_it_cannot_decode(payload, message):
         Ternary.decode(payload, (10,), torch.float32)
 
 
+# --- the Sparse codec ---------------------------------------------------------------------------
+
+
+def sparse(shape, dtype=torch.float32, every: int = 50) -> torch.Tensor:
+    x = torch.zeros(shape, dtype=dtype)
+    x.view(-1)[::every] = torch.randn(x.view(-1)[::every].shape).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("shape, dtype, index_bytes", [
+    ((128, 64), torch.float32, 2), ((1 << 16,), torch.float32, 2), (((1 << 16) + 1,), torch.float32, 4),
+    ((300, 300), torch.float16, 4), ((7, 3), torch.bfloat16, 2), ((0,), torch.float32, 2),
+])
+def test_sparse_sends_each_nonzero_element_exactly_with_its_index(shape, dtype, index_bytes):
+    x = sparse(shape, dtype)
+    nonzero = int(x.count_nonzero())
+    payload = Sparse(Compression()).encode(x, {})
+    element = torch.empty((), dtype=dtype).element_size()
+    assert payload.numel() == nonzero * (index_bytes + element) == Sparse.payload_bytes(x.numel(), nonzero, dtype)
+    out = decode("Sparse", payload, shape, dtype)
+    assert out.dtype == dtype and torch.equal(out, x)
+
+
+def test_sparse_of_a_tensor_without_a_nonzero_element_is_empty_and_decodes_to_zeros():
+    payload = Sparse(Compression()).encode(torch.zeros(10), {})
+    assert payload.numel() == 0 and torch.equal(decode("Sparse", payload, (10,), torch.float32), torch.zeros(10))
+
+
+def sparse_payload(values: list[float], indices: list[int], width: int = 2) -> torch.Tensor:
+    raw = torch.tensor(values, dtype=torch.float32).view(torch.uint8)
+    index = torch.tensor(indices, dtype=torch.int32).view(torch.uint8).reshape(-1, 4)[:, :width].reshape(-1)
+    return torch.cat([raw, index])
+
+
+@pytest.mark.parametrize("payload, message", [
+    (torch.zeros(5, dtype=torch.uint8), "Sparse payload of 5 bytes is not 6 bytes"),
+    (sparse_payload([1.0], [10]), r"Sparse index out of range \[0, 10\)"),
+    (sparse_payload([1.0, 2.0], [4, 4]), "must ascend, each once"),
+    (sparse_payload([1.0, 2.0], [5, 4]), "must ascend, each once"),
+    (sparse_payload([1.0] * 7, list(range(7))), "at most 40 bytes in all"),  # larger than the tensor itself
+])
+def test_sparse_refuses_a_payload_it_cannot_decode(payload, message):
+    with pytest.raises(CompressionError, match=message):
+        decode("Sparse", payload, (10,), torch.float32)
+
+
 # --- the shard's copies --------------------------------------------------------------------------
 
 
@@ -111,6 +158,29 @@ def test_each_lossy_algorithm_pulls_the_change_and_the_worker_holds_the_shards_c
     assert all(torch.equal(mine[n], held[n]) for n in SHAPES)  # exactly what the shard believes it sent
     assert copy_crc32(mine[n] for n in sorted(mine)) == second.crc32
     assert (shard.whole_pulls, shard.compressed_pulls) == (1, 1)
+
+
+def test_a_sparse_change_is_pulled_exactly_as_sparse_and_a_dense_one_as_the_pull_codec():
+    """A TopK shard under momentum correction changes few elements a step: those go exact, in fewer bytes."""
+    shard = pulls("TopK")
+    before = params(0)
+    first = shard.encode(0, 0, before, worker_step=0)
+    mine = {n: t.clone() for n, t in before.items()}
+    after = {n: t + sparse(t.shape, every=64) for n, t in before.items()}  # 1 element in 64 changed
+    after["w1"] = params(2)["w1"]  # this one changed everywhere
+    reply = shard.encode(0, first.copy, after, worker_step=1)
+    codecs = {n: e.codec for n, e in reply.tensors.items()}
+    # b1's one changed element of 10: 6 bytes exact against Ternary's 4 for the whole tensor.
+    assert codecs == {"w0": "Sparse", "b0": "Sparse", "w1": "Ternary", "b1": "Ternary"}
+    ternary = Ternary(Compression())
+    for name in ("w0", "b0"):
+        assert reply.tensors[name].payload.numel() < ternary.encoded_bytes(after[name].numel(), torch.float32)
+    apply(mine, reply)
+    assert all(torch.equal(mine[n], shard.copies[0].tensors[n]) for n in SHAPES)
+    assert all(torch.equal(mine[n], after[n]) for n in ("w0", "b0"))  # exact: nothing waits in the copy
+    assert not torch.equal(mine["w1"], after["w1"])  # Ternary's rounding waits in the shard's copy
+    unchanged = shard.encode(0, reply.copy, shard.copies[0].tensors, worker_step=2)
+    assert all(e.codec == "Sparse" and e.payload.numel() == 0 for e in unchanged.tensors.values())
 
 
 def test_none_pulls_the_parameters_whole_and_keeps_no_copy():

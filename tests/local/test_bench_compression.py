@@ -9,13 +9,13 @@ QUICKSTART = "examples/quickstart.yaml"
 
 def test_push_and_pull_bytes_per_step_come_from_the_workers_and_the_shards_sent_bytes():
     results = {
-        "ps-0": {"bytes_sent": 3000, "whole_pulls": 3, "compressed_pulls": 7},
+        "ps-0": {"bytes_sent": 3000, "whole_pulls": 3, "compressed_pulls": 7, "sparse_pull_tensors": 12},
         "worker-0": {"steps": 5, "bytes_sent": 500},
         "worker-1": {"steps": 5, "bytes_sent": 700},
     }
     row = figures(results, {"eval_accuracy": 0.9})
     assert row == {"eval_accuracy": 0.9, "worker_steps": 10, "push_bytes_per_step": 120, "pull_bytes_per_step": 300,
-                   "total_bytes": 4200, "whole_pulls": 3, "compressed_pulls": 7}
+                   "total_bytes": 4200, "whole_pulls": 3, "compressed_pulls": 7, "sparse_pull_tensors": 12}
 
 
 def test_a_variant_changes_only_the_compression_and_the_name():

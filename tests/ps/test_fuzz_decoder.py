@@ -80,7 +80,8 @@ def encoded_length(codec: str, shape: tuple[int, ...], element: int, k: int) -> 
     numel = math.prod(shape)
     m, n = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (numel, 1)
     return {"None": numel * element, "FP16": numel * 2, "Int8": 4 + numel, "TopK": 8 * k,
-            "PowerSGD": 4 * k * (m + n), "Ternary": 2 * -(-numel // 64) + -(-numel // 5)}.get(codec, numel * element)
+            "PowerSGD": 4 * k * (m + n), "Ternary": 2 * -(-numel // 64) + -(-numel // 5),
+            "Sparse": min(k, numel) * ((2 if numel <= 1 << 16 else 4) + element)}.get(codec, numel * element)
 
 
 FIELDS = ["name", "dtype", "shape", "codec", "total_bytes", "offset", "length", "chunk_index"]

@@ -124,8 +124,13 @@ def test_topk_both_ways_sends_20x_fewer_bytes_in_all_and_stays_within_1_point(tm
           f"{pulls:.1f}x fewer pull bytes, {total:.1f}x fewer bytes in all; "
           f"accuracy {accuracy(job):.4f} (None {accuracy(sync_job):.4f})")
     assert ratio >= 40 and received >= 40
-    assert total >= 20
-    assert job.result("ps-0")["whole_pulls"] <= 3  # each worker's first, and the chief's final one
+    # 21.6x with Ternary pulls; 30.1x with a sparse change pulled exact (Sparse), measured 2026-12-01.
+    assert total >= 25
+    shard = job.result("ps-0")
+    assert shard["whole_pulls"] <= 3  # each worker's first, and the chief's final one
+    # Under momentum correction the shard's update is as sparse as the pushes: both weight matrices'
+    # changes go exact in every compressed pull (the 10-element bias's is smaller as Ternary).
+    assert shard["sparse_pull_tensors"] >= 2 * shard["compressed_pulls"], shard
     assert all(job.result(f"worker-{i}")["pull_copy_mismatches"] == 0 for i in range(2))
     assert accuracy(job) >= accuracy(sync_job) - 0.01
 

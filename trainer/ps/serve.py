@@ -212,6 +212,7 @@ def run_ps(ctx: ReplicaContext) -> int:
             "compressed_gradient_bytes": shard.compressed_gradient_bytes,
             "whole_pulls": shard.pulls.whole_pulls,
             "compressed_pulls": shard.pulls.compressed_pulls,
+            "sparse_pull_tensors": shard.pulls.sparse_changes,
             "sync_dropped_workers": shard.dropped_total,
             "wall_seconds": wall,
             "checkpoint_step": shard.checkpoint_step,
