@@ -8,6 +8,7 @@ from torch import nn
 from kubetrain_operator.api.spec import Training
 
 from .objectives import CROSS_ENTROPY, Objective
+from .preload import optimizer_step
 
 # Aim for about this many `train` events per run, whatever its length.
 TRAIN_EVENTS_PER_RUN = 200
@@ -49,5 +50,5 @@ def train_step(
 ) -> float:
     """One local optimizer step on one batch; returns the batch's loss before the update."""
     loss = compute_gradients(model, x, y, objective)
-    optimizer.step()
+    optimizer_step(optimizer)  # a restarted replica's first steps: not waiting for torch._dynamo (preload.py)
     return loss

@@ -1,4 +1,4 @@
-"""trainer/preload.py: the optimizer without torch._dynamo's import, and the import in a thread before a fork."""
+"""trainer/preload.py: the optimizer without torch._dynamo's import, its step too, and the import in a thread before a fork."""
 
 from __future__ import annotations
 
@@ -53,3 +53,49 @@ def test_a_fork_waits_for_the_preload_and_the_child_has_it():
         _, status = os.waitpid(pid, 0)
         print(thread.is_alive(), os.waitstatus_to_exitcode(status))
     """) == "False 0"
+
+
+def test_optimizer_step_without_dynamo_makes_the_same_update_as_torchs_step():
+    assert run("""
+        import sys, torch
+        from kubetrain_trainer.preload import optimizer_step, without_dynamo_import
+        without_dynamo_import()
+
+        def trained(kind, step):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 3)
+            optimizer = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+                         "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.01)}[kind](model.parameters())
+            for i in range(5):
+                optimizer.zero_grad()
+                model(torch.full((4, 8), float(i + 1))).pow(2).sum().backward()
+                step(optimizer)
+            return [p.detach().clone() for p in model.parameters()], optimizer.state_dict()["state"]
+
+        mine = {kind: trained(kind, optimizer_step) for kind in ("sgd", "adam")}
+        assert "torch._dynamo" not in sys.modules
+        same = []
+        for kind, (params, state) in mine.items():
+            theirs, their_state = trained(kind, lambda o: o.step())
+            same.append(all(torch.equal(a, b) for a, b in zip(params, theirs))
+                        and all(torch.equal(state[i][k], their_state[i][k]) for i in state for k in state[i]))
+        print(same, "torch._dynamo" in sys.modules)  # torch's own step imported it
+    """) == "[True, True] True"
+
+
+def test_optimizer_step_is_torchs_own_with_a_hook_or_with_dynamo_being_imported():
+    assert run("""
+        import sys, types, torch
+        from kubetrain_trainer.preload import loaded, optimizer_step
+        optimizer = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
+        calls = []
+        handle = optimizer.register_step_post_hook(lambda *args: calls.append(1))
+        optimizer_step(optimizer)  # a hook: torch's step runs it, and imports torch._dynamo
+        hooked = (calls, "torch._dynamo" in sys.modules)
+        fake = types.ModuleType("kt_half_imported")
+        fake.__spec__ = types.SimpleNamespace(_initializing=True)
+        sys.modules["kt_half_imported"] = fake  # another thread's import under way: importing it would wait
+        half = loaded("kt_half_imported")
+        fake.__spec__._initializing = False
+        print(hooked, half, loaded("kt_half_imported"), loaded("no_such_module_here"))
+    """) == "([1], True) False True False"

@@ -73,6 +73,7 @@ from kubetrain_operator.api.spec import Compression
 from ..checkpoint import CheckpointStore
 from ..compression import MAX_WORKER_COPY_BYTES, PullCompressor, as_bytes
 from ..metrics import TrainerMetrics
+from ..preload import optimizer_step
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
 from .client import wait_timeout
@@ -396,7 +397,7 @@ class ParameterShard:
         if grads is not None:
             for name, param in self.params.items():
                 param.grad = grads[name] if scale == 1.0 else grads[name] * scale
-            self.optimizer.step()
+            optimizer_step(self.optimizer)  # a restored shard: not waiting for torch._dynamo (preload.py)
             for param in self.params.values():
                 param.grad = None
         self.step += 1
