@@ -123,9 +123,6 @@ class NoCompression(Algorithm):
     name = "None"
     lossy = False
 
-    def encoded_bytes(self, numel, dtype):
-        return numel * torch.empty((), dtype=dtype).element_size()
-
     def encode(self, tensor: torch.Tensor, state: dict) -> torch.Tensor:
         return as_bytes(tensor)
 
@@ -311,10 +308,11 @@ class Ternary(Algorithm):
     Not an algorithm a job names: the codec of compressed pulls for TopK and
     PowerSGD (PullCompressor, PULL_CODECS) where the change of the parameters
     since a pull is dense: the shard's momentum spreads every sparse or
-    low-rank gradient over the steps after it (a sparse change goes as Sparse). TopK of that change left the worker's copy far
-    behind (quickstart accuracy 0.805 against 0.958), one scale per tensor
-    too (0.919: a few large changes set the scale and most elements round to
-    0 until they catch up); a scale per block of 64 follows the local size.
+    low-rank gradient over the steps after it (a sparse change goes as
+    Sparse). TopK of that change left the worker's copy far behind
+    (quickstart accuracy 0.805 against 0.958), one scale per tensor too
+    (0.919: a few large changes set the scale and most elements round to 0
+    until they catch up); a scale per block of 64 follows the local size.
     """
 
     name = "Ternary"
@@ -369,7 +367,7 @@ class Ternary(Algorithm):
 
 @register
 class Sparse(Algorithm):
-    """Exactly the elements that are not zero: their indices, ascending, then their values.
+    """Exactly the elements that are not zero: their values, then their indices, ascending.
 
     Layout: the k values in the tensor's own dtype, bit for bit, then their k
     indices (little-endian: 2 bytes each for a tensor of at most 65,536

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
