@@ -577,7 +577,7 @@ class PullCompressor:
         self._admit = threading.Lock()
         self.whole_pulls = 0
         self.compressed_pulls = 0
-        self.sparse_changes = 0
+        self.sparse_pull_tensors = 0
         """Tensors of compressed pulls whose change went exact, as Sparse."""
 
     @property
@@ -619,7 +619,7 @@ class PullCompressor:
                 continue
             change = value - mine
             algorithm = self._codec_of(change)
-            self.sparse_changes += algorithm is self.sparse
+            self.sparse_pull_tensors += algorithm is self.sparse
             payload = algorithm.encode(change, held.states.setdefault(name, {}))
             # Exactly what the worker will add: the same decode of the same bytes.
             mine.add_(algorithm.decode(payload, tuple(value.shape), value.dtype))

@@ -149,10 +149,11 @@ def run_ps(ctx: ReplicaContext) -> int:
     )
     resumed = shard.restore()
     startup("restored", step=shard.step, resumed=resumed)
-    # torch._dynamo, which the first update imports (preload.py). A shard restarted mid-job has
-    # workers waiting for it: it listens first and imports it while they reconnect. A new job's
-    # workers are starting too (their own imports take as long), so its shard imports it before it
-    # listens, and no worker's first push waits for it.
+    # torch._dynamo, which torch's optimizer step imports (preload.py). A shard restarted mid-job has
+    # workers waiting for it: it listens first and imports it while they reconnect, its updates
+    # meanwhile made without it (preload.optimizer_step). A new job's workers are starting too (their
+    # own imports take as long), so its shard imports it before it listens, and its first updates do
+    # not compete with the import for the interpreter.
     preloading = preload()
     if not resumed:
         preloading.join()
@@ -212,7 +213,7 @@ def run_ps(ctx: ReplicaContext) -> int:
             "compressed_gradient_bytes": shard.compressed_gradient_bytes,
             "whole_pulls": shard.pulls.whole_pulls,
             "compressed_pulls": shard.pulls.compressed_pulls,
-            "sparse_pull_tensors": shard.pulls.sparse_changes,
+            "sparse_pull_tensors": shard.pulls.sparse_pull_tensors,
             "sync_dropped_workers": shard.dropped_total,
             "wall_seconds": wall,
             "checkpoint_step": shard.checkpoint_step,
