@@ -29,6 +29,7 @@ ROLES = {
     "single": "kubetrain_trainer.single:run_single",
     "ps": "kubetrain_trainer.ps.serve:run_ps",
     "worker": "kubetrain_trainer.ps.worker:run_worker",
+    "standby": "kubetrain_trainer.ps.worker:run_standby",  # a standby worker (ps/standby.py)
     "ddp": "kubetrain_trainer.ddp.runtime:run_ddp",
     "script": "kubetrain_trainer.script:run_script",  # the user's own command (spec.script)
 }

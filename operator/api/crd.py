@@ -19,7 +19,7 @@ import yaml
 
 from . import podtemplate, schema
 from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, TypeInfo
-from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, VERSION, Spec
+from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, STANDBY_SIZE_MESSAGE, VERSION, Spec
 from .status import JobStatus
 
 SHORT_NAMES = ["tj"]
@@ -56,6 +56,11 @@ SIZE_CEL = [
     {
         "rule": f"self.mode != 'DDP' || {_MIN_NODES} <= {_NODES} && {_NODES} <= {_MAX_NODES}",
         "message": "ddp.nodes: must be between ddp.minNodes and ddp.maxNodes",
+    },
+    {
+        "rule": "!has(self.replicas) || !has(self.parameterServer) || !has(self.parameterServer.standbyWorkers) "
+        "|| self.parameterServer.standbyWorkers == 0",
+        "message": STANDBY_SIZE_MESSAGE,
     },
 ]
 ROOT_CEL = [

@@ -36,6 +36,11 @@ MAX_SCRIPT_ARGS = 256
 # series and in status.progress.metrics: a bound on the series (and the status
 # size) an untrusted script can create. Further names stay in its event log only.
 MAX_REPORTED_METRICS = 32
+# Standby workers of a ParameterServer job: each is an idle pod (a worker's resources, torch loaded) that
+# only takes over a failed worker; a few cover the failures that come at once, more only cost capacity.
+MAX_STANDBY_WORKERS = 8
+STANDBY_SIZE_MESSAGE = ("replicas: a job with parameterServer.standbyWorkers keeps the size it was created with "
+                        "(parameterServer.workers): leave spec.replicas unset; kubectl scale does not apply")
 
 
 @dataclass
@@ -170,6 +175,13 @@ class ParameterServer:
         immutable=True,
     )
     workers: int = field("Worker replicas.", 2, minimum=1, maximum=1024, immutable=True)
+    standby_workers: int = field(
+        "Standby workers: processes with torch imported, connected to ps-0, that take a failed worker's place "
+        "the moment its process dies (a fraction of a second, where a new pod takes seconds); the failed "
+        "pod is replaced as always and its replacement waits as the next standby. Never the chief's place "
+        "(worker-0). Each costs a worker's resources while it waits (docs/parameter-server.md#standby-workers).",
+        0, minimum=0, maximum=MAX_STANDBY_WORKERS, immutable=True,
+    )
     aggregation: Literal["Sync", "Async"] = field(
         "Sync averages every live worker's gradient per step; Async applies gradients as they arrive.",
         "Sync",
@@ -223,7 +235,8 @@ class Resources:
 
     ps: dict[str, Any] = field("Resources of each parameter server.", default_factory=dict)
     worker: dict[str, Any] = field(
-        "Resources of each worker, of the Single replica and of each DDP node.", default_factory=dict
+        "Resources of each worker (and standby worker), of the Single replica and of each DDP node.",
+        default_factory=dict,
     )
 
     def check(self) -> list[tuple[str, str]]:
@@ -520,6 +533,9 @@ class Spec:
     def _size_problems(self) -> list[tuple[str, str]]:
         """spec.replicas and the DDP node range (the CRD holds the same rules in CEL, SIZE_CEL)."""
         problems = []
+        ps = self.parameter_server
+        if self.replicas is not None and ps is not None and ps.standby_workers:
+            problems.append(("replicas", STANDBY_SIZE_MESSAGE.removeprefix("replicas: ")))
         if self.mode == "Single" and self.replicas not in (None, 1):
             problems.append(("replicas", f"a Single job has one replica, got {self.replicas}"))
         if self.mode == "DDP":

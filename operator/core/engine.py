@@ -591,6 +591,14 @@ class _Round:
         if self.observed is None and policy.job_outcome(phases) == "Succeeded":
             self._finish("Succeeded", "Completed", "Every replica finished.")
             return
+        if self.observed is None and policy.shards_done_with_standbys(phases):
+            # A shard exits 0 only once every worker's place has finished; a process still running then
+            # stands by (a killed worker's replacement, whose place a standby took) and has nothing to do.
+            self._finish("Succeeded", "Completed",
+                         "Every worker's place finished; the standby workers still waiting were stopped.")
+            self.actions.stop += [n for n in self.names if n.startswith(("worker-", "standby-"))
+                                  and n in self.replicas and phases[n] != "Succeeded" and n not in self.actions.stop]
+            return
         if self.observed is None and self.spec.mode == "ParameterServer" and policy.workers_done(phases):
             memory = self.memory
             if memory.workers_done_time is None:
@@ -600,7 +608,7 @@ class _Round:
                 self._finish("Succeeded", "Completed",
                              f"Every worker finished; the parameter servers still running after {PS_DRAIN_SECONDS:.0f} s "
                              "were stopped.")
-                self.actions.stop += [n for n in self.names if n.startswith("ps-") and n in self.replicas
+                self.actions.stop += [n for n in self.names if n.startswith(("ps-", "standby-")) and n in self.replicas
                                       and n not in self.actions.stop]
                 return
             self._requeue(PS_DRAIN_SECONDS - waited)

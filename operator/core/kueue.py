@@ -47,7 +47,7 @@ MAX_WORKLOAD_NAME = 253
 MAX_CONDITION_MESSAGE = 32768
 """metav1.Condition.message's limit (the API server refuses longer)."""
 
-ROLES = ("single", "ps", "worker", "ddp")
+ROLES = ("single", "ps", "worker", "standby", "ddp")
 
 
 def queue_name(job: TrainingJob) -> str | None:

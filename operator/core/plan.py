@@ -78,7 +78,8 @@ def replica_names(job: TrainingJob) -> list[tuple[str, int]]:
     if spec.mode == "ParameterServer":
         ps = spec.parameter_server
         assert ps is not None
-        return [("ps", i) for i in range(ps.replicas)] + [("worker", i) for i in range(ps.workers)]
+        return ([("ps", i) for i in range(ps.replicas)] + [("worker", i) for i in range(ps.workers)]
+                + [("standby", i) for i in range(ps.standby_workers)])
     ddp = spec.ddp
     assert ddp is not None
     return [("ddp", i) for i in range(ddp.nodes)]

@@ -162,11 +162,21 @@ def job_outcome(phases: dict[str, ReplicaPhase]) -> Literal["Running", "Succeede
 
     Single: single-0. DDP: every node. ParameterServer: every worker and every
     shard (a shard exits 0 after the workers finished and it wrote its final
-    checkpoint, so none is left running).
+    checkpoint, so none is left running), and every standby worker (ps-0 tells a
+    waiting standby when the workers have finished, and it exits 0).
     """
     if phases and all(p == "Succeeded" for p in phases.values()):
         return "Succeeded"
     return "Running"
+
+
+def shards_done_with_standbys(phases: dict[str, ReplicaPhase]) -> bool:
+    """A ParameterServer job with standby workers has finished training when its shards have: a shard
+    exits 0 only once every worker's place finished, whichever process held it (a standby may have
+    taken a killed worker's place, and that worker's replacement then waits as a standby)."""
+    shards = [p for name, p in phases.items() if name.startswith("ps-")]
+    standbys = any(name.startswith("standby-") for name in phases)
+    return standbys and bool(shards) and all(p == "Succeeded" for p in shards)
 
 
 def workers_done(phases: dict[str, ReplicaPhase]) -> bool:

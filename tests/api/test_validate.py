@@ -129,6 +129,11 @@ CASES += [
     Case("podTemplate spec not an object", with_spec(podTemplate={"spec": ["x"]}), PT, "must be an object, got list"),
     Case("podTemplate too many volumes", with_pod({"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(257)]}),
          f"{PT}.volumes", "at most 256 items, got 257"),
+    Case("standby workers with a size", with_spec("ParameterServer", replicas=3,
+                                                  parameterServer={"workers": 2, "standbyWorkers": 1}),
+         "spec.replicas", "keeps the size it was created with (parameterServer.workers): leave spec.replicas unset"),
+    Case("too many standby workers", with_spec("ParameterServer", parameterServer={"standbyWorkers": 9}),
+         "spec.parameterServer.standbyWorkers", "at most 8"),
     Case("podTemplate env name not a string", with_trainer(env=[{"name": 5}]), f"{PT}.containers[0].env[0].name", "must be a string"),
 ]
 

@@ -338,3 +338,45 @@ def test_a_pod_listens_on_every_interface_and_a_local_replica_on_loopback_only(t
         assert env["KUBETRAIN_LISTEN_ADDRESS"] == "0.0.0.0", pod["metadata"]["name"]
     local = plan_replicas(j, local_endpoints(j, RunDir(tmp_path / "run")))
     assert {r.env["KUBETRAIN_LISTEN_ADDRESS"] for r in local} == {"127.0.0.1"}
+
+
+STANDBY = {"parameterServer": {"workers": 2, "standbyWorkers": 1}}
+
+
+def test_a_job_with_a_standby_worker_creates_its_pod_running_the_standby_role_with_a_workers_resources():
+    j = job(**STANDBY, resources={"worker": {"requests": {"cpu": "3"}}, "ps": {"requests": {"cpu": "1"}}})
+    act = reconcile(j, "u", "tok", {}, {}, T0)
+    pods = {o["metadata"]["name"]: o for o in act.create if o["kind"] == "Pod"}
+    assert set(pods) == {"j-ps-0", "j-worker-0", "j-worker-1", "j-standby-0"}
+    standby, worker = (pods[n]["spec"]["containers"][0] for n in ("j-standby-0", "j-worker-1"))
+    assert standby["command"][-1] == "standby" and worker["command"][-1] == "worker"
+    assert standby["resources"] == worker["resources"] and standby["resources"]["requests"]["cpu"] == "3"
+    env = {e["name"]: e.get("value") for e in standby["env"]}
+    assert env["KUBETRAIN_REPLICA"] == "standby-0" and env["KUBETRAIN_PS_ADDRS"]
+    assert act.status["workers"] == 2  # the job's size: standbys are not workers
+
+
+def test_with_standbys_the_shards_success_ends_the_job_and_stops_a_replacement_still_standing_by():
+    """standby-0 took worker-1's place and finished it; worker-1's replacement pod waits as a standby. ps-0
+    exits 0 only once every place finished: the job has succeeded, and the waiting pod is stopped."""
+    pods = {"ps-0": Pod("ps-0", "Succeeded", exit_code=0), "worker-0": Pod("worker-0", "Succeeded", exit_code=0),
+            "worker-1": Pod("worker-1", "Running"), "standby-0": Pod("standby-0", "Succeeded", exit_code=0)}
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    act = reconcile(job(**STANDBY), "u", "t", pods, st, T0 + 1)
+    assert act.status["state"] == "Succeeded"
+    assert act.delete_pods == ["j-worker-1"]
+    # Without standbys a running worker still holds its own place: the job is not done.
+    del pods["standby-0"]
+    act = reconcile(job(), "u", "t", pods, st, T0 + 1)
+    assert act.status["state"] == "Running" and act.delete_pods == []
+
+
+def test_a_failed_standby_pod_is_replaced_as_any_replica():
+    pods = running("ps-0", "worker-0", "worker-1", "standby-0")
+    pods["standby-0"] = Pod("standby-0", "Failed", exit_code=137)
+    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    act = reconcile(job(**STANDBY), "u", "tok", pods, status, T0 + 5)
+    assert act.delete_pods == ["j-standby-0"] and act.status["restarts"] == 1
+    del pods["standby-0"]
+    again = reconcile(job(**STANDBY), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
+    assert "j-standby-0" in created_pods(again)

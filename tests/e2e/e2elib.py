@@ -18,7 +18,8 @@ from helpers.jsonl import json_objects
 from helpers.kube import Cluster, Kubectl
 from helpers.metrics import try_scrape
 from helpers.recovery import (
-    Breakdown, breakdown, json_stream, kind_of, operator_marks, trainer_marks, watch_marks, workers_back,
+    Breakdown, breakdown, handover_marks, json_stream, kind_of, operator_marks, trainer_marks, watch_marks,
+    workers_back,
 )
 from kubetrain_operator.core.children import LABEL_JOB
 from helpers.wait import wait_for
@@ -342,6 +343,21 @@ class PodWatch:
                 self._proc.wait(timeout=10)
         self._thread.join(timeout=10)
         return list(self.events)
+
+
+def standby_recovery(e2e, job: str, victim: str, standby: str, fault_at: float) -> Breakdown:
+    """The break-down of a standby's taking over `victim`'s place (helpers/recovery.py, kind standby): ps-0's
+    handover from its log, the standby's milestones from its; call it once the standby made a step."""
+    ps0 = e2e.kube.run("logs", f"{job}-ps-0", "-c", "trainer", timeout=60, check=False).stdout
+    log = e2e.kube.run("logs", f"{job}-{standby}", "-c", "trainer", timeout=60, check=False).stdout
+    marks = {"fault": fault_at, **handover_marks(ps0, int(victim.rsplit("-", 1)[1]), fault_at), **trainer_marks(log)}
+    if RECOVERY_DIR:
+        out = Path(RECOVERY_DIR) / f"{job}-{standby}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "marks.json").write_text(json.dumps(marks, indent=1))
+        (out / "ps-0.log").write_text(ps0)
+        (out / f"{standby}.log").write_text(log)
+    return breakdown("standby", marks)
 
 
 def recovery(e2e, job: str, replica: str, fault_at: float, old_uid: str, watch: PodWatch) -> Breakdown:

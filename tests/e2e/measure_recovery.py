@@ -1,11 +1,12 @@
 """Recovery break-downs on a kept e2e cluster, without the fault tests' fault-free references and runs to the end.
 
     KUBETRAIN_E2E_KEEP=1 .venv/bin/python -m pytest tests/e2e -k real_node   # once: up, images loaded, chart
-    .venv/bin/python tests/e2e/measure_recovery.py [--runs N] [worker] [ps] [ddp]
+    .venv/bin/python tests/e2e/measure_recovery.py [--runs N] [worker] [ps] [ddp] [standby]
 
 Each run applies the example (as test_e2e_faults.py does), faults the victim
 right after the first durable checkpoint (SIGKILL of a PS worker's or shard's
-process, deletion of DDP rank 1's pod), waits for its replacement's first step,
+process, deletion of DDP rank 1's pod; `standby`: a PS worker's process in a job
+with a standby worker), waits for its replacement's (the standby's) first step,
 prints the break-down (helpers/recovery.py) and deletes the job. The fault
 tests print the same break-down in every e2e run; this is for measuring a
 change quickly (a run takes about a minute, not the tests' several).
@@ -24,10 +25,12 @@ from e2elib import (  # noqa: E402
     CACHE, E2E, E2E_CLUSTER, EPOCHS, HOLDER, apply, example, first_checkpoint,
 )
 from helpers.kube import connect  # noqa: E402
-from test_e2e_faults import delete_pod, sigkill, strike  # noqa: E402
+from test_e2e_faults import delete_pod, sigkill, standby_job, strike, strike_with_standby  # noqa: E402
 
 CASES = {"worker": ("parameter-server.yaml", "worker-1", sigkill), "ps": ("parameter-server.yaml", "ps-0", sigkill),
-         "ddp": ("ddp.yaml", "ddp-1", delete_pod)}
+         "ddp": ("ddp.yaml", "ddp-1", delete_pod),
+         # worker-1 SIGKILLed in a job with a standby worker: the standby's first step in its place.
+         "standby": ("parameter-server.yaml", "worker-1", sigkill)}
 
 
 def attach() -> E2E:
@@ -39,13 +42,16 @@ def attach() -> E2E:
 
 def measure(e2e: E2E, kind: str, run: int) -> str:
     manifest, victim, fault = CASES[kind]
-    doc = example(manifest, EPOCHS[manifest])
     name = f"rec-{kind}-{run}"
+    doc = standby_job(name) if kind == "standby" else example(manifest, EPOCHS[manifest])
     doc["metadata"]["name"] = name
     apply(e2e, doc)
     try:
         first_checkpoint(e2e, f"{name}-{HOLDER[manifest][0]}")
-        faulted, seen, parts = strike(e2e, name, victim, fault)
+        if kind == "standby":
+            faulted, seen, parts = strike_with_standby(e2e, name, victim)
+        else:
+            faulted, seen, parts = strike(e2e, name, victim, fault)
         problems = f" MISSING {parts.missing}" if parts.missing else ""
         problems += f" OUT OF ORDER {parts.out_of_order()}" if parts.out_of_order() else ""
         return (f"{name}: {parts.describe()} | first step seen on /metrics {seen.at - faulted:.2f} s after the fault"

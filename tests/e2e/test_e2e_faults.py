@@ -15,7 +15,7 @@ import time
 import pytest
 from e2elib import (
     EPOCHS, FAULT_FREE, HOLDER, PodWatch, apply, events_of, example, figure, first_checkpoint, first_step, recovery,
-    succeeded, warning_reasons,
+    standby_recovery, succeeded, warning_reasons,
 )
 
 pytestmark = pytest.mark.e2e
@@ -79,6 +79,49 @@ def test_sigkilled_parameter_server_worker_is_replaced_and_resumes_from_the_shar
     assert run["status"]["restarts"] >= 1 and "Killed" in warning_reasons(e2e, name), run["status"]
     # A worker keeps no state: its replacement starts from the shards' current step, not from 0.
     assert run["replacement"].metrics["kubetrain_training_step"] >= run["checkpoint"] > 0, run
+
+
+def standby_job(name: str) -> dict:
+    """The parameter-server example with one standby worker (spec.parameterServer.standbyWorkers)."""
+    doc = example("parameter-server.yaml", EPOCHS["parameter-server.yaml"])
+    doc["metadata"]["name"] = name
+    doc["spec"]["parameterServer"]["standbyWorkers"] = 1
+    return doc
+
+
+def strike_with_standby(e2e, name: str, victim: str = "worker-1"):
+    """SIGKILL the victim's process and wait for the standby's first step in its place: (monotonic time
+    of the fault, the standby's first step on its /metrics, the break-down)."""
+    sigkill(e2e, f"{name}-{victim}")
+    faulted, faulted_at = time.monotonic(), time.time()
+    after = first_step(e2e, f"{name}-standby-0")
+    return faulted, after, standby_recovery(e2e, name, victim, "standby-0", faulted_at)
+
+
+def test_sigkilled_worker_of_a_job_with_a_standby_is_taken_over_by_the_standby(e2e):
+    """The standby (torch imported, waiting at ps-0) takes worker-1's place the moment its process dies,
+    in real pods; worker-1's pod is replaced as always (counted), and its replacement waits as the next
+    standby until the job ends, which it does with the fault-free accuracy."""
+    name = "fault-standby"
+    reference = fault_free(e2e, "parameter-server.yaml")
+    apply(e2e, standby_job(name))
+    checkpoint = first_checkpoint(e2e, f"{name}-ps-0")
+    faulted, after, parts = strike_with_standby(e2e, name)
+    figure(f"{name}: {parts.describe()}")
+    status = succeeded(e2e, name)
+    accuracy = status["progress"]["evalAccuracy"]
+    figure(f"{name}: sigkill worker-1 after checkpoint {checkpoint.metrics['kubetrain_last_checkpoint_step']:.0f}"
+           f" -> the standby's first step on /metrics {after.at - faulted:.1f} s later (at step "
+           f"{after.metrics['kubetrain_training_step']:.0f}); restarts {status['restarts']}, "
+           f"accuracy {accuracy:.4f} (fault-free {reference:.4f})")
+    assert abs(accuracy - reference) <= ACCURACY_POINTS, (accuracy, reference)
+    assert not parts.missing and not parts.out_of_order(), (parts.missing, parts.out_of_order(), parts.marks)
+    assert after.metrics["kubetrain_training_step"] >= checkpoint.metrics["kubetrain_last_checkpoint_step"] > 0
+    assert status["restarts"] >= 1 and "Killed" in warning_reasons(e2e, name), status
+    standby_log = e2e.kube.run("logs", f"{name}-standby-0", "-c", "trainer", timeout=60).stdout
+    replacement_log = e2e.kube.run("logs", f"{name}-worker-1", "-c", "trainer", timeout=60).stdout
+    assert "standby-0: takes worker-1's place" in standby_log, standby_log[-3000:]
+    assert "worker-1's place is held by another process" in replacement_log, replacement_log[-3000:]
 
 
 def test_sigkilled_parameter_server_resumes_from_its_newest_checkpoint(e2e):

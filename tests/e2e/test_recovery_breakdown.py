@@ -14,7 +14,8 @@ import time
 import pytest
 
 from helpers.recovery import (
-    KINDS, breakdown, json_stream, kind_of, operator_marks, startup_records, trainer_marks, watch_marks, workers_back,
+    KINDS, breakdown, handover_marks, json_stream, kind_of, operator_marks, startup_records, trainer_marks,
+    watch_marks, workers_back,
 )
 
 T0 = 1_796_000_000.0  # 2026-11-29T...: any fixed unix time
@@ -140,6 +141,31 @@ def test_a_ddp_breakdown_runs_from_the_agent_through_the_rank():
     assert parts.total == pytest.approx(11.5)
     rendezvous = next(p for p in parts.parts if p.mark == "ddp.process")
     assert rendezvous.seconds == pytest.approx(9.0 - 4.9)
+
+
+# A standby worker: started with the job, torch imported, waiting; handed worker-1's place after the kill.
+STANDBY_LOG = "\n".join([
+    line("process", -40.0, 7), line("main", -39.9, 7, role="standby"), line("imports", -37.5, 7),
+    line("standby", -37.4, 7), line("placed", 0.012, 7, worker=1), line("model", 0.025, 7),
+    line("registered", 0.031, 7, resumed=True), line("first_step", 0.040, 7, step=60, worker_step=41),
+])
+PS0_LOG = "\n".join([
+    f"{utc(-20.0)} INFO kubetrain_trainer.ps.coordinator: worker 2's process ended before it finished: a standby "
+    "(incarnation 1f) takes its place",  # an earlier fault, of another worker
+    f"{utc(0.010)} INFO kubetrain_trainer.ps.coordinator: worker 1's process ended before it finished: a standby "
+    "(incarnation 2a) takes its place",
+])
+
+
+def test_a_standby_breakdown_runs_from_ps0s_handover_through_the_standbys_first_step():
+    assert handover_marks(PS0_LOG, 1, after=T0) == pytest.approx({"handed_over": T0 + 0.010}, abs=0.002)
+    assert handover_marks(PS0_LOG, 3, after=T0) == {}
+    marks = {"fault": T0, **handover_marks(PS0_LOG, 1, T0), **trainer_marks(STANDBY_LOG)}
+    parts = breakdown(kind_of("standby-0"), marks)
+    assert parts.missing == [] and parts.out_of_order() == []
+    assert parts.total == pytest.approx(0.040)
+    assert [p.mark for p in parts.parts] == [m for m, _ in KINDS["standby"][1:]]
+    assert parts.describe().startswith("standby recovery 0.04 s: ps-0 hands the place over")
 
 
 def test_no_breakdown_for_an_unknown_replica_kind():

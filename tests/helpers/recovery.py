@@ -78,6 +78,16 @@ KINDS: dict[str, list[tuple[str, str]]] = {
         ("ddp.restored", "checkpoint loaded and broadcast"),
         ("ddp.first_step", "first step"),
     ],
+    # A job with a standby worker (trainer/ps/standby.py): a killed worker's place goes to the standby,
+    # a process started long before, with torch imported; the killed pod's replacement is not waited for.
+    "standby": [
+        ("fault", "fault"),
+        ("handed_over", "ps-0 hands the place over (the killed process's connection closed)"),
+        ("standby.placed", "the standby told its place"),
+        ("standby.model", "model and data built"),
+        ("standby.registered", "registered with ps-0 (cursor back)"),
+        ("standby.first_step", "first step"),
+    ],
 }
 # Marks a recovery may lack: a worker whose calls to a restarting shard happened to wait rather
 # than fail has no retry to report.
@@ -89,6 +99,7 @@ CAUSAL = {
     "ps": ["fault", "created", "scheduled", "ps.process", "ps.imports", "ps.restored", "ps.serving", "ps.first_step"],
     "ddp": ["fault", "created", "scheduled", "agent.process", "agent.imports", "ddp.process", "ddp.imports",
             "ddp.joined", "ddp.restored", "ddp.first_step"],
+    "standby": ["fault", "handed_over", "standby.placed", "standby.registered", "standby.first_step"],
 }
 
 
@@ -178,6 +189,14 @@ def operator_marks(log: str, namespace: str, job: str, replica: str, after: floa
         elif "decided" in marks and "created_logged" not in marks and message == created:
             marks["created_logged"] = when
     return marks
+
+
+def handover_marks(ps0_log: str, worker: int, after: float) -> dict[str, float]:
+    """`handed_over`: when ps-0's coordinator gave worker `worker`'s place to a standby, its first such
+    line at or after `after` (coordinator.py logs it as the killed process's Stand call ends)."""
+    line = f"worker {worker}'s process ended before it finished: a standby"
+    times = [when for when, message in log_lines(ps0_log, after) if message.startswith(line) and when >= after]
+    return {"handed_over": min(times)} if times else {}
 
 
 def workers_back(worker_logs: Iterable[str], after: float) -> dict[str, float]:

@@ -260,7 +260,9 @@ def test_kubectl_scale_resizes_a_ddp_job_statefulset_and_all(operator, tmp_path)
      "replicas: a DDP job runs between ddp.minNodes and ddp.maxNodes nodes (each ddp.nodes when unset)"),
     ("DDP", {"ddp": DDP_ELASTIC}, 0, "spec.replicas: Invalid value: 0: spec.replicas in body should be greater than or equal to 1"),
     ("Single", {}, 2, "replicas: a Single job has one replica"),
-], ids=["ddp-above-maxNodes", "ddp-zero", "single-two"])
+    ("ParameterServer", {"parameterServer": {"workers": 2, "standbyWorkers": 1}}, 3,
+     "replicas: a job with parameterServer.standbyWorkers keeps the size it was created with"),
+], ids=["ddp-above-maxNodes", "ddp-zero", "single-two", "ps-with-standbys"])
 def test_the_api_server_refuses_a_size_the_job_cannot_take(operator, mode, spec, replicas, message):
     doc = manifest(mode=mode, **spec)
     name = doc["metadata"]["name"]

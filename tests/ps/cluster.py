@@ -56,7 +56,8 @@ class Job:
         self.job_file.write_text(yaml.safe_dump(self.doc))
         ps = self.doc["spec"]["parameterServer"]
         self.ports = free_ports(ps["replicas"])
-        self.replicas = [f"ps-{i}" for i in range(ps["replicas"])] + [f"worker-{i}" for i in range(ps["workers"])]
+        self.replicas = ([f"ps-{i}" for i in range(ps["replicas"])] + [f"worker-{i}" for i in range(ps["workers"])]
+                         + [f"standby-{i}" for i in range(ps.get("standbyWorkers", 0))])
 
     def env(self, replica: str, fault: str = "") -> dict[str, str]:
         index = int(replica.rsplit("-", 1)[1])

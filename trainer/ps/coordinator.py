@@ -13,6 +13,17 @@ deals what the workers left of the epoch again among the new set and numbers
 it anew. Workers name their membership in every call; one of an older set
 registers again and gets its new cursor, or is released (its index is past
 the size) and leaves.
+
+Standby workers (spec.parameterServer.standbyWorkers, standby.py): in such a
+job every worker process holds a `Stand` call open to ps-0 for as long as it
+lives, holding its place (its worker index). A process killed closes its
+connection, so ps-0 learns of the death at once, long before the kubelet
+does; the place, unless its worker had finished, goes to the earliest
+standby waiting in a Stand call of its own: a process with torch imported
+that registers as that worker and goes on from its cursor within a fraction
+of a second. The dead worker's pod is replaced by the operator as always (its
+restart counted, its backoff kept); finding its place held, the replacement
+waits as the next standby. Never the chief's place (CHIEF).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -36,6 +47,9 @@ log = logging.getLogger(__name__)
 # from an index past the job's size but below this is answered `released`; beyond it, refused as invalid.
 MAX_WORKERS = 1024
 MEMBERSHIP_KEY = "membership"
+CHIEF = 0
+"""worker-0: it evaluates the final parameters, and its pod's results and progress speak for the job, so a
+standby never takes its place (its pod is replaced as any)."""
 
 
 @dataclass
@@ -58,6 +72,14 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
         self.membership = 1
         """The number of the current set of workers; 1 at the job's start, one more at every resize."""
         self.lock = threading.Lock()
+        # Standby workers (spec.parameterServer.standbyWorkers, `Stand`): every place (a worker index) held by
+        # the incarnation of a live Stand call; the places whose holder's call ended before it finished; the
+        # processes that wait for one, the earliest first.
+        self.places: dict[int, int] = {}
+        self.vacated: set[int] = set()
+        self.waiting: list[int] = []
+        self.changed = threading.Condition(self.lock)
+        """Notified under the lock when a place is handed over, a Stand call ends or the job's workers finish."""
 
     def _member(self, worker: int, context: grpc.ServicerContext) -> Member:
         if worker >= self.workers:
@@ -95,6 +117,85 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
             member.worker_step = max(member.worker_step, request.worker_step)
             return pb.HeartbeatReply(job_finished=all(m.finished for m in self.members.values()))
 
+    def Stand(self, request: pb.StandRequest, context: grpc.ServicerContext) -> Iterator[pb.StandReply]:
+        """Hold a place for as long as the calling process lives (module docstring, Standby workers).
+
+        The first reply is the place (the worker index asked for, when no other live process holds it) or -1:
+        the caller waits, and a second reply hands it a vacated place, or says the job is done. The call
+        then stays open without further replies; its end (the process died, or finished) frees the place,
+        and a place freed before its worker finished goes to the earliest waiting process at once."""
+        me = request.incarnation
+        if not me:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Stand: incarnation 0 (a process names itself by a "
+                                                            "random non-zero number)")
+        ended = []
+
+        def on_end() -> None:
+            with self.lock:
+                ended.append(True)
+                self._leave(me)
+
+        with self.lock:
+            place = first = self._stand(request.worker, me)
+        if not context.add_callback(on_end):
+            on_end()  # the call ended already
+            return
+        yield pb.StandReply(worker=first)
+        with self.lock:
+            while place < 0 and not ended:
+                place = next((w for w, holder in self.places.items() if holder == me), -1)
+                if place < 0 and self._all_finished():
+                    break
+                if place < 0:
+                    self.changed.wait()
+        if ended:
+            return
+        if place < 0:
+            yield pb.StandReply(worker=-1, done=True)
+            return
+        if first < 0:
+            yield pb.StandReply(worker=place)
+        with self.lock:
+            while not ended:  # held: the call's end (on_end) frees the place
+                self.changed.wait()
+
+    def _stand(self, worker: int, me: int) -> int:
+        """Under the lock: the place `me` holds from now on (its own, when free), else -1 and it waits."""
+        if 0 <= worker < self.workers and self.places.get(worker, me) == me:
+            self.places[worker] = me
+            self.vacated.discard(worker)
+            return worker
+        if me not in self.waiting:
+            self.waiting.append(me)
+        self._hand_over()
+        return -1
+
+    def _leave(self, me: int) -> None:
+        """Under the lock: the Stand call of `me` ended; a place it held before its worker finished is
+        vacated (never the chief's, worker 0: its pod's results speak for the job) and handed over."""
+        if me in self.waiting:
+            self.waiting.remove(me)
+        for worker in [w for w, holder in self.places.items() if holder == me]:
+            del self.places[worker]
+            member = self.members.get(worker)
+            if worker != CHIEF and member is not None and not member.finished:
+                self.vacated.add(worker)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Under the lock: vacated places to waiting processes, the earliest first; wakes every Stand call."""
+        while self.waiting and self.vacated:
+            worker = min(self.vacated)
+            self.vacated.discard(worker)
+            standby = self.waiting.pop(0)
+            self.places[worker] = standby
+            log.info("worker %d's process ended before it finished: a standby (incarnation %x) takes its place",
+                     worker, standby)
+        self.changed.notify_all()
+
+    def _all_finished(self) -> bool:
+        return all(m.finished for m in self.members.values())
+
     def record(self, worker: int, worker_step: int, cursor_json: str, finished: bool = False) -> None:
         """A worker's progress, as its push (or Finish) reached ps-0."""
         with self.lock:
@@ -104,6 +205,8 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
             if cursor_json:
                 member.cursor_json = cursor_json
             member.finished = member.finished or finished
+            if finished:
+                self._hand_over()  # the job may be done: waiting standbys leave
 
     def live(self) -> list[int]:
         """Workers heard from within the liveness timeout that have not finished."""
@@ -123,6 +226,8 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
         them) have not taken of the epoch is dealt again among the new set; returns its number. The
         caller (the shard's cut) makes sure no member holds a batch it has not pushed."""
         with self.lock:
+            # Places above the new size are not handed over: their holders are released.
+            self.vacated = {w for w in self.vacated if w < workers}
             cursors = {w: json.loads(m.cursor_json) for w, m in self.members.items() if m.cursor_json}
             old = self.workers
             self.workers = workers

@@ -218,3 +218,19 @@ class HeartbeatReply(_message.Message):
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     job_finished: bool
     def __init__(self, job_finished: _Optional[bool] = ...) -> None: ...
+
+class StandRequest(_message.Message):
+    __slots__ = ("worker", "incarnation")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    incarnation: int
+    def __init__(self, worker: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class StandReply(_message.Message):
+    __slots__ = ("worker", "done")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    done: bool
+    def __init__(self, worker: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

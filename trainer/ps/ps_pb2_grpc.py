@@ -248,6 +248,11 @@ class CoordinatorStub:
                 request_serializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Stand = channel.unary_stream(
+                '/kubetrain.ps.v1.Coordinator/Stand',
+                request_serializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.StandRequest.SerializeToString,
+                response_deserializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.StandReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -265,6 +270,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stand(self, request, context):
+        """Held open: the first reply says the place (or -1, wait); a waiting process gets a second reply when a
+        place frees (or done). ps-0 never ends the call of a holder; its end (the process gone) frees the place.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -277,6 +290,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
                     response_serializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Stand': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stand,
+                    request_deserializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.StandRequest.FromString,
+                    response_serializer=kubetrain_dot_ps_dot_v1_dot_ps__pb2.StandReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -333,6 +351,33 @@ class Coordinator:
             '/kubetrain.ps.v1.Coordinator/Heartbeat',
             kubetrain_dot_ps_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             kubetrain_dot_ps_dot_v1_dot_ps__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stand(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kubetrain.ps.v1.Coordinator/Stand',
+            kubetrain_dot_ps_dot_v1_dot_ps__pb2.StandRequest.SerializeToString,
+            kubetrain_dot_ps_dot_v1_dot_ps__pb2.StandReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ import time
 
 from kubetrain_operator.api.load import documents, from_object
 from kubetrain_operator.api.schema import InvalidSpec, Problem
+from kubetrain_operator.api.spec import MAX_STANDBY_WORKERS
 
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
@@ -162,9 +163,10 @@ def run_ps(ctx: ReplicaContext) -> int:
     metrics.ps_workers.set(shard.config.workers)
     metrics.training_step.set(shard.step)
     metrics.serve(ctx.metrics_port, ctx.listen_address)
-    # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish. Threads
-    # start as calls need them, so the bound is the most workers a resize can bring (MAX_WORKERS).
-    server = build_server(shard, ctx.token, max_workers=2 * MAX_WORKERS + 8)
+    # Every Pull that waits holds a thread: two per worker, and some to spare for Status and Finish; with
+    # standby workers ps-0 holds one more per worker and per standby (their Stand calls, coordinator.py).
+    # Threads start as calls need them, so the bound is the most workers a resize can bring (MAX_WORKERS).
+    server = build_server(shard, ctx.token, max_workers=3 * MAX_WORKERS + MAX_STANDBY_WORKERS + 8)
     tls = tls_from_env()  # the job's certificates: mutual TLS with every worker (tls.py)
     address = f"{ctx.listen_address}:{ctx.ps_port}"
     try:

@@ -54,6 +54,10 @@ namespace is deleted), so a dial to it hangs the whole 20 s before the name is r
 pod (the e2e shard recovery spent 15.9 s there). A dial on loopback or a pod network, TLS
 handshake included, takes milliseconds, and a few hundred on a loaded 2-core node; a dial cut
 short is simply tried again after the reconnect backoff, so 3 s costs nothing but a retry."""
+KEEPALIVE_MS = 10_000
+"""How often each end of a connection pings the other, and how long it waits for the answer: a peer gone
+without a reset (its node lost) is noticed within twice this. The answer comes from gRPC's core, without
+the interpreter, so a loaded process does not miss it."""
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -83,6 +87,14 @@ GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     # gRPC core reads its minimum connect timeout from this (misleadingly named) argument.
     ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
+    # Both ends ping a connection every KEEPALIVE_MS and drop it when a ping goes unanswered as long: a
+    # peer whose node vanished sends no reset, and a Stand call (coordinator.py) is silent for the whole
+    # job, so without pings ps-0 would keep a dead worker's place held, and a standby would wait on a
+    # shard that is gone. Pings go on however long no data flows, and each end accepts the other's.
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
 ]
 
 DTYPES = {
@@ -481,7 +493,7 @@ class Backoff:
     """Asked before each retry: True stops retrying (the process was told to stop: SIGTERM)."""
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0.0, min(self.cap, self.base * 2**attempt))
+        return random.uniform(0.0, min(self.cap, self.base * 2 ** min(attempt, 32)))  # no overflow
 
 
 def call_with_retry(

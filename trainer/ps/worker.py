@@ -48,6 +48,7 @@ from . import ps_pb2 as pb
 from .client import PSClient, wait_timeout
 from .job import chunk_bytes, model_and_data, ps_spec, shards_of
 from .serve import planned_global_steps, planned_worker_steps
+from .standby import Place, as_worker
 from .tls import from_env as tls_from_env
 from .transport import (
     MEMBERSHIP,
@@ -80,9 +81,11 @@ class Released(Exception):
 class Worker:
     """One worker process: its model replica, cursor, compressor and client."""
 
-    def __init__(self, ctx: ReplicaContext):
+    def __init__(self, ctx: ReplicaContext, place: Place | None = None):
         self.started = time.monotonic()
         self.ctx = ctx
+        self.place = place
+        """Its place held at ps-0 (a job with standby workers, standby.py); None: no Stand call."""
         spec = ctx.spec
         self.ps = ps_spec(ctx)
         if ctx.index >= self.ps.workers:
@@ -348,6 +351,8 @@ class Worker:
                 return EXIT_TERMINATED
             if self.epochs is not None and self.cursor.epoch >= self.epochs:
                 break
+            if self.place is not None and self.place.lost.is_set():
+                raise TransientError(f"{ctx.replica}: {self.place.why_lost}; stopping")
             headers = self.pull()
             if self.epochs is not None and not self.cursor.steps_left(self.epochs):
                 break  # dealt nothing more by a resize (a share of the last epoch's rest that came out empty)
@@ -466,14 +471,48 @@ class Worker:
             self._heartbeat_thread.join()
         self.pool.shutdown(wait=True)
         self.client.close()
+        if self.place is not None:
+            self.place.close()  # after Finish: the place of a finished worker is not handed over
         self.metrics.close()
         self.events.close()
 
 
 def run_worker(ctx: ReplicaContext) -> int:
     """Train as one worker until the job's steps are done (0), ps-0 releases it at a resize (76) or
-    SIGTERM (143)."""
-    worker = Worker(ctx)
+    SIGTERM (143). In a job with standby workers it holds its place at ps-0 first (standby.py), or, its
+    place held by a standby that took over, waits as the next standby."""
+    if not ps_spec(ctx).standby_workers:
+        return run_placed(ctx, None, ctx.index)
+    return run_placed(ctx, Place(ctx), ctx.index)
+
+
+def run_standby(ctx: ReplicaContext) -> int:
+    """A standby worker (standby.py): wait for a worker's place and run as that worker; 0 when the job's
+    workers all finish first, 143 when SIGTERM comes first (a standby holds nothing to save)."""
+    return run_placed(ctx, Place(ctx), -1)
+
+
+def run_placed(ctx: ReplicaContext, place: Place | None, ask: int) -> int:
+    """Run as worker `ask`, or, with a place to hold at ps-0, as the worker whose place it is given."""
+    if place is not None:
+        try:
+            index = place.take(ask)
+        except BaseException:
+            place.close()
+            raise
+        if index is None:  # the job's workers all finished, or SIGTERM while waiting (stopped as any replica)
+            place.close()
+            return EXIT_TERMINATED if ctx.stop_requested else EXIT_OK
+        if index != ctx.index or ctx.role != "worker":
+            log.info("%s: takes worker-%d's place", ctx.replica, index)
+            startup("placed", worker=index)
+        ctx = as_worker(ctx, index)
+    try:
+        worker = Worker(ctx, place)
+    except BaseException:
+        if place is not None:
+            place.close()
+        raise
     try:
         return worker.run()
     except Released:
