@@ -132,6 +132,12 @@ class TrainerMetrics:
         self.ps_resizes_total = self._counter(
             "ps_resizes", "Live resizes of the job's workers that ps-0 made (elastic jobs)."
         )
+        self.ps_standby_workers = self._gauge(
+            "ps_standby_workers", "Standby workers waiting at ps-0 for a worker's place."
+        )
+        self.ps_takeovers_total = self._counter(
+            "ps_takeovers", "Worker places ps-0 handed to a standby worker after the process holding it ended."
+        )
         self.non_finite_steps_total = self._counter(
             "non_finite_steps", "Steps a worker skipped because its gradients held NaN or Inf."
         )

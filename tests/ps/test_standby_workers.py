@@ -25,7 +25,9 @@ from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps import ps_pb2_grpc
 from kubetrain_trainer.ps.coordinator import Coordinator
 from kubetrain_trainer.ps.standby import Place, as_worker
+from kubetrain_trainer.metrics import TrainerMetrics
 from kubetrain_trainer.ps.transport import GRPC_OPTIONS, TOKEN_KEY
+from test_hostile_clients import LABELS, counted
 
 WORKERS = 3
 STEPS = 450  # the job's steps per worker (test_ps_training.py)
@@ -40,12 +42,12 @@ def job(tmp_path):
 class Ps0:
     """ps-0's coordinator behind a real gRPC server on a fixed loopback port; `restart` serves a fresh one."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, coordinator: Coordinator | None = None):
         self.tmp_path = tmp_path
         self.port = free_port()
         self.server: grpc.Server | None = None
         self.places: list[Place] = []
-        self.restart(Coordinator(WORKERS, 30.0))
+        self.restart(coordinator or Coordinator(WORKERS, 30.0))
 
     def restart(self, coordinator: Coordinator) -> None:
         if self.server is not None:
@@ -91,17 +93,25 @@ def waiting(coordinator: Coordinator, *places: Place) -> list[int]:
         return [p.incarnation for p in places if p.incarnation in coordinator.waiting]
 
 
-def test_a_dead_workers_place_goes_to_the_waiting_standby_at_once(ps0):
-    worker = ps0.place("worker-1")
-    assert worker.take(1) == 1
-    standby = ps0.place("standby-0")
-    handed = taking(standby, -1)
-    wait_for("the standby waiting", lambda: waiting(ps0.coordinator, standby), 10, every=0.02)
-    assert not handed.done()
-    worker.close()  # the process died: its Stand call ended
-    assert handed.result(timeout=10) == 1
-    assert ps0.coordinator.places == {1: standby.incarnation}
-    assert not standby.lost.is_set()
+def test_a_dead_workers_place_goes_to_the_waiting_standby_at_once(tmp_path):
+    metrics = TrainerMetrics(LABELS)
+    ps0 = Ps0(tmp_path, Coordinator(WORKERS, 30.0, metrics=metrics))
+    try:
+        worker = ps0.place("worker-1")
+        assert worker.take(1) == 1
+        standby = ps0.place("standby-0")
+        handed = taking(standby, -1)
+        wait_for("the standby waiting", lambda: waiting(ps0.coordinator, standby), 10, every=0.02)
+        assert not handed.done()
+        assert counted(metrics, "kubetrain_ps_standby_workers") == 1
+        worker.close()  # the process died: its Stand call ended
+        assert handed.result(timeout=10) == 1
+        assert ps0.coordinator.places == {1: standby.incarnation}
+        assert not standby.lost.is_set()
+        assert counted(metrics, "kubetrain_ps_takeovers_total") == 1
+        assert counted(metrics, "kubetrain_ps_standby_workers") == 0
+    finally:
+        ps0.close()
 
 
 def test_the_chiefs_place_and_a_finished_workers_place_are_never_handed_over(ps0):

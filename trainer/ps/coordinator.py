@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -64,8 +65,11 @@ class Member:
 class Coordinator(ps_pb2_grpc.CoordinatorServicer):
     """Membership and cursors of the job's workers; thread-safe."""
 
-    def __init__(self, workers: int, liveness_timeout: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, workers: int, liveness_timeout: float, clock: Callable[[], float] = time.monotonic,
+                 metrics: Any = None):
         self.workers = workers
+        self.metrics = metrics
+        """ps-0's TrainerMetrics: the standby workers waiting, the places handed over; None: not counted."""
         self.liveness_timeout = liveness_timeout
         self.clock = clock
         self.members = {w: Member(last_contact=clock()) for w in range(workers)}
@@ -191,6 +195,10 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
             self.places[worker] = standby
             log.info("worker %d's process ended before it finished: a standby (incarnation %x) takes its place",
                      worker, standby)
+            if self.metrics:
+                self.metrics.ps_takeovers_total.inc()
+        if self.metrics:
+            self.metrics.ps_standby_workers.set(len(self.waiting))
         self.changed.notify_all()
 
     def _all_finished(self) -> bool:

@@ -141,7 +141,7 @@ def run_ps(ctx: ReplicaContext) -> int:
         worker_steps_for=steps_at(ctx, len(data.train_x)),
         size_source=size_source(ctx) if ctx.index == 0 else None,
     )
-    coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds) if ctx.index == 0 else None
+    coordinator = Coordinator(ps.workers, ps.sync_timeout_seconds, metrics=metrics) if ctx.index == 0 else None
     shard = ParameterShard(
         config, params, lambda p: shard_optimizer(p, spec.training.optimizer, ps.compression), store,
         coordinator=coordinator, metrics=metrics, after_step=after_step,
