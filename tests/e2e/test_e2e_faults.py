@@ -41,24 +41,34 @@ def fault_free(e2e, manifest: str) -> float:
     return FAULT_FREE[manifest]
 
 
-def faulty_run(e2e, manifest: str, name: str, victim: str, fault) -> dict:
+def faulty_run(e2e, manifest: str, name: str, victim: str, fault, standby: bool = False,
+               while_running=None) -> dict:
     """Run the example as `name`; at its first checkpoint apply `fault` to the victim's pod; wait for success.
+
+    `standby`: the parameter-server example with a standby worker, which takes the victim's place
+    (the replacement whose first step counts); `while_running`, when given, is called after that first
+    step and before the job's end (its pods go once it has succeeded).
 
     Returns what the test checks: the status, the checkpoint step at the fault,
     the replacement's first step (time after the fault, the step it saw), and
     the recovery in parts (helpers/recovery.py), printed among the figures."""
     reference = fault_free(e2e, manifest)
-    doc = example(manifest, EPOCHS[manifest])
+    doc = standby_job(name) if standby else example(manifest, EPOCHS[manifest])
     doc["metadata"]["name"] = name
     holder, _ = HOLDER[manifest]
     apply(e2e, doc)
     checkpoint = first_checkpoint(e2e, f"{name}-{holder}")
-    faulted, after, parts = strike(e2e, name, victim, fault)
+    if standby:
+        faulted, after, parts = strike_with_standby(e2e, name, victim)
+    else:
+        faulted, after, parts = strike(e2e, name, victim, fault)
     figure(f"{name}: {parts.describe()}")
+    if while_running is not None:
+        while_running()
     status = succeeded(e2e, name)
     accuracy = status["progress"]["evalAccuracy"]
     figure(f"{name}: {fault.__name__} {victim} after checkpoint {checkpoint.metrics['kubetrain_last_checkpoint_step']:.0f}"
-           f" -> first step of its replacement {after.at - faulted:.1f} s later (at step "
+           f" -> first step of its {'standby' if standby else 'replacement'} {after.at - faulted:.1f} s later (at step "
            f"{after.metrics['kubetrain_training_step']:.0f}); restarts {status['restarts']}, "
            f"accuracy {accuracy:.4f} (fault-free {reference:.4f})")
     assert abs(accuracy - reference) <= ACCURACY_POINTS, (accuracy, reference)
@@ -103,30 +113,20 @@ def test_sigkilled_worker_of_a_job_with_a_standby_is_taken_over_by_the_standby(e
     in real pods; worker-1's pod is replaced as always (counted), and its replacement waits as the next
     standby until the job ends, which it does with the fault-free accuracy."""
     name = "fault-standby"
-    reference = fault_free(e2e, "parameter-server.yaml")
-    apply(e2e, standby_job(name))
-    checkpoint = first_checkpoint(e2e, f"{name}-ps-0")
-    faulted, after, parts = strike_with_standby(e2e, name)
-    figure(f"{name}: {parts.describe()}")
 
     def log_of(replica: str) -> str:
         return e2e.kube.run("logs", f"{name}-{replica}", "-c", "trainer", timeout=60, check=False).stdout
 
-    # Read while the job runs: its pods go once it has succeeded.
-    standby_log = log_of("standby-0")
-    assert "standby-0: takes worker-1's place" in standby_log, standby_log[-3000:]
-    e2e.wait("worker-1's replacement pod waiting as a standby",
-             lambda: "worker-1's place is held by another process" in log_of("worker-1"), timeout=120, every=0.5)
-    status = succeeded(e2e, name)
-    accuracy = status["progress"]["evalAccuracy"]
-    figure(f"{name}: sigkill worker-1 after checkpoint {checkpoint.metrics['kubetrain_last_checkpoint_step']:.0f}"
-           f" -> the standby's first step on /metrics {after.at - faulted:.1f} s later (at step "
-           f"{after.metrics['kubetrain_training_step']:.0f}); restarts {status['restarts']}, "
-           f"accuracy {accuracy:.4f} (fault-free {reference:.4f})")
-    assert abs(accuracy - reference) <= ACCURACY_POINTS, (accuracy, reference)
-    assert not parts.missing and not parts.out_of_order(), (parts.missing, parts.out_of_order(), parts.marks)
-    assert after.metrics["kubetrain_training_step"] >= checkpoint.metrics["kubetrain_last_checkpoint_step"] > 0
-    assert status["restarts"] >= 1 and "Killed" in warning_reasons(e2e, name), status
+    def standing_by() -> None:
+        standby_log = log_of("standby-0")
+        assert "standby-0: takes worker-1's place" in standby_log, standby_log[-3000:]
+        e2e.wait("worker-1's replacement pod waiting as a standby",
+                 lambda: "worker-1's place is held by another process" in log_of("worker-1"), timeout=120, every=0.5)
+
+    run = faulty_run(e2e, "parameter-server.yaml", name, "worker-1", sigkill, standby=True, while_running=standing_by)
+
+    assert run["status"]["restarts"] >= 1 and "Killed" in warning_reasons(e2e, name), run["status"]
+    assert run["replacement"].metrics["kubetrain_training_step"] >= run["checkpoint"] > 0, run
 
 
 def test_sigkilled_parameter_server_resumes_from_its_newest_checkpoint(e2e):
