@@ -83,7 +83,9 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
         self.vacated: set[int] = set()
         self.waiting: list[int] = []
         self.changed = threading.Condition(self.lock)
-        """Notified under the lock when a place is handed over, a Stand call ends or the job's workers finish."""
+        """Notified under the lock when a place is handed over, a Stand call ends or a worker finishes; the
+        waiting Stand calls wait on it (at most the standbys and the replacements that found their place
+        held), never the holders."""
 
     def _member(self, worker: int, context: grpc.ServicerContext) -> Member:
         if worker >= self.workers:
@@ -132,12 +134,12 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
         if not me:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Stand: incarnation 0 (a process names itself by a "
                                                             "random non-zero number)")
-        ended = []
+        ended = threading.Event()
 
         def on_end() -> None:
             with self.lock:
-                ended.append(True)
-                self._leave(me)
+                ended.set()
+                self._leave(me)  # wakes the waiting calls, this one among them
 
         with self.lock:
             place = first = self._stand(request.worker, me)
@@ -145,23 +147,21 @@ class Coordinator(ps_pb2_grpc.CoordinatorServicer):
             on_end()  # the call ended already
             return
         yield pb.StandReply(worker=first)
-        with self.lock:
-            while place < 0 and not ended:
+        with self.lock:  # only a waiting call waits on `changed`: a holder waits for its own end alone
+            while place < 0 and not ended.is_set():
                 place = next((w for w, holder in self.places.items() if holder == me), -1)
                 if place < 0 and self._all_finished():
                     break
                 if place < 0:
                     self.changed.wait()
-        if ended:
+        if ended.is_set():
             return
         if place < 0:
             yield pb.StandReply(worker=-1, done=True)
             return
         if first < 0:
             yield pb.StandReply(worker=place)
-        with self.lock:
-            while not ended:  # held: the call's end (on_end) frees the place
-                self.changed.wait()
+        ended.wait()  # held: the call's end (on_end) frees the place
 
     def _stand(self, worker: int, me: int) -> int:
         """Under the lock: the place `me` holds from now on (its own, when free), else -1 and it waits."""
