@@ -21,11 +21,11 @@ a standby.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import random
 import threading
-import time
 
 import grpc
 
@@ -35,12 +35,15 @@ from ..events import startup
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
 from .tls import from_env as tls_from_env
-from .transport import RETRYABLE, TOKEN_KEY, Backoff, open_channel
+from .transport import TOKEN_KEY, Backoff, call_with_retry, open_channel
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
 """How often a process waiting for its place looks at whether it was told to stop (SIGTERM)."""
+CLOSE_SECONDS = 2.0
+"""The longest `close` waits for the thread: it ends at its call's cancellation, or after one more try
+of a call_with_retry under way (Backoff.cap, 0.5 s, and a dial)."""
 
 
 class Place:
@@ -54,7 +57,7 @@ class Place:
         self.stub = ps_pb2_grpc.CoordinatorStub(self.channel)
         self.metadata = ((TOKEN_KEY, ctx.token),)
         self.backoff = Backoff(budget=float(ctx.spec.run_policy.progress_deadline_seconds),
-                               give_up=lambda: ctx.stop_requested)
+                               give_up=lambda: ctx.stop_requested or self._closing)
         self.worker = -1
         """The place held (a worker index); -1 while none."""
         self.lost = threading.Event()
@@ -95,13 +98,16 @@ class Place:
 
     def _keep(self, worker: int) -> None:
         """The thread: the Stand call, asked again whenever it breaks (ps-0 away), until closed."""
-        ask, attempt, failing_since = worker, 0, None
+        ask = worker
         while not self._closing:
             try:
-                self._call = self.stub.Stand(pb.StandRequest(worker=ask, incarnation=self.incarnation),
-                                             metadata=self.metadata)
-                for reply in self._call:
-                    attempt, failing_since = 0, None
+                call, first = call_with_retry(lambda: self._stand(ask), f"Stand at {self.address}", self.backoff)
+            except grpc.RpcError as err:
+                if not self._closing:
+                    self._lose(f"Stand at {self.address} failed: {err.code().name}: {err.details()}")
+                return
+            try:
+                for reply in itertools.chain([first], call):
                     if reply.done:
                         self._events.put(("done", -1))
                         return
@@ -114,22 +120,17 @@ class Place:
                     else:
                         ask = -1  # asked again after a break: for any place, not one another took meanwhile
                         self._events.put(("waiting", -1))
-                if not self._closing:
-                    self._lose("ps-0 ended the Stand call")
-                return
-            except grpc.RpcError as err:
-                if self._closing:
-                    return
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if err.code() not in RETRYABLE or now - failing_since > self.backoff.budget or self.backoff.give_up():
-                    self._lose(f"Stand at {self.address} failed: {err.code().name}: {err.details()}")
-                    return
-                if attempt == 3 or attempt % 20 == 3:
-                    log.warning("%s: Stand at %s: %s (%s); retrying", self.ctx.replica, self.address,
-                                err.code().name, err.details())
-                time.sleep(self.backoff.delay(attempt))
-                attempt += 1
+            except grpc.RpcError:
+                continue  # ps-0 away (or this Place closed): stand again, with call_with_retry's backoff
+            if not self._closing:
+                self._lose("ps-0 ended the Stand call")
+            return
+
+    def _stand(self, ask: int) -> tuple[grpc.Future, pb.StandReply]:
+        """One Stand call and its first reply (at once: the place, or -1)."""
+        self._call = self.stub.Stand(pb.StandRequest(worker=ask, incarnation=self.incarnation),
+                                     metadata=self.metadata)
+        return self._call, next(self._call)
 
     def _lose(self, why: str) -> None:
         self.why_lost = why
@@ -137,10 +138,13 @@ class Place:
         self._events.put(("lost", -1))
 
     def close(self) -> None:
+        """End the Stand call (its place, unless its worker finished, is handed over) and the thread."""
         self._closing = True
         self._events.put(("closed", -1))
         if self._call is not None:
             self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(CLOSE_SECONDS)  # the channel outlives the thread's last call
         self.channel.close()
 
 
