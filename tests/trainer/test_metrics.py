@@ -26,6 +26,8 @@ CONTRACT = {
     "kubetrain_ps_cancelled_streams": "counter",
     "kubetrain_ps_workers": "gauge",
     "kubetrain_ps_resizes": "counter",
+    "kubetrain_ps_standby_workers": "gauge",
+    "kubetrain_ps_takeovers": "counter",
     "kubetrain_non_finite_steps": "counter",
     "kubetrain_samples": "counter",
     "kubetrain_step_duration_seconds": "histogram",
