@@ -43,6 +43,10 @@ class ReplicaContext:
     """host:port of each parameter-server shard, in shard order (ps-0 hosts the coordinator)."""
     ps_port: int = 0
     """Port a parameter server listens on."""
+    ps_data_addrs: list[str] = field(default_factory=list)
+    """host:port of each shard's data plane (ps/dataplane.py), in shard order; empty: Pull and Push over gRPC."""
+    ps_data_port: int = 0
+    """Port a parameter server's data plane listens on; 0: none."""
     listen_address: str = "127.0.0.1"
     """Address /metrics and a parameter server listen on: loopback unless the plan says otherwise (a pod)."""
     token: str = ""
@@ -100,6 +104,8 @@ class ReplicaContext:
             metrics_port=_int(env, "KUBETRAIN_METRICS_PORT", job.spec.metrics.port),
             ps_addrs=[a for a in env.get("KUBETRAIN_PS_ADDRS", "").split(",") if a],
             ps_port=_int(env, "KUBETRAIN_PS_PORT", 0),
+            ps_data_addrs=[a for a in env.get("KUBETRAIN_PS_DATA_ADDRS", "").split(",") if a],
+            ps_data_port=_int(env, "KUBETRAIN_PS_DATA_PORT", 0),
             listen_address=env.get("KUBETRAIN_LISTEN_ADDRESS") or "127.0.0.1",
             token=env.get("KUBETRAIN_JOB_TOKEN", ""),
             fault_step=_fault_step(env.get("KUBETRAIN_FAULT", "")),

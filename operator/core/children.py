@@ -28,7 +28,7 @@ from ..api.podtemplate import (
 )
 from ..api.tls import FILES as TLS_FILES, MOUNT as TLS_MOUNT, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
 from . import gang
-from .plan import GRPC_PORT, Replica, plan_replicas
+from .plan import DATA_PORT, GRPC_PORT, Replica, plan_replicas
 from .tls import ps_hosts_of, secret_certificates, uses_tls
 
 LABEL_JOB = "kubetrain.dev/job-name"
@@ -76,6 +76,12 @@ class ClusterEndpoints:
 
     def ps_port(self, index: int) -> int:
         return GRPC_PORT
+
+    def ps_data_address(self, index: int) -> str:
+        return f"{self.job.name}-ps-{index}:{DATA_PORT}"
+
+    def ps_data_port(self, index: int) -> int:
+        return DATA_PORT
 
     def rendezvous(self) -> str:
         return f"{self.job.name}-ddp-0.{self.job.name}-ddp:{RDZV_PORT}"
@@ -205,7 +211,8 @@ def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     assert job.spec.parameter_server is not None
     # The shard's ports reached by the Service's name: gRPC, and /metrics where it is on (the name
     # reached it when it resolved to the pod's own address; the operator scrapes by pod IP).
-    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT}]
+    ports = [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT},
+             {"name": "ps-data", "port": DATA_PORT, "targetPort": DATA_PORT}]
     if job.spec.metrics.port:
         ports.append({"name": "metrics", "port": job.spec.metrics.port, "targetPort": job.spec.metrics.port})
     out = []

@@ -18,6 +18,7 @@ from ..api import TrainingJob
 PYTHON = "python"
 TRAINER_MODULE = "kubetrain_trainer"
 GRPC_PORT = 50051  # parameter servers in a cluster
+DATA_PORT = 50052  # their data planes (Pull and Push of tensors: trainer/ps/dataplane.py)
 
 
 class Endpoints(Protocol):
@@ -28,6 +29,12 @@ class Endpoints(Protocol):
 
     def ps_port(self, index: int) -> int:
         """Port shard `index` listens on."""
+
+    def ps_data_address(self, index: int) -> str:
+        """host:port of shard `index`'s data plane."""
+
+    def ps_data_port(self, index: int) -> int:
+        """Port shard `index`'s data plane listens on."""
 
     def rendezvous(self) -> str:
         """host:port of the DDP c10d rendezvous (hosted by node 0)."""
@@ -87,10 +94,11 @@ def replica_names(job: TrainingJob) -> list[tuple[str, int]]:
 
 def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
     spec = job.spec
-    ps_addrs = ""
+    ps_addrs = data_addrs = ""
     if spec.mode == "ParameterServer":
         assert spec.parameter_server is not None
         ps_addrs = ",".join(endpoints.ps_address(i) for i in range(spec.parameter_server.replicas))
+        data_addrs = ",".join(endpoints.ps_data_address(i) for i in range(spec.parameter_server.replicas))
     replicas = []
     for role, index in replica_names(job):
         name = f"{role}-{index}"
@@ -118,9 +126,12 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             env["KUBETRAIN_CODE_DIR"] = code_dir
         if spec.mode == "ParameterServer":
             env["KUBETRAIN_PS_ADDRS"] = ps_addrs
+            env["KUBETRAIN_PS_DATA_ADDRS"] = data_addrs
         if role == "ps":
             ports["grpc"] = endpoints.ps_port(index)
             env["KUBETRAIN_PS_PORT"] = str(ports["grpc"])
+            ports["ps-data"] = endpoints.ps_data_port(index)
+            env["KUBETRAIN_PS_DATA_PORT"] = str(ports["ps-data"])
         if role == "ddp":
             assert spec.ddp is not None
             rdzv_id = f"{job.metadata.namespace}-{job.name}"

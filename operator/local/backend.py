@@ -77,6 +77,12 @@ class LocalEndpoints:
     def ps_port(self, index: int) -> int:
         return self.ports[f"ps-{index}/grpc"]
 
+    def ps_data_address(self, index: int) -> str:
+        return f"127.0.0.1:{self.ps_data_port(index)}"
+
+    def ps_data_port(self, index: int) -> int:
+        return self.ports[f"ps-{index}/ps-data"]
+
     def rendezvous(self) -> str:
         return f"127.0.0.1:{self.ports['rendezvous']}"
 
@@ -109,7 +115,8 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
     """Free loopback ports for every replica of the job; `kept`: the ports of an earlier plan that stay
     (a live resize: the shards' and the running workers' own), only the missing ones picked."""
     names = [f"{r}-{i}" for r, i in replica_names(job)]
-    keys = [f"{n}/metrics" for n in names] + [f"{n}/grpc" for n in names if n.startswith("ps-")] + ["rendezvous"]
+    shards = [n for n in names if n.startswith("ps-")]
+    keys = [f"{n}/metrics" for n in names] + [f"{n}/{port}" for n in shards for port in ("grpc", "ps-data")] + ["rendezvous"]
     ports = {k: (kept or {})[k] for k in keys if k in (kept or {})}
     missing = [k for k in keys if k not in ports]
     if missing:

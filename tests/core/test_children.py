@@ -39,10 +39,16 @@ def test_parameter_server_children():
         assert "clusterIP" not in service["spec"] and service["spec"]["publishNotReadyAddresses"] is True
         assert service["spec"]["selector"]["kubetrain.dev/replica"] == service["metadata"]["name"][len("j-"):]
         assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == \
-            [("grpc", 50051, 50051), ("metrics", 9090, 9090)]
+            [("grpc", 50051, 50051), ("ps-data", 50052, 50052), ("metrics", 9090, 9090)]
     worker = objs[-1]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["KUBETRAIN_PS_ADDRS"] == "j-ps-0:50051,j-ps-1:50051"
+    # Pull and Push go to each shard's data plane, through the same Service.
+    assert env["KUBETRAIN_PS_DATA_ADDRS"] == "j-ps-0:50052,j-ps-1:50052"
+    shard_env = {e["name"]: e.get("value") for e in objs[6]["spec"]["containers"][0]["env"]}
+    assert (shard_env["KUBETRAIN_PS_PORT"], shard_env["KUBETRAIN_PS_DATA_PORT"]) == ("50051", "50052")
+    assert {(p["name"], p["containerPort"]) for p in objs[6]["spec"]["containers"][0]["ports"]} >= \
+        {("grpc", 50051), ("ps-data", 50052)}
     assert env["KUBETRAIN_REPLICA"] == "worker-2"
     token = next(e for e in worker["env"] if e["name"] == "KUBETRAIN_JOB_TOKEN")
     assert token["valueFrom"]["secretKeyRef"] == {"name": "j-token", "key": "token"}
@@ -106,8 +112,9 @@ def _normalised(replicas):
     out = []
     for r in replicas:
         env = dict(r.env)
-        for key in ("KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT", "KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR",
-                    "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT", "KUBETRAIN_LISTEN_ADDRESS"):
+        for key in ("KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT", "KUBETRAIN_PS_DATA_ADDRS", "KUBETRAIN_PS_DATA_PORT",
+                    "KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR", "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT",
+                    "KUBETRAIN_LISTEN_ADDRESS"):
             if key in env:
                 env[key] = "<endpoint>"
         command = list(r.command)

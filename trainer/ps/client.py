@@ -19,6 +19,7 @@ import grpc
 
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
+from .dataplane import DataClient
 from .transport import (
     TOKEN_KEY,
     Assembler,
@@ -68,8 +69,10 @@ class PSClient:
         wait_timeout: float = 2 * MIN_WAIT_TIMEOUT_SECONDS,
         metrics: Any = None,
         tls: TlsFiles | None = None,
+        data_addrs: list[str] | None = None,
     ):
-        """`tls`: the job's certificates (mutual TLS to every shard); None: plaintext."""
+        """`tls`: the job's certificates (mutual TLS to every shard); None: plaintext. `data_addrs`: each
+        shard's data plane (dataplane.py), which then carries Pull and Push; None or empty: gRPC does."""
         self.addrs = addrs
         self.chunk_bytes = chunk_bytes
         self.backoff = backoff
@@ -88,6 +91,9 @@ class PSClient:
             for ch in self.channels
         ]
         self.shards = [ps_pb2_grpc.ParameterShardStub(ch) for ch in self.channels]
+        if data_addrs and len(data_addrs) != len(addrs):
+            raise ValueError(f"{len(data_addrs)} data-plane addresses for {len(addrs)} shards")
+        self.data = [DataClient(a, token, tls, self.counter) for a in data_addrs or []]
         self.coordinator = ps_pb2_grpc.CoordinatorStub(self.channels[0])
 
     def _encode(self, frame: WireFrame) -> bytes:
@@ -130,7 +136,9 @@ class PSClient:
         def attempt() -> tuple[pb.PullHeader, dict]:
             collector = assembler()
             header = None
-            for frame in self._pull[shard](request, timeout=self.wait_timeout, metadata=self.metadata):
+            frames = (self.data[shard].pull_frames(request, self.wait_timeout) if self.data else
+                      self._pull[shard](request, timeout=self.wait_timeout, metadata=self.metadata))
+            for frame in frames:
                 if header is None:
                     if not frame.header.HasField("pull"):
                         raise invalid(f"{self.addrs[shard]}: pull reply without a PullHeader")
@@ -144,6 +152,9 @@ class PSClient:
 
     def push(self, shard: int, header: pb.PushHeader, tensors: list[OutTensor]) -> pb.PushReply:
         """Push one gradient; a retry re-sends the same (incarnation, worker_step), applied once."""
+        if self.data:
+            return self._call("Push", shard, lambda: self.data[shard].push(
+                frames_for(tensors, self.chunk_bytes, pb.Frame(push=header)), self.wait_timeout))
         return self._call("Push", shard, lambda: self._push[shard](
             frames_for(tensors, self.chunk_bytes, pb.Frame(push=header)),
             timeout=self.wait_timeout, metadata=self.metadata))
@@ -166,3 +177,5 @@ class PSClient:
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
+        for data in self.data:
+            data.close()

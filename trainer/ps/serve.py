@@ -19,9 +19,11 @@ from ..metrics import TrainerMetrics
 from ..preload import preload, without_dynamo_import
 from ..training import log_interval
 from .coordinator import MAX_WORKERS, Coordinator
+from .dataplane import DataServer, max_connections
 from .job import chunk_bytes, model_and_data, ps_spec, shard_optimizer, shards_of
 from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
 from .tls import from_env as tls_from_env
+from .transport import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +178,24 @@ def run_ps(ctx: ReplicaContext) -> int:
             server.add_secure_port(address, tls.server_credentials())
     except RuntimeError as err:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
+    data = None
+    if ctx.ps_data_port:  # Pull and Push of tensors, beside gRPC (dataplane.py); the same threads' bound
+        data = DataServer(shard, ctx.token, tls, max_connections=max_connections(MAX_WORKERS, MAX_STANDBY_WORKERS),
+                          drain_bytes=sum(e.nbytes for e in shard.expected.values()) + MAX_MESSAGE_BYTES)
+        try:
+            data.start(ctx.listen_address, ctx.ps_data_port)
+        except OSError as err:
+            server.stop(grace=None)
+            raise TransientError(f"KUBETRAIN_PS_DATA_PORT: cannot listen on port {ctx.ps_data_port}: {err}") from None
     server.start()
     startup("serving")
     events.write("start", step=shard.step, total_steps=total_steps, tensors=len(params),
                  parameter_bytes=sum(e.nbytes for e in shard.expected.values()), incarnation=shard.incarnation)
     if resumed:
         events.write("resume", step=shard.step)
-    log.info("%s: serving %d tensors on port %d (%s) from step %d%s", ctx.replica, len(params), ctx.ps_port,
-             "mutual TLS" if tls else "plaintext", shard.step, " (resumed)" if resumed else "")
+    log.info("%s: serving %d tensors on port %d%s (%s) from step %d%s", ctx.replica, len(params), ctx.ps_port,
+             f", data plane on {ctx.ps_data_port}" if data else "", "mutual TLS" if tls else "plaintext", shard.step,
+             " (resumed)" if resumed else "")
     try:
         while not shard.job_finished.wait(TICK_SECONDS):
             shard.tick()
@@ -194,6 +206,8 @@ def run_ps(ctx: ReplicaContext) -> int:
                 # cancelled; workers retry CANCELLED against the restarted shard. A push already
                 # inside its handler can still land after the checkpoint (not closed yet).
                 server.stop(grace=None)
+                if data is not None:
+                    data.stop()
                 with shard.cond:
                     shard.checkpoint(wait=True)
                     stopped_at = shard.step
@@ -206,6 +220,8 @@ def run_ps(ctx: ReplicaContext) -> int:
         store.wait()
         # Grace: the reply to the last Finish is still on its way out.
         server.stop(grace=2.0).wait()
+        if data is not None:
+            data.stop()
         wall = time.monotonic() - started
         write_result(ctx.run_dir, ctx.replica, {
             "steps": shard.step,
@@ -226,5 +242,7 @@ def run_ps(ctx: ReplicaContext) -> int:
         return EXIT_OK
     finally:
         server.stop(grace=None)
+        if data is not None:
+            data.stop()
         metrics.close()
         events.close()

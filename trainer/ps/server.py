@@ -699,8 +699,12 @@ class ParameterShard:
         # A cancelled stream (by its client, or by tick() as stalled) raises the
         # request iterator's grpc.RpcError out of here: gRPC knows it as its own
         # and ends the call quietly. Nothing was taken.
+        return self.push_frames((decode_frame(message) for message in request_iterator), context)
+
+    def push_frames(self, frames: Iterator[WireFrame], context: Any) -> pb.PushReply:
+        """A push's frames, from gRPC (Push) or the data plane (dataplane.py, with its own context)."""
         try:
-            return self._push(request_iterator, context)
+            return self._push(frames, context)
         except WireError as err:
             if err.code == grpc.StatusCode.INVALID_ARGUMENT:
                 self._reject(err.reason or "invalid")
@@ -708,14 +712,13 @@ class ParameterShard:
                 context.set_trailing_metadata(((REFUSAL_KEY, err.reason),))
             context.abort(err.code, str(err))
 
-    def _push(self, messages: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushReply:
+    def _push(self, frames: Iterator[WireFrame], context: Any) -> pb.PushReply:
         # Watched from the start: a client may stall before its first frame too.
         with self._watched("Push", -1, context, self.config.push_stall_seconds) as watch:
-            first = next(messages, None)
-            if first is None:
+            frame = next(frames, None)
+            if frame is None:
                 raise invalid("empty push: the first frame must carry a PushHeader")
-            self.counter.add(received=len(first))
-            frame = decode_frame(first)
+            self.counter.add(received=frame.size)
             if not frame.header.HasField("push"):
                 raise invalid("the first frame of a push must carry a PushHeader")
             header = frame.header.push
@@ -726,7 +729,7 @@ class ParameterShard:
             watch.last_message = self.clock()
             worker = self.workers[header.worker]
             if header.no_gradient:
-                if frame.header.pieces or next(messages, None) is not None:
+                if frame.header.pieces or next(frames, None) is not None:
                     raise invalid(f"worker {header.worker}: a push without a gradient (no_gradient) carries no tensors")
                 with self.cond:
                     return self._accept(header, None)
@@ -738,10 +741,10 @@ class ParameterShard:
             try:
                 assembler = Assembler(self.expected, worker.scratch if owned else {})
                 assembler.add(frame)
-                for message in messages:
+                for frame in frames:
                     watch.last_message = self.clock()
-                    self.counter.add(received=len(message))
-                    assembler.add(decode_frame(message))
+                    self.counter.add(received=frame.size)
+                    assembler.add(frame)
                 grads = assembler.finish()
                 self._check_finite(header, grads)
                 with self.cond:

@@ -17,8 +17,9 @@ jobs always set it).
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,6 +36,8 @@ class TlsFiles:
     ca: bytes
     cert: bytes
     key: bytes
+    directory: Path | None = field(default=None, compare=False)
+    """Where they were read from: Python's ssl module (the data plane, dataplane.py) loads a key from a file."""
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> "TlsFiles":
@@ -46,7 +49,7 @@ class TlsFiles:
         for name, pem in ((CA_FILE, ca), (CERT_FILE, cert), (KEY_FILE, key)):
             if b"-----BEGIN " not in pem:
                 raise ConfigError(f"{TLS_DIR_VAR}: {folder / name} is not a PEM file")
-        return cls(ca, cert, key)
+        return cls(ca, cert, key, folder)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """A shard's side: present the job's certificate, demand one the job's CA signed."""
@@ -55,6 +58,24 @@ class TlsFiles:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """A worker's side: trust the job's CA only (not the system's), present the job's certificate."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+
+    def _chain(self, context: ssl.SSLContext) -> ssl.SSLContext:
+        if self.directory is None:
+            raise ConfigError("the job's certificates were not loaded from a directory (TlsFiles.load)")
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_verify_locations(cadata=self.ca.decode())  # the job's CA only, not the system's
+        context.load_cert_chain(self.directory / CERT_FILE, self.directory / KEY_FILE)
+        return context
+
+    def server_context(self) -> ssl.SSLContext:
+        """The data plane's shard side, as server_credentials: the job's certificate, a client's demanded."""
+        context = self._chain(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """The data plane's worker side, as channel_credentials: the shard's name checked against the job's CA."""
+        return self._chain(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> TlsFiles | None:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 import torch
 
 from .. import compression
@@ -189,6 +188,11 @@ class WireFrame:
     header: pb.Frame
     data: list[Any] = field(default_factory=list)
     """Sender: buffers joined once on serialisation. Receiver: one memoryview into the message."""
+    read_into: Callable[[memoryview], None] | None = None
+    """Receiver on the data plane (dataplane.py): the data is still on the connection; each call
+    reads the next len(destination) bytes of it straight into the destination (no copy of its own)."""
+    size: int = 0
+    """Receiver: the bytes this frame took on the wire (counted as received)."""
 
 
 def _varint(value: int) -> bytes:
@@ -253,11 +257,15 @@ def decode_frame(message: bytes) -> WireFrame:
             raise invalid(f"malformed frame: field {number} runs past the end of the {len(buf)}-byte message")
         if number != 15:
             header_spans.append(buf[start:pos])
+    return WireFrame(parse_header(b"".join(header_spans)), [data], size=len(buf))
+
+
+def parse_header(raw: bytes) -> pb.Frame:
+    """A Frame's header fields (everything but the data); malformed ones raise WireError(INVALID_ARGUMENT)."""
     try:
-        header = pb.Frame.FromString(b"".join(header_spans))
+        return pb.Frame.FromString(raw)
     except Exception as err:  # google.protobuf.message.DecodeError
         raise invalid(f"malformed frame header: {err}") from None
-    return WireFrame(header, [data])
 
 
 # --- chunking --------------------------------------------------------------------
@@ -346,16 +354,22 @@ class Assembler:
         self._landing: dict[str, torch.Tensor] = {}
 
     def add(self, frame: WireFrame) -> None:
+        if frame.read_into is not None:  # the data plane: each piece read from the connection into its place
+            for piece in frame.header.pieces:
+                frame.read_into(self._destination(piece))
+            return
         data = frame.data[0] if frame.data else memoryview(b"")
         declared = sum(p.length for p in frame.header.pieces)
         if declared != data.nbytes:
             raise invalid(f"truncated frame: its pieces declare {declared} bytes but the frame carries {data.nbytes}")
         pos = 0
         for piece in frame.header.pieces:
-            self._add_piece(piece, data[pos : pos + piece.length])
+            self._destination(piece)[:] = data[pos : pos + piece.length]
             pos += piece.length
 
-    def _add_piece(self, piece: pb.TensorPiece, data: memoryview) -> None:
+    def _destination(self, piece: pb.TensorPiece) -> memoryview:
+        """Where a piece's bytes go, once it is checked against what is expected: the next
+        `piece.length` bytes of its tensor's landing buffer (counted as received)."""
         name = piece.name
         want = self.expected.get(name)
         if want is None:
@@ -389,8 +403,8 @@ class Assembler:
         end = received + piece.length
         if end > self._total[name]:
             raise invalid(f"tensor {name!r}: piece {piece.chunk_index} ends at byte {end}, past the declared total {self._total[name]}")
-        self._landing[name].numpy()[received:end] = np.frombuffer(data, dtype=np.uint8)
         self._received[name] = end
+        return memoryview(self._landing[name].numpy()[received:end])
 
     def _land(self, name: str, codec: str, total: int) -> torch.Tensor:
         target = self.direct.get(name)

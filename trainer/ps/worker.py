@@ -94,6 +94,9 @@ class Worker:
             raise ConfigError(
                 f"KUBETRAIN_PS_ADDRS: lists {len(ctx.ps_addrs)} shards, spec.parameterServer.replicas is {self.ps.replicas}"
             )
+        if ctx.ps_data_addrs and len(ctx.ps_data_addrs) != self.ps.replicas:
+            raise ConfigError(f"KUBETRAIN_PS_DATA_ADDRS: lists {len(ctx.ps_data_addrs)} shards, "
+                              f"spec.parameterServer.replicas is {self.ps.replicas}")
         make_deterministic()
         self.device = select_device(spec.training.device)
         self.model, self.data = model_and_data(ctx)
@@ -128,6 +131,7 @@ class Worker:
             Backoff(budget=float(spec.run_policy.progress_deadline_seconds), give_up=lambda: ctx.stop_requested),
             wait_timeout=wait_timeout(self.ps.sync_timeout_seconds), metrics=self.metrics,
             tls=tls_from_env(),  # the job's certificates: mutual TLS to every shard (tls.py)
+            data_addrs=ctx.ps_data_addrs,  # Pull and Push on the shards' data planes (dataplane.py)
         )
         self.pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="shard")
         self.ps_step = [0] * len(self.shards)
