@@ -1,8 +1,8 @@
 """Per-job network isolation, enforced for real: the real node runs kube-router's firewall controller.
 
 While a job trains, a pod outside it (busybox, in the job's namespace) is
-refused at every port of the job's pods: the parameter server's gRPC port
-(by pod IP and by its Service's name), the rendezvous port of a DDP job, and
+refused at every port of the job's pods: the parameter server's gRPC and
+data-plane ports (by pod IP and by its Service's name), the rendezvous port of a DDP job, and
 the metrics port. A pod that the chart's `networkPolicy.metricsFrom` admits
 (hack/values-e2e.yaml: pods labelled as a Prometheus in the job's namespace)
 reaches the metrics port and nothing else. The same outside pod reaches
@@ -24,7 +24,7 @@ from e2elib import (
 from test_e2e_faults import sigkill
 
 from kubetrain_operator.api.launch import RDZV_PORT
-from kubetrain_operator.core.plan import GRPC_PORT
+from kubetrain_operator.core.plan import DATA_PORT, GRPC_PORT
 
 pytestmark = pytest.mark.e2e
 
@@ -105,10 +105,11 @@ def test_parameter_server_job_refuses_outside_pods_and_survives_a_killed_worker(
     service = f"{name}-ps-0"  # its Service's virtual address: kube-proxy takes the connection to ps-0
 
     probed = time.monotonic()
-    outsider = reach(e2e, OUTSIDER, [(ps, GRPC_PORT), (service, GRPC_PORT), (ps, METRICS_PORT), (w0, METRICS_PORT),
-                                     (w1, METRICS_PORT), (operator_ip(e2e), OPERATOR_METRICS_PORT)])
+    outsider = reach(e2e, OUTSIDER, [(ps, GRPC_PORT), (service, GRPC_PORT), (ps, DATA_PORT), (service, DATA_PORT),
+                                     (ps, METRICS_PORT), (w0, METRICS_PORT), (w1, METRICS_PORT),
+                                     (operator_ip(e2e), OPERATOR_METRICS_PORT)])
     scraper = reach(e2e, SCRAPER, [(ps, METRICS_PORT), (service, METRICS_PORT), (w0, METRICS_PORT), (ps, GRPC_PORT),
-                                   (service, GRPC_PORT)])
+                                   (service, GRPC_PORT), (ps, DATA_PORT)])
     probe_seconds = time.monotonic() - probed
 
     assert opened(outsider) == {f"{operator_ip(e2e)}:{OPERATOR_METRICS_PORT}"}, outsider

@@ -49,13 +49,16 @@ class Job:
     ports: list[int] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     environ: dict[str, str] = field(default_factory=dict)  # more variables for every replica
+    data_ports: list[int] = field(default_factory=list)
+    """Each shard's data plane (Pull and Push, as the operator plans a job); empty: gRPC only."""
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.job_file = self.run_dir / "job.yaml"
         self.job_file.write_text(yaml.safe_dump(self.doc))
         ps = self.doc["spec"]["parameterServer"]
-        self.ports = free_ports(ps["replicas"])
+        ports = free_ports(2 * ps["replicas"])
+        self.ports, self.data_ports = ports[: ps["replicas"]], ports[ps["replicas"]:]
         self.replicas = ([f"ps-{i}" for i in range(ps["replicas"])] + [f"worker-{i}" for i in range(ps["workers"])]
                          + [f"standby-{i}" for i in range(ps.get("standbyWorkers", 0))])
 
@@ -69,12 +72,14 @@ class Job:
             "KUBETRAIN_CHECKPOINT_DIR": str(self.run_dir / "checkpoints" / replica),
             "KUBETRAIN_METRICS_PORT": "0",
             "KUBETRAIN_PS_ADDRS": ",".join(f"127.0.0.1:{p}" for p in self.ports),
+            "KUBETRAIN_PS_DATA_ADDRS": ",".join(f"127.0.0.1:{p}" for p in self.data_ports),
             "KUBETRAIN_JOB_TOKEN": TOKEN,
             "KUBETRAIN_FAULT": fault,
             **self.environ,
         }
         if replica.startswith("ps-"):
             env["KUBETRAIN_PS_PORT"] = str(self.ports[index])
+            env["KUBETRAIN_PS_DATA_PORT"] = str(self.data_ports[index])
         return env
 
     def start(self, replica: str, fault: str = "") -> subprocess.Popen:

@@ -502,7 +502,10 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class DataClient:
-    """One shard's data plane, for a worker: pooled connections, one call on each at a time."""
+    """One shard's data plane, for a worker: pooled connections, one call on each at a time.
+
+    `counter` counts the frames (their records, headers and data) both ways, as the shard counts
+    them: a worker's bytes sent are its shards' bytes received, as over gRPC."""
 
     def __init__(self, address: str, token: str, tls: TlsFiles | None, counter: ByteCounter,
                  pool_size: int = POOL_SIZE):
@@ -560,7 +563,6 @@ class DataClient:
         try:
             body = request.SerializeToString()
             conn.sock.sendall(RECORD.pack(PULL, len(body)) + body)
-            self.counter.add(sent=RECORD.size + len(body))
             self._greeted(conn)
             frames = _Frames(conn.sock, errors=True)
             for frame in frames:
@@ -592,7 +594,6 @@ class DataClient:
             kind, raw = _read_record(conn.sock, (REPLY, ERROR))
             if kind == ERROR:
                 raise _parse_error(raw)
-            self.counter.add(received=RECORD.size + len(raw))
             reply = pb.PushReply.FromString(raw)
             done = True
             return reply
