@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +20,24 @@ from helpers.net import free_ports
 
 TOKEN = "test-token-0123456789"
 JOB_SECONDS = 120  # a job of the quickstart's size, 10 epochs, on a busy 2-core machine
+
+
+@contextmanager
+def ticking(shard, every: float) -> Iterator[None]:
+    """Tick a shard every `every` seconds while the block runs, as serve.py does (its Sync timeout, its watchdog)."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every):
+            shard.tick()
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
 
 def manifest(name: str, **ps_fields) -> dict:
     compression = ps_fields.pop("compression", {})

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN
+from cluster import TOKEN, ticking
 from helpers.wait import wait_for
 from kubetrain_operator.core.tls import job_certificates
 from kubetrain_trainer.checkpoint import CheckpointStore
@@ -68,20 +68,11 @@ def serving(tmp_path, tls_dir=None, max_connections=16, hello_seconds=5.0, idle_
     data = DataServer(shard, TOKEN, tls, max_connections=max_connections, drain_bytes=32 << 20,
                       hello_seconds=hello_seconds, idle_seconds=idle_seconds)
     data_port = data.start("127.0.0.1", 0)
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.wait(TICK_SECONDS):
-            shard.tick()
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
     try:
-        yield SimpleNamespace(shard=shard, data=data, address=f"127.0.0.1:{port}",
-                              data_address=f"127.0.0.1:{data_port}", data_port=data_port, tls=tls)
+        with ticking(shard, TICK_SECONDS):
+            yield SimpleNamespace(shard=shard, data=data, address=f"127.0.0.1:{port}",
+                                  data_address=f"127.0.0.1:{data_port}", data_port=data_port, tls=tls)
     finally:
-        stop.set()
-        ticker.join()
         data.stop()
         server.stop(None)
 
@@ -140,23 +131,24 @@ def closed(sock: socket.socket, within: float = 5.0) -> bool:
         return False
 
 
+def certificates(tmp_path_factory, name: str):
+    """A job's certificates, as the operator makes them; every call's keys are new (another job's)."""
+    folder = tmp_path_factory.mktemp("tls") / name
+    folder.mkdir()
+    for file, text in job_certificates("j", "ns", ["j-ps-0"], datetime.now(timezone.utc)).items():
+        (folder / file).write_text(text)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def job_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tls") / "job"
-    folder.mkdir()
-    for name, text in job_certificates("j", "ns", ["j-ps-0"], datetime.now(timezone.utc)).items():
-        (folder / name).write_text(text)
-    return folder
+    return certificates(tmp_path_factory, "job")
 
 
 @pytest.fixture(scope="module")
 def other_dir(tmp_path_factory):
     """Another job's certificates: every name the same, every key different."""
-    folder = tmp_path_factory.mktemp("tls") / "other"
-    folder.mkdir()
-    for name, text in job_certificates("j", "ns", ["j-ps-0"], datetime.now(timezone.utc)).items():
-        (folder / name).write_text(text)
-    return folder
+    return certificates(tmp_path_factory, "other")
 
 
 # --- what a worker does -------------------------------------------------------------------------

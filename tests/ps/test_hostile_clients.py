@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN, Job, manifest
+from cluster import TOKEN, Job, manifest, ticking
 from helpers.net import free_port
 from helpers.wait import wait_for
 from test_bad_input import pulled
@@ -56,22 +56,13 @@ def serving(tmp_path, coordinator=None, **config) -> Iterator[SimpleNamespace]:
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.wait(TICK_SECONDS):
-            shard.tick()
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield SimpleNamespace(shard=shard, stub=ps_pb2_grpc.ParameterShardStub(channel), metrics=metrics,
-                              address=f"127.0.0.1:{port}", coordinator=ps_pb2_grpc.CoordinatorStub(channel))
+        with ticking(shard, TICK_SECONDS):
+            yield SimpleNamespace(shard=shard, stub=ps_pb2_grpc.ParameterShardStub(channel), metrics=metrics,
+                                  address=f"127.0.0.1:{port}", coordinator=ps_pb2_grpc.CoordinatorStub(channel))
     finally:
         channel.close()
-        stop.set()
-        ticker.join()
         server.stop(None)
 
 
