@@ -20,7 +20,8 @@ pytestmark = pytest.mark.e2e
 
 # Where a replica finds the others and its files: the Endpoints' part of the plan.
 WHERE = {"KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR", "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT",
-         "KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT", "KUBETRAIN_LISTEN_ADDRESS", "KUBETRAIN_TLS_DIR"}
+         "KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT", "KUBETRAIN_PS_DATA_ADDRS", "KUBETRAIN_PS_DATA_PORT",
+         "KUBETRAIN_LISTEN_ADDRESS", "KUBETRAIN_TLS_DIR"}
 # What only a pod has: the token from its Secret, a writable HOME, the termination message's path.
 POD_ONLY = {"KUBETRAIN_JOB_TOKEN", "HOME", "KUBETRAIN_TERMINATION_LOG"}
 # What only a local process has: the manifest's directory, where user code is found

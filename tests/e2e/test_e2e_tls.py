@@ -1,7 +1,8 @@
 """On the real node, parameter servers and workers speak mutual TLS with the job's own certificates, and nothing else gets in.
 
-The job trains to Succeeded over TLS: its workers dial `<job>-ps-0:50051`, a
-name the job's certificate carries. Meanwhile a probe pod dials the same name.
+The job trains to Succeeded over TLS: its workers dial `<job>-ps-0:50051` (gRPC)
+and `<job>-ps-0:50052` (the data plane), a name the job's certificate carries.
+Meanwhile a probe pod dials the same name, at both ports.
 It wears the job's label, as any pod a tenant creates in the namespace can, so
 the job's NetworkPolicy lets it through: what stops it is TLS. It runs the
 trainer image (Python, grpcio, the job's certificate code) and has the job's
@@ -18,7 +19,7 @@ from e2elib import (
     REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, RESTRICTED_POD, apply, example, figure, logs, succeeded,
 )
 
-from kubetrain_operator.core.plan import GRPC_PORT
+from kubetrain_operator.core.plan import DATA_PORT, GRPC_PORT
 
 pytestmark = pytest.mark.e2e
 
@@ -29,13 +30,16 @@ TRAINER_IMAGE = "kubetrain/trainer:0.1.0"  # the chart's trainer image in hack/v
 # Runs in the probe pod. Waits until the shard answers the job's own certificate and token
 # (the shard is up), then tries every other way in; prints the gRPC code of each, as JSON.
 PROBE_SCRIPT = """
-import json, os, sys, time
+import json, os, pathlib, sys, tempfile, time
 from datetime import datetime, timezone
 import grpc
 from kubetrain_operator.core.tls import job_certificates
 from kubetrain_trainer.ps import ps_pb2 as pb, ps_pb2_grpc
+from kubetrain_trainer.ps.dataplane import DataClient
+from kubetrain_trainer.ps.tls import TlsFiles
+from kubetrain_trainer.ps.transport import ByteCounter
 
-target, job, namespace = sys.argv[1], sys.argv[2], sys.argv[3]
+target, job, namespace, data_target = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 read = lambda name: open("/secret/" + name, "rb").read()
 ca, crt, key, token = read("ca.crt"), read("tls.crt"), read("tls.key"), read("token").decode()
 other = job_certificates(job, namespace, [target.split(":")[0]], datetime.now(timezone.utc))
@@ -50,11 +54,38 @@ def status(credentials, metadata=()):
         except grpc.RpcError as err:
             return err.code().name
 
+def files_of(ca, crt, key):
+    folder = pathlib.Path(tempfile.mkdtemp())
+    for name, pem in (("ca.crt", ca), ("tls.crt", crt), ("tls.key", key)):
+        (folder / name).write_bytes(pem)
+    return TlsFiles.load(folder)
+
+def pull(files, token):
+    # A Pull on the shard's data plane, as a worker makes it: the parameters' bytes, or the refusal's code.
+    client = DataClient(data_target, token, files, ByteCounter())
+    try:
+        got = 0
+        for frame in client.pull_frames(pb.PullRequest(worker=0), 10):
+            for piece in frame.header.pieces:
+                frame.read_into(memoryview(bytearray(piece.length)))
+                got += piece.length
+        return "OK" if got else "EMPTY"
+    except grpc.RpcError as err:
+        return err.code().name
+    finally:
+        client.close()
+
 own = grpc.ssl_channel_credentials(ca, key, crt)
 deadline = time.monotonic() + 180
 while status(own, with_token) != "OK" and time.monotonic() < deadline:
     time.sleep(1)
+job_files = files_of(ca, crt, key)
 print(json.dumps({
+    "data plane, plaintext": pull(None, token),
+    "data plane, another CA's certificate": pull(files_of(ca, other["tls.crt"].encode(), other["tls.key"].encode()),
+                                                 token),
+    "data plane, the job's certificate, a wrong token": pull(job_files, "wrong"),
+    "data plane, the job's certificate and token": pull(job_files, token),
     "plaintext": status(None, with_token),
     "no certificate": status(grpc.ssl_channel_credentials(ca), with_token),
     "another CA's certificate": status(
@@ -76,7 +107,7 @@ def probe_pod(secret: str) -> dict:
             "containers": [{
                 "name": "probe", "image": TRAINER_IMAGE, "imagePullPolicy": "IfNotPresent",
                 "securityContext": RESTRICTED_CONTAINER,
-                "command": ["python", "-c", PROBE_SCRIPT, f"{JOB}-ps-0:{GRPC_PORT}", JOB, "e2e"],
+                "command": ["python", "-c", PROBE_SCRIPT, f"{JOB}-ps-0:{GRPC_PORT}", JOB, "e2e", f"{JOB}-ps-0:{DATA_PORT}"],
                 "volumeMounts": [{"name": "secret", "mountPath": "/secret", "readOnly": True}],
             }],
             "volumes": [{"name": "secret", "secret": {"secretName": secret}}],
@@ -104,6 +135,11 @@ def test_parameter_servers_on_the_real_node_accept_only_the_jobs_certificate(e2e
         "another CA's certificate": "UNAVAILABLE",
         "the job's certificate, no token": "UNAUTHENTICATED",  # the token check stays behind TLS
         "the job's certificate and token": "OK",
+        # The data plane (Pull and Push): the same certificates checked by Python's ssl, the token after them.
+        "data plane, plaintext": "UNAVAILABLE",
+        "data plane, another CA's certificate": "UNAVAILABLE",
+        "data plane, the job's certificate, a wrong token": "UNAUTHENTICATED",
+        "data plane, the job's certificate and token": "OK",
     }, out
 
     status = succeeded(e2e, JOB)
