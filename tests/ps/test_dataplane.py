@@ -394,3 +394,40 @@ def test_only_the_jobs_certificate_gets_through_tls(tmp_path, job_dir, other_dir
                     sock.sendall(MAGIC + RECORD.pack(HELLO, len(TOKEN)) + TOKEN.encode())
                     read_record(sock)
         assert ps.shard.counter.received == 0
+
+
+def test_a_connection_numbered_past_select_s_limit_is_watched_like_any_other(tmp_path):
+    """A shard with max_connections open has descriptors numbered past 1024, where select() fails: a held
+    pull must still see its client as there (and gone once it is)."""
+    import os
+
+    from kubetrain_trainer.ps.dataplane import CallContext
+
+    ours, theirs = socket.socketpair()
+    high = os.dup2(ours.fileno(), 1500)  # the descriptor a thousand-odd connections would give
+    conn = socket.socket(fileno=high)
+    ours.close()
+    try:
+        context = CallContext(conn)
+        assert context.is_active()  # an idle client waiting for its reply
+        theirs.close()
+        assert not context.is_active()  # its end: readable
+    finally:
+        conn.close()
+
+
+def test_a_shard_raises_its_open_files_limit_to_what_its_connections_need():
+    import resource
+
+    from kubetrain_trainer.ps.dataplane import ensure_descriptors, max_connections
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    connections = max_connections(1024, 8)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # many containers' default
+        now = ensure_descriptors(connections)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == now
+        assert now == (2 * connections + 256 if hard == resource.RLIM_INFINITY else min(2 * connections + 256, hard))
+        assert now > 1024 or hard <= 1024
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -107,6 +107,23 @@ def max_connections(max_workers: int, max_standbys: int) -> int:
     return 2 * (max_workers + max_standbys) + 16
 
 
+def ensure_descriptors(connections: int) -> int:
+    """Raise this process's soft limit on open files to what `connections` need (a descriptor each, and
+    as many again for gRPC's and the files'), within the hard limit; returns the soft limit now. Many
+    containers start with a soft limit of 1024, below a shard's max_connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * connections + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if soft < wanted:
+            log.warning("data plane: open files limited to %d (the hard limit); %d connections want %d",
+                        soft, connections, wanted)
+    return soft
+
+
 # --- errors ---------------------------------------------------------------------------------------
 
 
@@ -275,11 +292,16 @@ def _tune(conn: socket.socket) -> None:
 
 
 def _readable(conn: socket.socket) -> bool:
-    """Whether the peer sent something (or closed): never expected of an idle connection or a waiting call."""
+    """Whether the peer sent something (or closed): never expected of an idle connection or a waiting call.
+
+    poll(), not select(): select() refuses a descriptor numbered 1024 or more (FD_SETSIZE), and a shard
+    serving max_connections has descriptors far past that."""
+    poller = select.poll()
     try:
-        return bool(select.select([conn], [], [], 0)[0])
+        poller.register(conn, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
-        return True
+        return True  # a closed socket (fileno -1): as good as readable, never to be used
 
 
 # --- the shard's side -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from ..metrics import TrainerMetrics
 from ..preload import preload, without_dynamo_import
 from ..training import log_interval
 from .coordinator import MAX_WORKERS, Coordinator
-from .dataplane import DataServer, max_connections
+from .dataplane import DataServer, ensure_descriptors, max_connections
 from .job import chunk_bytes, model_and_data, ps_spec, shard_optimizer, shards_of
 from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
 from .tls import from_env as tls_from_env
@@ -180,7 +180,9 @@ def run_ps(ctx: ReplicaContext) -> int:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     data = None
     if ctx.ps_data_port:  # Pull and Push of tensors, beside gRPC (dataplane.py); the same threads' bound
-        data = DataServer(shard, ctx.token, tls, max_connections=max_connections(MAX_WORKERS, MAX_STANDBY_WORKERS),
+        connections = max_connections(MAX_WORKERS, MAX_STANDBY_WORKERS)
+        ensure_descriptors(connections)
+        data = DataServer(shard, ctx.token, tls, max_connections=connections,
                           drain_bytes=sum(e.nbytes for e in shard.expected.values()) + MAX_MESSAGE_BYTES)
         try:
             data.start(ctx.listen_address, ctx.ps_data_port)
