@@ -394,6 +394,8 @@ def test_only_the_jobs_certificate_gets_through_tls(tmp_path, job_dir, other_dir
                     sock.sendall(MAGIC + RECORD.pack(HELLO, len(TOKEN)) + TOKEN.encode())
                     read_record(sock)
         assert ps.shard.counter.received == 0
+        # Another job's certificate, plaintext, no certificate: each counted (and logged) by the shard.
+        wait_for("the three failed handshakes", lambda: ps.data.failed_handshakes == 3, timeout=5, every=0.05)
 
 
 def test_a_connection_numbered_past_select_s_limit_is_watched_like_any_other(tmp_path):

@@ -355,6 +355,7 @@ class DataServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.refused_connections = 0
+        self.failed_handshakes = 0
 
     def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port) and serve; returns the port."""
@@ -407,7 +408,14 @@ class DataServer:
             _tune(conn)
             conn.settimeout(self.hello_seconds)
             if self._ssl is not None:
-                conn = self._ssl.wrap_socket(conn, server_side=True)
+                try:
+                    conn = self._ssl.wrap_socket(conn, server_side=True)
+                except ssl.SSLError as err:  # no certificate, another CA's, plaintext: never gets further
+                    self.failed_handshakes += 1
+                    if self.failed_handshakes == 1 or self.failed_handshakes % 100 == 0:
+                        log.warning("data plane: TLS handshake failed (%d so far): %s", self.failed_handshakes,
+                                    err.reason or err)
+                    return
                 with self._lock:
                     self._conns.discard(raw)
                     self._conns.add(conn)
@@ -477,12 +485,15 @@ class DataServer:
             conn.sendall(_error_record(grpc.StatusCode.INVALID_ARGUMENT, f"malformed PullRequest: {err}"))
             return True
         context = CallContext(conn)
+        reply = self.shard.Pull(request, context)
         try:
-            for frame in self.shard.Pull(request, context):
+            for frame in reply:
                 self.shard.counter.add(sent=_send(conn, _frame_buffers(frame)))
         except _Aborted as err:
             conn.sendall(_error_record(err.code, err.details, err.reason))
             return True
+        finally:
+            reply.close()  # a client gone mid-reply: the handler's stream leaves the watchdog's list now
         if context._cancelled or not context.is_active():
             return False  # cancelled, or its client gone: no END, the client sees the connection close
         conn.sendall(RECORD.pack(END, 0))
