@@ -138,6 +138,15 @@ class TrainerMetrics:
         self.ps_takeovers_total = self._counter(
             "ps_takeovers", "Worker places ps-0 handed to a standby worker after the process holding it ended."
         )
+        self.ps_data_connections = self._gauge(
+            "ps_data_connections", "Connections a parameter server's data plane serves now (Pull and Push)."
+        )
+        self.ps_data_refused_connections_total = self._counter(
+            "ps_data_refused_connections",
+            "Connections a parameter server's data plane closed unserved: past max_connections (limit), "
+            "or a failed TLS handshake (handshake).",
+            "reason",
+        )
         self.non_finite_steps_total = self._counter(
             "non_finite_steps", "Steps a worker skipped because its gradients held NaN or Inf."
         )

@@ -26,6 +26,7 @@ from helpers.wait import wait_for
 from kubetrain_operator.core.tls import job_certificates
 from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import as_bytes
+from kubetrain_trainer.metrics import TrainerMetrics
 from kubetrain_trainer.ps import dataplane
 from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps.client import PSClient
@@ -50,6 +51,11 @@ PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.o
           "big": torch.linspace(-1, 1, 10_000)}
 CHUNK = 4096
 LR = 0.5
+LABELS = {"namespace": "default", "job": "data", "role": "ps", "replica": "ps-0"}
+
+
+def sample(ps, name: str, **labels: str) -> float:
+    return ps.metrics.registry.get_sample_value(name, {**LABELS, **labels}) or 0.0
 
 
 @contextmanager
@@ -65,12 +71,13 @@ def serving(tmp_path, tls_dir=None, max_connections=16, hello_seconds=5.0, idle_
     port = server.add_insecure_port("127.0.0.1:0") if tls is None else \
         server.add_secure_port("127.0.0.1:0", tls.server_credentials())
     server.start()
+    metrics = TrainerMetrics(LABELS)
     data = DataServer(shard, TOKEN, tls, max_connections=max_connections, drain_bytes=32 << 20,
-                      hello_seconds=hello_seconds, idle_seconds=idle_seconds)
+                      hello_seconds=hello_seconds, idle_seconds=idle_seconds, metrics=metrics)
     data_port = data.start("127.0.0.1", 0)
     try:
         with ticking(shard, TICK_SECONDS):
-            yield SimpleNamespace(shard=shard, data=data, address=f"127.0.0.1:{port}",
+            yield SimpleNamespace(shard=shard, data=data, address=f"127.0.0.1:{port}", metrics=metrics,
                                   data_address=f"127.0.0.1:{data_port}", data_port=data_port, tls=tls)
     finally:
         data.stop()
@@ -289,8 +296,11 @@ def test_connections_past_the_limit_are_closed_and_served_again_once_one_ends(tm
         with raw_connection(ps) as third:
             assert closed(third)
         assert ps.data.refused_connections == 1
+        assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="limit") == 1
+        assert sample(ps, "kubetrain_ps_data_connections") == 2
         held.pop().close()
         wait_for("the closed connection's thread to end", lambda: len(ps.data._conns) == 1, timeout=5, every=0.05)
+        assert sample(ps, "kubetrain_ps_data_connections") == 1
         with raw_connection(ps) as fourth:
             assert read_record(fourth)[0] == dataplane.OK
         for sock in held:
@@ -396,6 +406,7 @@ def test_only_the_jobs_certificate_gets_through_tls(tmp_path, job_dir, other_dir
         assert ps.shard.counter.received == 0
         # Another job's certificate, plaintext, no certificate: each counted (and logged) by the shard.
         wait_for("the three failed handshakes", lambda: ps.data.failed_handshakes == 3, timeout=5, every=0.05)
+        assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="handshake") == 3
 
 
 def test_a_connection_numbered_past_select_s_limit_is_watched_like_any_other(tmp_path):

@@ -28,6 +28,8 @@ CONTRACT = {
     "kubetrain_ps_resizes": "counter",
     "kubetrain_ps_standby_workers": "gauge",
     "kubetrain_ps_takeovers": "counter",
+    "kubetrain_ps_data_connections": "gauge",
+    "kubetrain_ps_data_refused_connections": "counter",
     "kubetrain_non_finite_steps": "counter",
     "kubetrain_samples": "counter",
     "kubetrain_step_duration_seconds": "histogram",

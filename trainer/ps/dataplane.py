@@ -338,9 +338,11 @@ class DataServer:
     """A shard's data-plane listener: one thread per connection, at most `max_connections`."""
 
     def __init__(self, shard: Any, token: str, tls: TlsFiles | None, max_connections: int,
-                 drain_bytes: int, hello_seconds: float = HELLO_SECONDS, idle_seconds: float = IDLE_SECONDS):
+                 drain_bytes: int, hello_seconds: float = HELLO_SECONDS, idle_seconds: float = IDLE_SECONDS,
+                 metrics: Any = None):
         """`shard`: a ParameterShard (Pull, push_frames, counter). `drain_bytes`: the most a refused push
-        is read on for (the shard's parameter bytes and a frame of slack)."""
+        is read on for (the shard's parameter bytes and a frame of slack). `metrics`: TrainerMetrics
+        (ps_data_connections, ps_data_refused_connections_total), or None."""
         if not token:
             raise ValueError("the job token must not be empty")
         self.shard = shard
@@ -354,6 +356,7 @@ class DataServer:
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self.metrics = metrics
         self.refused_connections = 0
         self.failed_handshakes = 0
 
@@ -382,6 +385,11 @@ class DataServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def _count_connections(self) -> None:
+        if self.metrics:
+            with self._lock:
+                self.metrics.ps_data_connections.set(len(self._conns))
+
     def _accept(self) -> None:
         assert self._listener is not None
         while True:
@@ -393,8 +401,11 @@ class DataServer:
                 full = len(self._conns) >= self.max_connections
                 if not full:
                     self._conns.add(conn)
+            self._count_connections()
             if full:
                 self.refused_connections += 1
+                if self.metrics:
+                    self.metrics.ps_data_refused_connections_total.labels(reason="limit").inc()
                 if self.refused_connections == 1 or self.refused_connections % 100 == 0:
                     log.warning("data plane: refused a connection: %d connections already served, the limit "
                                 "(max_connections); %d refused so far", self.max_connections, self.refused_connections)
@@ -412,6 +423,8 @@ class DataServer:
                     conn = self._ssl.wrap_socket(conn, server_side=True)
                 except ssl.SSLError as err:  # no certificate, another CA's, plaintext: never gets further
                     self.failed_handshakes += 1
+                    if self.metrics:
+                        self.metrics.ps_data_refused_connections_total.labels(reason="handshake").inc()
                     if self.failed_handshakes == 1 or self.failed_handshakes % 100 == 0:
                         log.warning("data plane: TLS handshake failed (%d so far): %s", self.failed_handshakes,
                                     err.reason or err)
@@ -442,6 +455,7 @@ class DataServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._conns.discard(raw)
+            self._count_connections()
             try:
                 conn.close()
             except OSError:

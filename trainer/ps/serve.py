@@ -183,7 +183,8 @@ def run_ps(ctx: ReplicaContext) -> int:
         connections = max_connections(MAX_WORKERS, MAX_STANDBY_WORKERS)
         ensure_descriptors(connections)
         data = DataServer(shard, ctx.token, tls, max_connections=connections,
-                          drain_bytes=sum(e.nbytes for e in shard.expected.values()) + MAX_MESSAGE_BYTES)
+                          drain_bytes=sum(e.nbytes for e in shard.expected.values()) + MAX_MESSAGE_BYTES,
+                          metrics=metrics)
         try:
             data.start(ctx.listen_address, ctx.ps_data_port)
         except OSError as err:
