@@ -144,7 +144,7 @@ class TrainerMetrics:
         self.ps_data_refused_connections_total = self._counter(
             "ps_data_refused_connections",
             "Connections a parameter server's data plane closed unserved: past max_connections (limit), "
-            "or a failed TLS handshake (handshake).",
+            "a failed TLS handshake (handshake), or not its protocol (protocol).",
             "reason",
         )
         self.non_finite_steps_total = self._counter(

@@ -278,6 +278,7 @@ def test_garbage_and_silence_are_closed(tmp_path):
         with raw_connection(ps, hello=False) as sock:
             sock.sendall(b"GET / HTTP/1.1\r\n\r\n")  # not the protocol: closed without a word
             assert closed(sock)
+        assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="protocol") == 1
         with raw_connection(ps, hello=False) as sock:
             started = time.monotonic()
             assert closed(sock)  # says nothing: closed after hello_seconds
@@ -295,7 +296,7 @@ def test_connections_past_the_limit_are_closed_and_served_again_once_one_ends(tm
             assert read_record(sock)[0] == dataplane.OK
         with raw_connection(ps) as third:
             assert closed(third)
-        assert ps.data.refused_connections == 1
+        assert ps.data.unserved == {"limit": 1}
         assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="limit") == 1
         assert sample(ps, "kubetrain_ps_data_connections") == 2
         held.pop().close()
@@ -405,7 +406,8 @@ def test_only_the_jobs_certificate_gets_through_tls(tmp_path, job_dir, other_dir
                     read_record(sock)
         assert ps.shard.counter.received == 0
         # Another job's certificate, plaintext, no certificate: each counted (and logged) by the shard.
-        wait_for("the three failed handshakes", lambda: ps.data.failed_handshakes == 3, timeout=5, every=0.05)
+        wait_for("the three failed handshakes", lambda: ps.data.unserved.get("handshake") == 3, timeout=5,
+                 every=0.05)
         assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="handshake") == 3
 
 

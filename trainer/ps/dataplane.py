@@ -357,8 +357,8 @@ class DataServer:
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.metrics = metrics
-        self.refused_connections = 0
-        self.failed_handshakes = 0
+        self.unserved: dict[str, int] = {}
+        """Connections closed before any call, by reason: limit, handshake, protocol."""
 
     def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port) and serve; returns the port."""
@@ -385,6 +385,15 @@ class DataServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def _unserved(self, reason: str, what: str) -> None:
+        """A connection closed before any call: counted by reason, logged the first time and every 100th."""
+        with self._lock:
+            self.unserved[reason] = seen = self.unserved.get(reason, 0) + 1
+        if self.metrics:
+            self.metrics.ps_data_refused_connections_total.labels(reason=reason).inc()
+        if seen == 1 or seen % 100 == 0:
+            log.warning("data plane: %s (%d %s refusals so far)", what, seen, reason)
+
     def _count_connections(self) -> None:
         if self.metrics:
             with self._lock:
@@ -403,12 +412,8 @@ class DataServer:
                     self._conns.add(conn)
             self._count_connections()
             if full:
-                self.refused_connections += 1
-                if self.metrics:
-                    self.metrics.ps_data_refused_connections_total.labels(reason="limit").inc()
-                if self.refused_connections == 1 or self.refused_connections % 100 == 0:
-                    log.warning("data plane: refused a connection: %d connections already served, the limit "
-                                "(max_connections); %d refused so far", self.max_connections, self.refused_connections)
+                self._unserved("limit", f"refused a connection: {self.max_connections} connections already "
+                                        "served, the limit (max_connections)")
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="ps-data", daemon=True).start()
@@ -422,12 +427,7 @@ class DataServer:
                 try:
                     conn = self._ssl.wrap_socket(conn, server_side=True)
                 except ssl.SSLError as err:  # no certificate, another CA's, plaintext: never gets further
-                    self.failed_handshakes += 1
-                    if self.metrics:
-                        self.metrics.ps_data_refused_connections_total.labels(reason="handshake").inc()
-                    if self.failed_handshakes == 1 or self.failed_handshakes % 100 == 0:
-                        log.warning("data plane: TLS handshake failed (%d so far): %s", self.failed_handshakes,
-                                    err.reason or err)
+                    self._unserved("handshake", f"TLS handshake failed: {err.reason or err}")
                     return
                 with self._lock:
                     self._conns.discard(raw)
@@ -465,7 +465,7 @@ class DataServer:
         magic = bytearray(len(MAGIC))
         _read_exactly(conn, memoryview(magic))
         if bytes(magic) != MAGIC:
-            log.warning("data plane: closed a connection that does not speak it (first bytes %r)", bytes(magic))
+            self._unserved("protocol", f"closed a connection that does not speak it (first bytes {bytes(magic)!r})")
             return False
         _, token = _read_record(conn, (HELLO,), limit=MAX_TOKEN_BYTES)
         if not hmac.compare_digest(token, self._token):

@@ -179,7 +179,7 @@ def run_ps(ctx: ReplicaContext) -> int:
     except RuntimeError as err:
         raise TransientError(f"KUBETRAIN_PS_PORT: cannot listen on port {ctx.ps_port}: {err}") from None
     data = None
-    if ctx.ps_data_port:  # Pull and Push of tensors, beside gRPC (dataplane.py); the same threads' bound
+    if ctx.ps_data_port:  # Pull and Push of tensors beside gRPC (dataplane.py): a thread per connection
         connections = max_connections(MAX_WORKERS, MAX_STANDBY_WORKERS)
         ensure_descriptors(connections)
         data = DataServer(shard, ctx.token, tls, max_connections=connections,
@@ -223,8 +223,6 @@ def run_ps(ctx: ReplicaContext) -> int:
         store.wait()
         # Grace: the reply to the last Finish is still on its way out.
         server.stop(grace=2.0).wait()
-        if data is not None:
-            data.stop()
         wall = time.monotonic() - started
         write_result(ctx.run_dir, ctx.replica, {
             "steps": shard.step,
