@@ -88,7 +88,9 @@ def run_resized(tmp_path, aggregation: str) -> tuple[Job, dict]:
     # job is ending). Unslowed they did that before worker-2's first step in one CI run. Every worker
     # sleeps ASYNC_SLOWDOWN - 1 times its compute after each step (trainer/slowdown.py): the same for
     # all three, so their relative speeds are unchanged, and sleeping takes no core from anything else.
-    slow = {SLOWDOWN_VAR: ",".join(f"worker-{i}:{ASYNC_SLOWDOWN}" for i in range(3))} if aggregation == "Async" else {}
+    # Sync too, since the data plane: unslowed, a Sync job of this size runs 270 steps a second here, so
+    # a resize (read by ps-0 every SIZE_POLL_SECONDS) could come after the job's end.
+    slow = {SLOWDOWN_VAR: ",".join(f"worker-{i}:{ASYNC_SLOWDOWN}" for i in range(3))}
     job = started(tmp_path, f"live-{aggregation.lower()}", 60, EPOCHS, environ=slow, replicas=2,
                   aggregation=aggregation)
     try:
@@ -150,8 +152,11 @@ def test_async_takes_a_joiner_at_once_and_sync_waits_for_it(tmp_path):
     moved = {}
     for aggregation in ("Sync", "Async"):
         # syncTimeoutSeconds 30 (the default): a Sync step waits that long for the joiner, then drops it.
-        job = started(tmp_path, f"join-{aggregation.lower()}", 30, 6, replicas=1, aggregation=aggregation,
-                      syncTimeoutSeconds=30)
+        # Slowed as run_resized's Async job: unslowed, the data plane ran this job's 270 steps in 1 s, and
+        # it ended before ps-0 read the resize (it reads the job file every SIZE_POLL_SECONDS).
+        slow = {SLOWDOWN_VAR: ",".join(f"worker-{i}:{ASYNC_SLOWDOWN}" for i in range(3))}
+        job = started(tmp_path, f"join-{aggregation.lower()}", 30, 6, environ=slow, replicas=1,
+                      aggregation=aggregation, syncTimeoutSeconds=30)
         try:
             resize(job, 3)
             # The joiner comes late: the cut is made without it, then the set is three.
