@@ -46,6 +46,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -539,6 +540,8 @@ class _Conn:
     sock: socket.socket
     greeted: bool = False
     """Whether the shard's answer to this connection's HELLO was read (it is read with the first call's reply)."""
+    reusable: bool = False
+    """Set by a call that ended in step with the shard: the connection goes back to the pool."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -603,11 +606,25 @@ class DataClient:
                 raise _parse_error(raw)
             conn.greeted = True
 
+    @contextmanager
+    def _lease(self, timeout: float, what: str) -> Iterator[_Conn]:
+        """A connection for one call: given back to the pool if the call ended in step with the shard
+        (`reusable` set by the call), closed otherwise; a broken connection is the call's UNAVAILABLE."""
+        conn = self._take(timeout)
+        conn.reusable = False
+        try:
+            yield conn
+        except (OSError, EOFError) as err:
+            raise self._failed(err, what) from None
+        finally:
+            if conn.reusable:
+                self._give_back(conn)
+            else:
+                conn.sock.close()
+
     def pull_frames(self, request: pb.PullRequest, timeout: float) -> Iterator[WireFrame]:
         """A Pull's reply frames, each read by its consumer (Assembler.add) straight into place."""
-        conn = self._take(timeout)
-        done = False
-        try:
+        with self._lease(timeout, "Pull") as conn:
             body = request.SerializeToString()
             conn.sock.sendall(RECORD.pack(PULL, len(body)) + body)
             self._greeted(conn)
@@ -615,19 +632,10 @@ class DataClient:
             for frame in frames:
                 self.counter.add(received=frame.size)
                 yield frame
-            done = frames.ended
-        except (OSError, EOFError) as err:
-            raise self._failed(err, "Pull") from None
-        finally:
-            if done:
-                self._give_back(conn)
-            else:
-                conn.sock.close()
+            conn.reusable = frames.ended
 
     def push(self, frames: Iterable[WireFrame], timeout: float) -> pb.PushReply:
-        conn = self._take(timeout)
-        done = False
-        try:
+        with self._lease(timeout, "Push") as conn:
             try:
                 conn.sock.sendall(RECORD.pack(PUSH, 0))
                 for frame in frames:
@@ -642,26 +650,18 @@ class DataClient:
             if kind == ERROR:
                 raise _parse_error(raw)
             reply = pb.PushReply.FromString(raw)
-            done = True
+            conn.reusable = True
             return reply
-        except (OSError, EOFError) as err:
-            raise self._failed(err, "Push") from None
-        finally:
-            if done:
-                self._give_back(conn)
-            else:
-                conn.sock.close()
 
     def _refusal_after(self, conn: _Conn) -> DataPlaneError | None:
         """The shard's refusal, if it sent one before the connection broke."""
         try:
             conn.sock.settimeout(1.0)
-            if not conn.greeted:
-                kind, raw = _read_record(conn.sock, (OK, ERROR))
-                if kind == ERROR:
-                    return _parse_error(raw)
+            self._greeted(conn)
             kind, raw = _read_record(conn.sock, (REPLY, ERROR))
             return _parse_error(raw) if kind == ERROR else None
+        except DataPlaneError as refusal:  # the HELLO's: a wrong token
+            return refusal
         except (OSError, WireError, EOFError):
             return None
 
