@@ -37,18 +37,51 @@ POLL_SECONDS = 0.2
 GRACE_SECONDS = 30.0
 
 
+MAX_PORT_TRIES = 256
+"""Ports bound, per block, while looking for consecutive free ones (a DDP node's ranks each serve
+/metrics on the node's port + its local rank): past this many the machine's ports are too crowded
+to run the job, and the run stops saying so rather than looking forever."""
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports (held open together so none repeats)."""
-    socks = []
+    return free_blocks([1] * n)
+
+
+def free_blocks(widths: list[int], avoid: frozenset[int] = frozenset()) -> list[int]:
+    """For each width, a free loopback port whose next width - 1 ports are free too and not in
+    `avoid`; all of them distinct (every port found is held open until the last block is found)."""
+    held: list[socket.socket] = []
+    bases = []
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        for width in widths:
+            for _ in range(MAX_PORT_TRIES):
+                base = _hold(0, held)
+                if base is not None and base not in avoid and all(port not in avoid and _hold(port, held) is not None
+                                             for port in range(base + 1, base + width)):
+                    bases.append(base)
+                    break
+            else:
+                raise OSError(f"no {width} consecutive free loopback ports after {MAX_PORT_TRIES} tries "
+                              f"(MAX_PORT_TRIES): this machine's ports are nearly all in use")
+        return bases
     finally:
-        for s in socks:
+        for s in held:
             s.close()
+
+
+def _hold(port: int, held: list[socket.socket]) -> int | None:
+    """Binds 127.0.0.1:port (0: any free one) and keeps the socket in `held`; the port, or None when taken."""
+    if port > 65535:
+        return None
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    held.append(s)
+    return s.getsockname()[1]
 
 
 def _can_bind(port: int) -> bool:
@@ -120,10 +153,16 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
     ports = {k: (kept or {})[k] for k in keys if k in (kept or {})}
     missing = [k for k in keys if k not in ports]
     if missing:
-        taken = set(ports.values())
-        fresh = [port for port in free_ports(len(missing) + len(taken)) if port not in taken][: len(missing)]
-        ports.update(zip(missing, fresh))
+        width = {k: metrics_width(job, k.removesuffix("/metrics")) if k.endswith("/metrics") else 1 for k in keys}
+        kept_ports = frozenset(p + i for k, p in ports.items() for i in range(width[k]))  # free until they start again
+        ports.update(zip(missing, free_blocks([width[k] for k in missing], avoid=kept_ports)))
     return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir)
+
+
+def metrics_width(job: TrainingJob, replica: str) -> int:
+    """Ports a replica's /metrics takes from its own: a DDP node's ranks serve on port + local rank
+    (trainer/ddp/runtime.py), so locally, where every node shares loopback, the block must be free."""
+    return job.spec.ddp.procs_per_node if replica.startswith("ddp-") and job.spec.ddp is not None else 1
 
 
 def write_certificates(job: TrainingJob, run: RunDir) -> Path | None:
@@ -496,16 +535,23 @@ class LocalBackend:
     def _metrics_port_still_free(self, p: Proc) -> None:
         """Ports are picked free when the run starts, but another process (another `kubetrain run`
         started at the same moment) may take one before the replica binds it: the replica then
-        exits 75 and is restarted. Before each start, a metrics port taken since is replaced by a
-        free one (Prometheus's targets file follows)."""
+        exits 75 and is restarted, to fail the same way again. Before each start, a metrics port
+        taken since (or, for a DDP node, one of its ranks' ports after it: metrics_width) is
+        replaced by a free one (Prometheus's targets file follows)."""
         port = p.replica.ports.get("metrics")
-        if not port or _can_bind(port):
+        width = metrics_width(self.job, p.replica.name)
+        if not port or all(_can_bind(port + i) for i in range(width)):
             return
-        new = free_ports(1)[0]
+        planned = frozenset(q_port + i for q in self.procs.values() if q is not p
+                            for key, q_port in q.replica.ports.items()
+                            for i in range(metrics_width(self.job, q.replica.name) if key == "metrics" else 1))
+        new = free_blocks([width], avoid=planned)[0]
         p.replica.ports["metrics"] = new
         p.replica.env["KUBETRAIN_METRICS_PORT"] = str(new)
         self.run.write_targets(self.job, [q.replica for q in self.procs.values()])
-        self.display.message(f"[{p.replica.name}] metrics port {port} is taken by another process; using {new}")
+        span = (lambda first: str(first) if width == 1 else f"{first}-{first + width - 1}")
+        self.display.message(f"[{p.replica.name}] metrics port {span(port)} is taken by another process; "
+                             f"using {span(new)}")
 
     def _close_log(self, p: Proc) -> None:
         self._echo_logs(p)

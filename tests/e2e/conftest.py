@@ -79,11 +79,15 @@ def e2e() -> Iterator[E2E]:
         # trainer's pod must pass it (the label is kept on a reused cluster, set on a new one).
         cluster.run("kubectl", "apply", "-f", "-", input=f"apiVersion: v1\nkind: Namespace\nmetadata:\n"
                     f"  name: {NAMESPACE}\n  labels: {{pod-security.kubernetes.io/enforce: restricted}}\n")
-        cluster.run("helm", "upgrade", "--install", "kubetrain", str(ROOT / "charts" / "kubetrain"),
-                    "--namespace", NAMESPACE, "--create-namespace",
-                    "-f", str(ROOT / "hack" / "values-e2e.yaml"),
-                    "--set", f"operator.scrapeNetworks={{{net['pod_cidr']}}}",
-                    "--wait", "--timeout", "5m", timeout=400)
+        installed = run("helm", "upgrade", "--install", "kubetrain", str(ROOT / "charts" / "kubetrain"),
+                        "--namespace", NAMESPACE, "--create-namespace",
+                        "-f", str(ROOT / "hack" / "values-e2e.yaml"),
+                        "--set", f"operator.scrapeNetworks={{{net['pod_cidr']}}}",
+                        "--wait", "--timeout", "5m", env=env, timeout=400, check=False)
+        if installed.returncode != 0:  # why the operator did not come up, before the cluster goes
+            stuck = E2E(cluster=cluster, pod_cidr=net["pod_cidr"], containerd=containerd)
+            pytest.fail(f"helm install of the chart exited {installed.returncode}: {installed.stderr.strip()}\n"
+                        f"{stuck.diagnostics(describe=True)}", pytrace=False)
         if reused:
             cluster.run("kubectl", "-n", NAMESPACE, "rollout", "restart", "deploy/kubetrain")
             cluster.run("kubectl", "-n", NAMESPACE, "rollout", "status", "deploy/kubetrain", "--timeout=300s",

@@ -75,11 +75,13 @@ class E2E:
         """Polls check() until it returns something truthy; fails naming `what`, the last value, the cluster's state."""
         return wait_for(what, check, timeout, every, explain=self.diagnostics)
 
-    def diagnostics(self) -> str:
-        """What explains a stuck test: the namespace's pods and events, the operator's last log lines."""
+    def diagnostics(self, describe: bool = False) -> str:
+        """What explains a stuck test: the namespace's pods and events, the operator's last log lines;
+        with `describe`, the nodes and the pods described too (an operator that never became ready)."""
         parts = []
         for args in (("get", "pods,pvc,tj", "-o", "wide"),
-                     ("get", "events", "--sort-by=.lastTimestamp")):
+                     ("get", "events", "--sort-by=.lastTimestamp"),
+                     *((("get", "nodes", "-o", "wide"), ("describe", "pods")) if describe else ())):
             done = self.kube.run(*args, timeout=60, check=False)
             parts.append(done.stdout[-4000:] + done.stderr[-2000:])
         done = self.kube.run("logs", self.operator_pod(), "--tail=30", timeout=60, check=False)
