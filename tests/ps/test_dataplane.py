@@ -363,6 +363,44 @@ def test_a_shard_that_never_answers_costs_a_call_its_deadline():
             client.close()
 
 
+def test_a_connect_nobody_answers_gives_up_after_connect_seconds_not_the_calls_deadline(monkeypatch):
+    """CONNECT_SECONDS past its edge: a SYN nobody answers (here a listener whose accept queue is full, so
+    the kernel drops it, as a dead shard's pod IP still in kube-proxy's rules drops it) ends the dial
+    UNAVAILABLE, retryable, long before the call's own 30 s; the worker dials again, to whatever the
+    address holds by then."""
+    monkeypatch.setattr(dataplane, "CONNECT_SECONDS", 0.3)
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        address = full.getsockname()
+        queued = []
+        try:
+            for _ in range(16):  # fill the accept queue (its size is the kernel's: backlog + 1)
+                sock = socket.socket()
+                queued.append(sock)
+                sock.settimeout(0.3)
+                try:
+                    sock.connect(address)
+                except TimeoutError:
+                    break
+            else:
+                pytest.fail("the listener's accept queue never filled: the kernel answered every SYN")
+            client = PSClient(["127.0.0.1:1"], TOKEN, CHUNK, Backoff(budget=0.0), wait_timeout=30.0,
+                              data_addrs=[f"{address[0]}:{address[1]}"])
+            try:
+                started = time.monotonic()
+                with pytest.raises(DataPlaneError) as caught:
+                    pull(client)
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "no answer within 0.3 s (CONNECT_SECONDS)" in caught.value.details()
+                assert time.monotonic() - started < 15.0  # not the call's 30 s
+            finally:
+                client.close()
+        finally:
+            for sock in queued:
+                sock.close()
+
+
 def test_a_restarted_shard_is_reached_again_through_the_pool(tmp_path):
     """Stopped and served again on the same port (a restarted pod behind its Service): the pooled
     connection is dead, the call is retried and answered by the new server."""

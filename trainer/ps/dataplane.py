@@ -58,7 +58,6 @@ from .transport import (
     KEEPALIVE_MS,
     MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
-    MIN_CONNECT_TIMEOUT_MS,
     REFUSAL_KEY,
     ByteCounter,
     WireError,
@@ -96,6 +95,13 @@ DRAIN_SECONDS = 5.0
 """After refusing a push mid-stream the shard reads (and drops) what the client still sends, for
 at most this long and `drain_bytes`, so the client finishes sending and reads the refusal rather
 than a reset connection."""
+CONNECT_SECONDS = 1.0
+"""The longest a worker's TCP connect to a shard may wait for the shard's SYN-ACK; the TLS handshake and
+HELLO then get the call's own timeout. The kernel answers a SYN on a listening port in milliseconds,
+however loaded the node; one unanswered for a second went to an address nobody holds (a dead shard's
+pod IP, still in kube-proxy's rules for a moment after the pod went: the connect would hang for the
+3 s of MIN_CONNECT_TIMEOUT_MS, then for ARP's own timeout, while the new pod already listened), and a
+new dial, to the address kube-proxy holds now, is better than waiting (docs/benchmarks.md, Recovery)."""
 POOL_SIZE = 2
 """Idle connections a worker keeps per shard: it makes one call per shard at a time."""
 IOV_MAX = 512
@@ -582,13 +588,20 @@ class DataClient:
                     return conn
                 conn.sock.close()
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=min(timeout, MIN_CONNECT_TIMEOUT_MS / 1000))
+            sock = socket.create_connection((self.host, self.port), timeout=min(timeout, CONNECT_SECONDS))
+        except (socket.timeout, TimeoutError):
+            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"connect to {self.address}: no answer within "
+                                 f"{min(timeout, CONNECT_SECONDS):g} s (CONNECT_SECONDS)") from None
+        except OSError as err:
+            raise self._failed(err, "connect") from None
+        try:
+            sock.settimeout(timeout)  # the handshake and HELLO: the call's own timeout (the SSLSocket keeps it)
             _tune(sock)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
-            sock.settimeout(timeout)
             sock.sendall(self._hello)  # its answer is read with the first call's reply: no round trip of its own
         except (OSError, ssl.SSLError) as err:
+            sock.close()
             raise self._failed(err, "connect") from None
         return _Conn(sock)
 
