@@ -153,16 +153,23 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
     ports = {k: (kept or {})[k] for k in keys if k in (kept or {})}
     missing = [k for k in keys if k not in ports]
     if missing:
-        width = {k: metrics_width(job, k.removesuffix("/metrics")) if k.endswith("/metrics") else 1 for k in keys}
+        width = {k: port_width(job, k.partition("/")[0], k.partition("/")[2]) for k in keys}
         kept_ports = frozenset(p + i for k, p in ports.items() for i in range(width[k]))  # free until they start again
         ports.update(zip(missing, free_blocks([width[k] for k in missing], avoid=kept_ports)))
     return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir)
 
 
-def metrics_width(job: TrainingJob, replica: str) -> int:
-    """Ports a replica's /metrics takes from its own: a DDP node's ranks serve on port + local rank
-    (trainer/ddp/runtime.py), so locally, where every node shares loopback, the block must be free."""
-    return job.spec.ddp.procs_per_node if replica.startswith("ddp-") and job.spec.ddp is not None else 1
+def port_width(job: TrainingJob, replica: str, name: str) -> int:
+    """How many ports, from the one named, a replica's server takes: a DDP node's ranks serve /metrics on
+    its port + their local rank (trainer/ddp/runtime.py), so locally, where every node shares loopback,
+    that block must be free; every other server takes its one port."""
+    if name == "metrics" and replica.startswith("ddp-") and job.spec.ddp is not None:
+        return job.spec.ddp.procs_per_node
+    return 1
+
+
+def _ports_text(first: int, width: int) -> str:
+    return str(first) if width == 1 else f"{first}-{first + width - 1}"
 
 
 def write_certificates(job: TrainingJob, run: RunDir) -> Path | None:
@@ -536,22 +543,21 @@ class LocalBackend:
         """Ports are picked free when the run starts, but another process (another `kubetrain run`
         started at the same moment) may take one before the replica binds it: the replica then
         exits 75 and is restarted, to fail the same way again. Before each start, a metrics port
-        taken since (or, for a DDP node, one of its ranks' ports after it: metrics_width) is
+        taken since (or, for a DDP node, one of its ranks' ports after it: port_width) is
         replaced by a free one (Prometheus's targets file follows)."""
         port = p.replica.ports.get("metrics")
-        width = metrics_width(self.job, p.replica.name)
+        width = port_width(self.job, p.replica.name, "metrics")
         if not port or all(_can_bind(port + i) for i in range(width)):
             return
-        planned = frozenset(q_port + i for q in self.procs.values() if q is not p
-                            for key, q_port in q.replica.ports.items()
-                            for i in range(metrics_width(self.job, q.replica.name) if key == "metrics" else 1))
+        planned = frozenset(first + i for q in self.procs.values() if q is not p
+                            for name, first in q.replica.ports.items()
+                            for i in range(port_width(self.job, q.replica.name, name)))
         new = free_blocks([width], avoid=planned)[0]
         p.replica.ports["metrics"] = new
         p.replica.env["KUBETRAIN_METRICS_PORT"] = str(new)
         self.run.write_targets(self.job, [q.replica for q in self.procs.values()])
-        span = (lambda first: str(first) if width == 1 else f"{first}-{first + width - 1}")
-        self.display.message(f"[{p.replica.name}] metrics port {span(port)} is taken by another process; "
-                             f"using {span(new)}")
+        self.display.message(f"[{p.replica.name}] metrics port {_ports_text(port, width)} is taken by another "
+                             f"process; using {_ports_text(new, width)}")
 
     def _close_log(self, p: Proc) -> None:
         self._echo_logs(p)
