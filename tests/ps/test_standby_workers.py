@@ -203,8 +203,14 @@ def test_a_stand_without_an_incarnation_is_refused(ps0):
 def test_a_killed_workers_standby_trains_on_at_once_and_its_replacement_waits(tmp_path, sync_job):
     """A real job (cluster.py): 1 shard, 2 workers, 1 standby. worker-1 is SIGKILLed at its step 40; the
     standby takes its place and trains on from its cursor; worker-1 started again (as the operator
-    replaces its pod) finds its place held, waits as the next standby, and leaves when the job ends."""
-    job = Job(tmp_path / "standby", manifest("standby", syncTimeoutSeconds=60, standbyWorkers=1))
+    replaces its pod) finds its place held, waits as the next standby, and leaves when the job ends.
+
+    40 epochs, 4 times the reference job: the replacement must reach ps-0 while the job still trains,
+    and its start (an interpreter, torch: 3-4 s on a busy 2-core machine) outlasted the 10 epochs' last
+    410 steps once the data plane carried them (2.2 s in a CI run)."""
+    epochs = 40
+    job = Job(tmp_path / "standby", manifest("standby", syncTimeoutSeconds=60, standbyWorkers=1,
+                                             training={"epochs": epochs}))
     job.start_all({"worker-1": "kill@step=40"})
     try:
         code, killed_at = job.wait_for_exit("worker-1", JOB_SECONDS)
@@ -214,6 +220,10 @@ def test_a_killed_workers_standby_trains_on_at_once_and_its_replacement_waits(tm
                              60, every=0.05, explain=job.logs)[0]
         assert job.procs["standby-0"].poll() is None, job.logs()  # the standby, not a restart, is training
         job.start("worker-1")  # the operator's replacement of the killed pod
+        wait_for("the replacement to find worker-1's place held",
+                 lambda: "worker-1's place is held by another process" in (job.run_dir / "worker-1.log").read_text(),
+                 JOB_SECONDS, every=0.1, explain=lambda: f"ps-0 exit code {job.procs['ps-0'].poll()} (None: "
+                                                        f"still serving); {job.logs()}")
         codes = job.wait(JOB_SECONDS)
     finally:
         job.stop()
@@ -228,7 +238,7 @@ def test_a_killed_workers_standby_trains_on_at_once_and_its_replacement_waits(tm
           f"{took_over['time'] - killed_at:.3f} s after the kill (the process reaped), the next completed step "
           f"{next_step['time'] - killed_at:.3f} s; accuracy {accuracy(job):.4f} (Sync {accuracy(sync_job):.4f})")
     assert 40 - resumed <= 20  # checkpoint.intervalSteps: ps-0's record of its cursor
-    assert job.result("worker-1")["steps"] == STEPS  # the standby wrote worker-1's result: its whole shard
+    assert job.result("worker-1")["steps"] == STEPS * epochs // 10  # the standby wrote worker-1's result: its whole shard
     assert accuracy(job) >= accuracy(sync_job) - 0.02
 
 
