@@ -116,15 +116,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@step=(?P<step>\d+)")
+FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@(?P<when>step|save)=(?P<step>\d+)")
 
 
-def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
-    faults: dict[str, int] = {}
+def parse_faults(values: list[str], replicas: list[str]) -> dict[str, str]:
+    """`REPLICA:kill@step=N` (SIGKILL right after step N) or `REPLICA:kill@save=N` (SIGKILL in the middle of
+    writing the checkpoint of step N: its files written, not yet committed) -> {replica: "kill@...=N"}."""
+    faults: dict[str, str] = {}
     for value in values:
         m = FAULT.fullmatch(value)
         if not m:
-            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N, for example worker-1:kill@step=40")
+            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N or REPLICA:kill@save=N, for example "
+                             "worker-1:kill@step=40")
         replica, step = m["replica"], int(m["step"])
         if replica not in replicas:
             raise UsageError(f"--fault {value!r}: this job has no replica {replica!r} (it has {', '.join(replicas)})")
@@ -134,7 +137,7 @@ def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
             raise UsageError(f"--fault {value!r}: a fault for {replica} is given twice")
         if replica.startswith("ddp-") and any(r.startswith("ddp-") for r in faults):
             raise UsageError(f"--fault {value!r}: a DDP group takes one fault per run")
-        faults[replica] = step
+        faults[replica] = f"kill@{m['when']}={step}"
     return faults
 
 
@@ -312,7 +315,7 @@ def recovery_inputs(manifest: str | Path, fault: str) -> tuple[Any, dict[str, in
     return job, parse_faults([fault], [f"{role}-{i}" for role, i in replica_names(job)])
 
 
-def run_locally(job: Any, run_dir: Path, faults: dict[str, int], stream: Any) -> int:
+def run_locally(job: Any, run_dir: Path, faults: dict[str, str], stream: Any) -> int:
     """Run a job to its end with the local backend (the recovery check's runs); its exit code."""
     from .local.backend import LocalBackend
     from .local.rundir import RunDir, RunDirError
@@ -370,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault",
         action="append",
         default=[],
-        metavar="REPLICA:kill@step=N",
-        help="SIGKILL a replica when it reaches step N (first attempt only); repeatable",
+        metavar="REPLICA:kill@step=N|kill@save=N",
+        help="SIGKILL a replica right after step N (kill@step=N), or while it writes the checkpoint of step N, "
+             "its files written and not yet committed (kill@save=N); first attempt only; repeatable",
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
     p.set_defaults(func=cmd_run)
@@ -409,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c = csub.add_parser("recovery", help="run a job with a fault and without, and compare their final checkpoints")
     c.add_argument("dirs", nargs=1, metavar="FILE")
-    c.add_argument("--fault", required=True, metavar="REPLICA:kill@step=N")
+    c.add_argument("--fault", required=True, metavar="REPLICA:kill@step=N|kill@save=N")
     c.add_argument("--run-root", default="runs/recovery-check")
     c.add_argument("--json", action="store_true")
     c = csub.add_parser(

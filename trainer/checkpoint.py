@@ -231,7 +231,7 @@ def _header_line(step: int, spec_hash: str, length: int, digest: str) -> bytes:
     return text.ljust(HEADER_BYTES - 1) + b"\n"
 
 
-def _drop_cache(fd: int) -> None:
+def drop_cache(fd: int) -> None:
     """Ask the kernel to forget the file's cached pages (clean after fsync), so the next read is the device's."""
     if hasattr(os, "posix_fadvise"):
         try:
@@ -250,7 +250,7 @@ def _verify_written(path: Path, header: bytes, length: int, digest: str) -> None
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        _drop_cache(fd)
+        drop_cache(fd)
         with os.fdopen(fd, "rb", closefd=False) as f:
             if f.read(len(MAGIC)) != MAGIC or f.read(len(header)) != header:
                 raise CorruptCheckpoint("read back, the magic or header differs from what was written")
@@ -262,12 +262,12 @@ def _verify_written(path: Path, header: bytes, length: int, digest: str) -> None
             raise CorruptCheckpoint(f"read back, the payload is {seen} bytes, {length} were written")
         if sha.hexdigest() != digest:
             raise CorruptCheckpoint("read back, the payload's sha256 differs from what was written")
-        _drop_cache(fd)
+        drop_cache(fd)
     finally:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Callable[[BinaryIO], None],
+def atomic_write(path: Path, write: Callable[[BinaryIO], None],
                   verify: Callable[[Path], None] | None = None) -> None:
     """`write` into a temporary file, fsync it, `verify` it, rename it to `path`, fsync the directory.
 
@@ -297,7 +297,7 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], None],
         os.close(fd)
 
 
-def _write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
+def write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
     return lambda f: f.write(data)
 
 
@@ -311,6 +311,7 @@ class CheckpointStore:
         spec_hash: str,
         background: bool = True,
         on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
+        mid_save: Callable[[int], None] | None = None,
     ):
         """`on_persisted(info, seconds)` runs after each file is durable and verified (in the writer thread).
 
@@ -325,6 +326,8 @@ class CheckpointStore:
         self.spec_hash = spec_hash
         self.background = background
         self.on_persisted = on_persisted
+        self.mid_save = mid_save
+        """Called with the step once the file is written, before it is renamed into place (fault injection)."""
         self.durable_step: int | None = None
         """Step of the newest checkpoint this process wrote and verified, or restored; None: none yet."""
         self.stall_seconds = 0.0
@@ -398,10 +401,14 @@ class CheckpointStore:
             f.flush()
             os.pwrite(f.fileno(), written["header"], len(MAGIC))
 
+        def verify(tmp: Path) -> None:
+            _verify_written(tmp, written["header"], written["length"], written["digest"])
+            if self.mid_save is not None:
+                self.mid_save(step)
+
         try:
-            _write_atomic(path, write, lambda tmp: _verify_written(tmp, written["header"], written["length"],
-                                                                    written["digest"]))
-            _write_atomic(self.directory / LATEST, _write_bytes(path.name.encode() + b"\n"))
+            atomic_write(path, write, verify)
+            atomic_write(self.directory / LATEST, write_bytes(path.name.encode() + b"\n"))
         except BaseException as err:  # the training thread sees it in wait()
             self._error = err
             return

@@ -18,7 +18,7 @@ from kubetrain_operator.api import InvalidSpec, Spec, TrainingJob, load_one
 
 from .errors import ConfigError
 
-FAULT_PATTERN = re.compile(r"kill@step=([0-9]+)")
+FAULT_PATTERN = re.compile(r"kill@(step|save)=([0-9]+)")
 REPLICA_PATTERN = re.compile(r"([a-z]+)-([0-9]+)")
 
 
@@ -53,6 +53,9 @@ class ReplicaContext:
     """Shared secret the parameter servers check in call metadata."""
     fault_step: int | None = None
     """Local fault injection: SIGKILL this process right after this step."""
+    fault_save: int | None = None
+    """Local fault injection: SIGKILL this process in the middle of writing the checkpoint of this step (its
+    files written, before the checkpoint is committed)."""
     namespace: str = ""
     """Metric label; the job's namespace when empty."""
     job_name: str = ""
@@ -108,7 +111,8 @@ class ReplicaContext:
             ps_data_port=_int(env, "KUBETRAIN_PS_DATA_PORT", 0),
             listen_address=env.get("KUBETRAIN_LISTEN_ADDRESS") or "127.0.0.1",
             token=env.get("KUBETRAIN_JOB_TOKEN", ""),
-            fault_step=_fault_step(env.get("KUBETRAIN_FAULT", "")),
+            fault_step=_fault(env.get("KUBETRAIN_FAULT", ""), "step"),
+            fault_save=_fault(env.get("KUBETRAIN_FAULT", ""), "save"),
             namespace=env.get("KUBETRAIN_NAMESPACE", ""),
             job_name=env.get("KUBETRAIN_JOB_NAME", ""),
             termination_log=Path(env["KUBETRAIN_TERMINATION_LOG"]) if env.get("KUBETRAIN_TERMINATION_LOG") else None,
@@ -121,6 +125,11 @@ class ReplicaContext:
         when a node dies, so the run directory shows what a real crash leaves.
         """
         if self.fault_step is not None and step == self.fault_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_fault_in_save(self, step: int) -> None:
+        """SIGKILL this process while it writes the checkpoint of `step`, when KUBETRAIN_FAULT says kill@save."""
+        if self.fault_save is not None and step == self.fault_save:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def install_signal_handlers(self) -> None:
@@ -141,10 +150,11 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
 
 
-def _fault_step(raw: str) -> int | None:
+def _fault(raw: str, when: str) -> int | None:
+    """The step of KUBETRAIN_FAULT (`kill@step=N` or `kill@save=N`) when it is of kind `when`."""
     if not raw:
         return None
     match = FAULT_PATTERN.fullmatch(raw)
     if match is None:
-        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N', got {raw!r}")
-    return int(match.group(1))
+        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N' or 'kill@save=N', got {raw!r}")
+    return int(match.group(2)) if match.group(1) == when else None

@@ -205,8 +205,15 @@ class DDP:
     nodes: int = field("Nodes (pods) in the group.", 2, minimum=1, maximum=1024, immutable=True)
     procs_per_node: int = field("Ranks per node.", 1, minimum=1, maximum=64, immutable=True)
     backend: Literal["gloo", "nccl"] = field("gloo on CPUs, nccl on GPUs.", "gloo")
+    strategy: Literal["DDP", "FSDP"] = field(
+        "How the built-in loop spreads the model over the ranks: DDP (a whole replica on every rank, gradients "
+        "averaged) or FSDP (FSDP2: every layer, then the model, sharded across the ranks, gradients "
+        "reduce-scattered; checkpoints sharded, every rank writing its own shards, so a job of several nodes "
+        "needs checkpoint.storage.accessMode ReadWriteMany). Script jobs shard their own model.",
+        "DDP", immutable=True,
+    )
     comm_hook: Literal["None", "FP16", "PowerSGD"] = field(
-        "DDP communication hook: None, FP16 or PowerSGD (torch's built-in hooks).", "None"
+        "DDP communication hook: None, FP16 or PowerSGD (torch's built-in hooks); strategy DDP only.", "None"
     )
     power_sgd_rank: int = field(
         "PowerSGD hook: matrix approximation rank.", 2, minimum=1, maximum=64, name="powerSGDRank"
@@ -524,10 +531,29 @@ class Spec:
                         "ReadWriteMany; or leave existingClaim empty so each node gets its own volume",
                     )
                 )
+            problems += self._strategy_problems(ddp)
         problems += pod_template_problems(self.pod_template)
         if self.run_policy.scheduling_policy is not None:
             problems += [(f"runPolicy.schedulingPolicy.{p}", m)
                          for p, m in self.run_policy.scheduling_policy.pods_problems(self.pod_count)]
+        return problems
+
+    def _strategy_problems(self, ddp: "DDP") -> list[tuple[str, str]]:
+        """FSDP: sharded checkpoints need one volume every node reads; no DDP communication hook."""
+        if ddp.strategy != "FSDP":
+            return []
+        problems = []
+        if self.script is not None:
+            problems.append(("ddp.strategy", "FSDP shards the built-in loop's model; a script job shards its own "
+                                             "(fully_shard) and keeps strategy DDP"))
+        if ddp.comm_hook != "None":
+            problems.append(("ddp.commHook", f"{ddp.comm_hook} is a hook of DDP's gradient all-reduce; FSDP "
+                                             "reduce-scatters its gradients: use None with strategy FSDP"))
+        if ddp.node_range[1] > 1 and self.checkpoint.storage.access_mode != "ReadWriteMany":
+            problems.append(("checkpoint.storage.accessMode",
+                             f"strategy FSDP writes sharded checkpoints, each rank its own shards, into one "
+                             f"directory every rank reads: a job of up to {ddp.node_range[1]} nodes needs "
+                             f"ReadWriteMany (one claim every node mounts), got {self.checkpoint.storage.access_mode}"))
         return problems
 
     def _size_problems(self) -> list[tuple[str, str]]:

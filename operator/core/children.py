@@ -28,7 +28,7 @@ from ..api.podtemplate import (
 )
 from ..api.tls import FILES as TLS_FILES, MOUNT as TLS_MOUNT, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
 from . import gang
-from .plan import DATA_PORT, GRPC_PORT, Replica, plan_replicas
+from .plan import DATA_PORT, GRPC_PORT, Replica, plan_replicas, shared_checkpoints
 from .tls import ps_hosts_of, secret_certificates, uses_tls
 
 LABEL_JOB = "kubetrain.dev/job-name"
@@ -264,7 +264,10 @@ def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
 
     One ReadWriteOnce volume per shard works on any default StorageClass;
     workers keep nothing (their cursors live in ps-0's checkpoints). DDP's
-    volumes come from the StatefulSet's claim template.
+    volumes come from the StatefulSet's claim template, a volume per node,
+    except with accessMode ReadWriteMany: then one claim, `<job>-ckpt-ddp`,
+    that every node mounts (sharded checkpoints need every rank to read every
+    shard; plan.shared_checkpoints).
 
     With `whenDeleted: Retain` a claim has no owner, so the garbage collector
     leaves it when the job is deleted; its labels stay, so `kubectl get pvc -l
@@ -274,9 +277,14 @@ def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     resumes from them. They stay unowned, even if the new job says Delete.
     """
     storage = job.spec.checkpoint.storage
-    if storage.existing_claim or job.spec.mode == "DDP":
+    if storage.existing_claim or (job.spec.mode == "DDP" and not shared_checkpoints(job)):
         return []
-    replicas = ["single-0"] if job.spec.mode == "Single" else [f"ps-{i}" for i in range(job.spec.parameter_server.replicas)]
+    if job.spec.mode == "DDP":
+        replicas = ["ddp"]
+    elif job.spec.mode == "Single":
+        replicas = ["single-0"]
+    else:
+        replicas = [f"ps-{i}" for i in range(job.spec.parameter_server.replicas)]
     owned = storage.when_deleted == "Delete"
     return [
         {
@@ -495,9 +503,11 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
     storage = job.spec.checkpoint.storage
     # Without existingClaim the StatefulSet adds each pod's `data` volume from
-    # its claim template; with one, every node mounts that claim.
-    shared = {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": storage.existing_claim}}
-    pod_spec = _pod_spec(job, template_replica, settings, shared if storage.existing_claim else None)
+    # its claim template; with one, or with the job's own ReadWriteMany claim,
+    # every node mounts that claim.
+    shared_claim = storage.existing_claim or (claim_name(job, "ddp") if shared_checkpoints(job) else "")
+    shared = {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": shared_claim}}
+    pod_spec = _pod_spec(job, template_replica, settings, shared if shared_claim else None)
     pod_spec["restartPolicy"] = "Always"  # the only policy a StatefulSet allows; the operator counts restarts
     container = pod_spec["containers"][0]
     container["env"][:0] = [
@@ -533,7 +543,7 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": storage.when_deleted, "whenScaled": "Retain"},
         },
     }
-    if not storage.existing_claim:
+    if not shared_claim:
         sts["spec"]["volumeClaimTemplates"] = [
             {"metadata": {"name": DATA_VOLUME, "labels": {LABEL_JOB: job.name}}, "spec": _claim_spec(job)}
         ]

@@ -26,7 +26,7 @@ from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
 from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
-from ..core.plan import Replica, plan_replicas, replica_names
+from ..core.plan import Replica, plan_replicas, replica_names, shared_checkpoints
 from ..core.status import TERMINAL
 from ..core.tls import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
@@ -103,6 +103,8 @@ class LocalEndpoints:
     ports: dict[str, int]
     metrics_enabled: bool
     code: Path | None = None
+    shared_checkpoints: bool = False
+    """Every DDP node uses one checkpoint directory (accessMode ReadWriteMany), as pods share one claim."""
 
     def ps_address(self, index: int) -> str:
         return f"127.0.0.1:{self.ps_port(index)}"
@@ -130,7 +132,11 @@ class LocalEndpoints:
 
     def checkpoint_dir(self, replica: str) -> str:
         # Each DDP node has its own directory, as each pod has its own volume;
-        # the group resumes from the newest checkpoint any node holds.
+        # the group resumes from the newest checkpoint any node holds. With
+        # accessMode ReadWriteMany every node shares one (node 0's), as the
+        # pods share one claim: what sharded checkpoints need.
+        if self.shared_checkpoints:
+            return str(self.run.checkpoint_dir("ddp-0"))
         return str(self.run.checkpoint_dir(replica))
 
     def local_addr(self) -> str | None:
@@ -156,7 +162,7 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
         width = {k: port_width(job, k.partition("/")[0], k.partition("/")[2]) for k in keys}
         kept_ports = frozenset(p + i for k, p in ports.items() for i in range(width[k]))  # free until they start again
         ports.update(zip(missing, free_blocks([width[k] for k in missing], avoid=kept_ports)))
-    return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir)
+    return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir, shared_checkpoints(job))
 
 
 def port_width(job: TrainingJob, replica: str, name: str) -> int:
@@ -241,7 +247,7 @@ class LocalBackend:
         self,
         job: TrainingJob,
         run: RunDir,
-        faults: dict[str, int] | None = None,
+        faults: dict[str, str] | None = None,
         out: TextIO = sys.stderr,
         echo_logs: bool = True,
         python: str = sys.executable,
@@ -514,14 +520,14 @@ class LocalBackend:
             # learns which rank must fail, on the group's first start only.
             target = next((r for r in self.faults if r.startswith("ddp-")), None)
             if target is not None and p.attempts == 0:
-                env["KUBETRAIN_FAULT"] = f"kill@step={self.faults[target]}"
+                env["KUBETRAIN_FAULT"] = self.faults[target]
                 env["KUBETRAIN_FAULT_REPLICA"] = target
                 if all(q.attempts > 0 or q is p for q in self.procs.values()):
                     del self.faults[target]
         else:
             fault = self.faults.pop(replica.name, None)
             if fault is not None:  # first attempt only: a restarted replica runs clean
-                env["KUBETRAIN_FAULT"] = f"kill@step={fault}"
+                env["KUBETRAIN_FAULT"] = fault
         command = [self.python if replica.command[0] == "python" else replica.command[0], *replica.command[1:]]
         log_path = self.run.log_file(replica.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
