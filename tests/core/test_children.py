@@ -80,6 +80,31 @@ def test_ddp_is_a_statefulset_with_a_headless_service():
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
 
 
+def test_a_ddp_job_on_read_write_many_gets_one_claim_that_every_node_mounts():
+    # Sharded checkpoints: every rank writes its shards, every rank reads them all.
+    objs = children(job("DDP", ddp={"nodes": 3, "strategy": "FSDP"},
+                        checkpoint={"storage": {"accessMode": "ReadWriteMany", "size": "5Gi"}}), "u", "t")
+    claims = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    assert [c["metadata"]["name"] for c in claims] == ["j-ckpt-ddp"]
+    assert claims[0]["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "5Gi"}}}
+    assert claims[0]["metadata"]["ownerReferences"][0]["uid"] == "u"  # whenDeleted Delete: the job's
+    sts = objs[-1]
+    assert "volumeClaimTemplates" not in sts["spec"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "j-ckpt-ddp"}}
+    assert checkpoint_dirs(objs) == {"j-ddp": ("/kubetrain/data/checkpoints", "/kubetrain/data/run")}
+    # Created before the StatefulSet that mounts it.
+    assert kinds(objs).index(("PersistentVolumeClaim", "j-ckpt-ddp")) < kinds(objs).index(("StatefulSet", "j-ddp"))
+
+
+def test_locally_the_nodes_of_a_read_write_many_job_share_node_0s_directory(tmp_path):
+    rwx = job("DDP", ddp={"nodes": 2}, checkpoint={"storage": {"accessMode": "ReadWriteMany"}})
+    rwo = job("DDP", ddp={"nodes": 2})
+    for j, expected in ((rwx, ["ddp-0", "ddp-0"]), (rwo, ["ddp-0", "ddp-1"])):
+        replicas = plan_replicas(j, local_endpoints(j, RunDir(tmp_path / j.spec.checkpoint.storage.access_mode)))
+        assert [Path(r.env["KUBETRAIN_CHECKPOINT_DIR"]).name for r in replicas] == expected
+
+
 def test_single_uses_existing_claim():
     objs = children(job("Single", checkpoint={"storage": {"existingClaim": "mine"}}), "u", "t")
     assert "PersistentVolumeClaim" not in [o["kind"] for o in objs]
