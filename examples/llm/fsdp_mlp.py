@@ -121,7 +121,8 @@ def main() -> None:
     with torch.no_grad():
         eval_loss = nn.functional.mse_loss(model(x.to(device)), y.to(device)).item()
     text = digest(model)
-    kubetrain.report(args.steps, total_steps=args.steps, eval_loss=eval_loss)
+    # The digest's first 48 bits as a number (exact in a float): the job's status and results carry it.
+    kubetrain.report(args.steps, total_steps=args.steps, eval_loss=eval_loss, digest48=float(int(text[:12], 16)))
     if rank == 0:
         print(f"done: {args.steps} steps, eval loss {eval_loss:.6f}, digest {text}", flush=True)
     dist.destroy_process_group()
