@@ -502,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--every", type=int, default=20, help="a checkpoint every this many steps")
     b.add_argument("--rounds", type=int, default=2, help="alternating rounds (none, checkpoints) and synchronous saves")
     b.add_argument("--dir", help="write the checkpoints under this directory (default: a temporary one under /tmp)")
+    b.add_argument("--sharded", action="store_true",
+                   help="a sharded checkpoint instead: FSDP2 over 2 ranks, every rank writing its shards, against "
+                        "its synchronous save and against rank 0's torch.save of the gathered state")
+    b.add_argument("--gib", type=float, default=1.0, help="--sharded: GiB of state in all (parameters and AdamW's)")
     b.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
     return parser
