@@ -301,7 +301,33 @@ def write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
     return lambda f: f.write(data)
 
 
-class CheckpointStore:
+class Store:
+    """What every checkpoint store of one job keeps: where, how many, for which spec, whom to tell.
+
+    `on_persisted(info, seconds)` runs once a checkpoint is durable and
+    verified (in the writer thread); `mid_save(step)` once its files are
+    written, before they become a checkpoint (the `kill@save` fault).
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int, spec_hash: str,
+                 on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
+                 mid_save: Callable[[int], None] | None = None):
+        if keep_last < 1:
+            raise ConfigError(f"spec.checkpoint.keepLast: must be at least 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.spec_hash = spec_hash
+        self.on_persisted = on_persisted
+        self.mid_save = mid_save
+        self.durable_step: int | None = None
+        """Step of the newest checkpoint this process wrote and verified, or restored; None: none yet."""
+        self.stall_seconds = 0.0
+        """How long the last `save` held its caller (the wait for the write before, the copy into memory)."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+
+class CheckpointStore(Store):
     """One replica's checkpoint directory; it assumes it is the directory's only writer."""
 
     def __init__(
@@ -313,28 +339,11 @@ class CheckpointStore:
         on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
         mid_save: Callable[[int], None] | None = None,
     ):
-        """`on_persisted(info, seconds)` runs after each file is durable and verified (in the writer thread).
-
-        `background`: `save` returns once the state is copied into memory and
-        the file is written by a writer thread; False writes it before `save`
-        returns (no copy needed then).
-        """
-        if keep_last < 1:
-            raise ConfigError(f"spec.checkpoint.keepLast: must be at least 1, got {keep_last}")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self.spec_hash = spec_hash
+        """`background`: `save` returns once the state is copied into memory and the file is written by a
+        writer thread; False writes it before `save` returns (no copy needed then)."""
+        super().__init__(directory, keep_last, spec_hash, on_persisted, mid_save)
         self.background = background
-        self.on_persisted = on_persisted
-        self.mid_save = mid_save
-        """Called with the step once the file is written, before it is renamed into place (fault injection)."""
-        self.durable_step: int | None = None
-        """Step of the newest checkpoint this process wrote and verified, or restored; None: none yet."""
-        self.stall_seconds = 0.0
-        """How long the last `save` held its caller (the wait for the write before, the copy into memory)."""
         self._buffers = SnapshotBuffers()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:

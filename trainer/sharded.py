@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import LATEST, CheckpointInfo, drop_cache, atomic_write, write_bytes
+from .checkpoint import LATEST, CheckpointInfo, Store, atomic_write, drop_cache, write_bytes
 from .errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def verify(path: Path, commit: Commit, names: list[str] | None = None) -> None:
             raise CorruptSharded(f"{name}: sha256 differs from COMMIT")
 
 
-class ShardedStore:
+class ShardedStore(Store):
     """The sharded checkpoints of one job, as one rank sees them: collective saves and restores.
 
     `directory` must be the same directory on every rank (one volume every
@@ -221,22 +221,10 @@ class ShardedStore:
                  timeout: timedelta = timedelta(minutes=10),
                  on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
                  mid_save: Callable[[int], None] | None = None):
-        if keep_last < 1:
-            raise ConfigError(f"spec.checkpoint.keepLast: must be at least 1, got {keep_last}")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self.spec_hash = spec_hash
+        super().__init__(directory, keep_last, spec_hash, on_persisted, mid_save)
         self.timeout = timeout
-        self.on_persisted = on_persisted
-        self.mid_save = mid_save
-        """Called with the step once this rank's files are written, before they are committed (fault injection)."""
-        self.stall_seconds = 0.0
-        """How long the last `save` held its caller (the wait for the write before, the copy into memory)."""
-        self.durable_step: int | None = None
         self._group: Any = None
         self._stager: Any = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
     # --- the group ---------------------------------------------------------------
 
