@@ -36,6 +36,7 @@ share one group's sequence of collectives.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -45,8 +46,9 @@ import secrets
 import shutil
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -322,7 +324,8 @@ class ShardedStore(Store):
         mine: dict[str, tuple[int, str]] | str
         try:
             writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-            dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+            with _alone_is_meant():
+                dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
             mine = {name: hash_file(tmp / name) for name in rank_files(tmp, self.rank)}
             if self.mid_save is not None:
                 self.mid_save(step)
@@ -451,14 +454,16 @@ class ShardedStore(Store):
     def load(self, path: Path, template: dict[str, Any]) -> None:
         """Every rank: load checkpoint `path` into `template` in place, each rank reading only its pieces."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            dcp.load(template, storage_reader=dcp.FileSystemReader(path), process_group=self.group(),
-                     no_dist=not self.distributed)
-        except Exception as err:  # DCP's CheckpointException carries every rank's failure
+            with _alone_is_meant():
+                dcp.load(template, storage_reader=dcp.FileSystemReader(path), process_group=self.group(),
+                         no_dist=not self.distributed)
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             raise ShardedCheckpointError(
                 f"kubetrain.restore: the checkpoint {path} does not fit the template given: "
-                f"{_first_line(err)}. Pass a template of the same structure as the state saved (for a model "
+                f"{_cause(err)}. Pass a template of the same structure as the state saved (for a model "
                 "and optimizer: get_state_dict(model, optimizer) after building and sharding them)"
             ) from None
 
@@ -551,9 +556,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _first_line(err: BaseException) -> str:
+def _cause(err: BaseException) -> str:
+    """The message of what failed: DCP's CheckpointException wraps each rank's exception with its traceback."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, its traceback's frames)
+        lines = str(inner).strip().splitlines()
+        return f"rank {rank}: {type(inner).__name__}: {lines[-1] if lines else ''}"
     lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
+    return lines[-1] if lines else type(err).__name__
 
 
 # --- read-only access, for tools (export, verify) that read a copy they do not own -----------------------
@@ -589,10 +601,15 @@ def load_whole(path: Path) -> dict[str, Any]:
 
     Plain tensors, nested as saved (DCP's own reader, no process group).
     """
-    import warnings
-
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+    with _alone_is_meant():
         return _load_state_dict_from_keys(checkpoint_id=str(path))
+
+
+@contextlib.contextmanager
+def _alone_is_meant() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: here that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*(unavailable|uninitialized)")
+        yield
