@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers.metrics import try_scrape
 from helpers.net import free_port
-from helpers.process import stop_process
+from helpers.process import require_program, stop_process
 from helpers.prometheus import start_prometheus
 from helpers.wait import wait_for
 from live import PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_run
@@ -26,8 +26,7 @@ from live import PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_r
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory) -> Observed:
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus is not installed: apt-get install -y --no-install-recommends prometheus")
+    require_program("prometheus", "apt-get install -y --no-install-recommends prometheus (hack/deps)")
     root = tmp_path_factory.mktemp("observed")
     docs = jobs()
     run_dirs = {name: root / "runs" / name for name in docs}
