@@ -444,6 +444,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     if not state.counted_created:
         state.counted_created = True
         if not old_status:
+            metrics.start_counting(ns, job.spec.mode)
             metrics.JOBS_CREATED.labels(ns, job.spec.mode).inc()
     if old_status.get("state") in TERMINAL:
         pods: dict[str, ReplicaObservation] = INDEX.replicas((ns, name))

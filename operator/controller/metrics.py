@@ -24,6 +24,9 @@ REPLICA_RESTARTS = Counter(
     "kubetrain_operator_replica_restarts_total", "Replicas the operator restarted, by reason.",
     ["namespace", "mode", "reason"], registry=REGISTRY,
 )  # fmt: skip
+# The restart reasons the engine gives (core/policy.py Failure.restart_reason; open-ended in principle,
+# these cover every one it names). Their series start at 0 with a namespace's jobs: `start_counting`.
+RESTART_REASONS = ("Error", "Killed", "Signaled", "TransientError", "Evicted", "Deleted", "Hung", "NodeLost")
 JOBS_BY_STATE = Gauge(
     "kubetrain_operator_jobs", "TrainingJobs the operator manages, by state.", ["namespace", "state"], registry=REGISTRY
 )
@@ -50,3 +53,20 @@ LEADER = Gauge(
 def serve(port: int) -> None:
     if port:
         start_http_server(port, addr="0.0.0.0", registry=REGISTRY)
+
+
+def start_counting(namespace: str, mode: str) -> None:
+    """Make the job-end and restart series of (namespace, mode) exist at 0, before anything is counted.
+
+    Prometheus's increase() and rate() see a counter's first sample as its
+    start: a series that first appears at 1 (the first job of a namespace to
+    fail, its first restart) shows an increase of 0, and the dashboard's
+    "Jobs finished" and "Replica restarts" panels stayed empty for it (found by
+    tests/operator/test_operator_metrics.py against a real operator). Called
+    when a job is first counted, seconds before it can end or restart. At most
+    2 + len(RESTART_REASONS) series per namespace and mode.
+    """
+    JOBS_SUCCEEDED.labels(namespace, mode)
+    JOBS_FAILED.labels(namespace, mode)
+    for reason in RESTART_REASONS:
+        REPLICA_RESTARTS.labels(namespace, mode, reason)
