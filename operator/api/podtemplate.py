@@ -144,7 +144,50 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
     for i, container in _items(spec, "containers", MAX_CONTAINERS, path, problems):
         _name(container, f"{path}.containers[{i}]", problems)
         problems += _container_problems(container, f"{path}.containers[{i}]")
+    problems += _shape_problems(spec, path)
     return problems
+
+
+# What the renderer (core/children.py) reads or writes in a template besides kubetrain's names: the
+# security fields it applies after the template, the tolerations it adds to, the init containers it
+# hardens. A wrong shape there once raised in every round of its job (`tolerations: {}`, found by
+# tests/api/test_fuzz_manifests.py); refused here, naming the field, it fails the job once.
+POD_SHAPES: tuple[tuple[str, type], ...] = (("securityContext", dict), ("tolerations", list),
+                                            ("nodeSelector", dict))
+CONTAINER_SHAPES: tuple[tuple[tuple[str, ...], type], ...] = (
+    (("securityContext",), dict), (("securityContext", "capabilities"), dict),
+    (("securityContext", "capabilities", "drop"), list), (("securityContext", "capabilities", "add"), list))
+
+
+def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for key, kind in POD_SHAPES:
+        value = spec.get(key)
+        if value is not None and not isinstance(value, kind):
+            problems.append((f"{path}.{key}", f"must be {_kind_name(kind)}, got {_type_name(value)}"))
+    tolerations = spec.get("tolerations")
+    for i, item in enumerate(tolerations if isinstance(tolerations, list) else []):
+        if not isinstance(item, dict):
+            problems.append((f"{path}.tolerations[{i}]", f"must be an object, got {_type_name(item)}"))
+    for key in ("containers", "initContainers"):
+        items = spec.get(key)
+        if key == "initContainers":
+            items = [c for _, c in _items(spec, key, MAX_CONTAINERS, path, problems)]
+        for i, container in enumerate(items if isinstance(items, list) else []):
+            if not isinstance(container, dict):
+                continue
+            for fields, kind in CONTAINER_SHAPES:
+                value: Any = container
+                for step in fields:
+                    value = value.get(step) if isinstance(value, dict) else None
+                if value is not None and not isinstance(value, kind):
+                    problems.append((f"{path}.{key}[{i}].{'.'.join(fields)}",
+                                     f"must be {_kind_name(kind)}, got {_type_name(value)}"))
+    return problems
+
+
+def _kind_name(kind: type) -> str:
+    return "an object" if kind is dict else "a list"
 
 
 # --- kubetrain's own labels and annotations ------------------------------------
