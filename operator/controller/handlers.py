@@ -8,6 +8,9 @@ workers reconciles the jobs that changed.
   events arrived (`workqueue.WorkQueue`); WORKERS threads take jobs from it, and a job is
   never reconciled by two workers at once. A running job is queued again when the engine
   asks (at most every 10 s); a finished one costs nothing until its TTL deletes it.
+- A running job's progress comes from its chief's /metrics, read by a pool of its own
+  (scrapes.py): a round takes the latest result and never waits for a tenant's answer.
+- A pod is a job's when the job (its uid) or its StatefulSet owns it, not by its labels alone.
 - Every API call has a timeout (kube.API_TIMEOUT). A failed round is retried with an
   exponential backoff; after REPORT_AFTER_FAILURES failures in a row the problem (422
   invalid, 429 throttled, 5xx and others) is shown on the job: a condition and an Event.
@@ -29,6 +32,7 @@ from typing import Any
 import kopf
 
 from ..api import GROUP, PLURAL, VERSION, InvalidSpec, from_spec_dict
+from ..api.podtemplate import SECURITY_CHECKS
 from ..core import kueue, podsecurity
 from ..core.children import LABEL_JOB, Settings
 from ..core.engine import WAITING_REASONS, ReplicaObservation
@@ -130,6 +134,13 @@ class Index:
     def pending_claims(self, key: Key) -> list[str]:
         with self.lock:
             return sorted(n for n, phase in (self.claims.get(key) or {}).items() if phase == "Pending")
+
+    def claim_holder(self, namespace: str, claim: str) -> str | None:
+        """The job whose checkpoint claim `claim` is (by its label), in `namespace`; None for a claim
+        kubetrain did not make (or has not seen)."""
+        with self.lock:
+            return next((job for (ns, job), claims in self.claims.items() if ns == namespace and claim in claims),
+                        None)
 
     def set_claim(self, key: Key, name: str, phase: str | None) -> None:
         with self.lock:
@@ -448,7 +459,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = uid
     job.metadata.labels = dict(meta.get("labels") or {})
-    refused = _pod_security(job, state)
+    refused = _pod_security(job, state) + _claim_problems(job)
     if refused and old_status.get("state") not in TERMINAL:
         # The chart's admission policy refuses these at the API; a cluster without it still gets no such pod.
         _write_condition(body, state, old_status, Observed("Failed", "PodSecurity", "; ".join(refused)), state="Failed",
@@ -534,6 +545,24 @@ def _pod_security(job, state: JobState) -> list[str]:
     if state.pod_security is None or state.pod_security[0] != key:
         state.pod_security = (key, podsecurity.problems(job, CONFIG.settings))
     return state.pod_security[1]
+
+
+def _claim_problems(job) -> list[str]:
+    """checkpoint.storage.existingClaim naming another job's checkpoint claim (the pods would mount its
+    checkpoints, to read them or to write over them) is refused unless the installation allows claims:
+    the same allowance as a claim in the template (api/podtemplate.py), judged here because only the
+    operator sees which job a claim belongs to."""
+    claim = job.spec.checkpoint.storage.existing_claim
+    if not claim or "claims" in CONFIG.settings.pod_security_allow:
+        return []
+    holder = INDEX.claim_holder(job.metadata.namespace, claim)
+    if holder is None or holder == job.name:
+        return []
+    return [f"spec.checkpoint.storage.existingClaim: {claim!r} is job {holder}'s checkpoint claim; "
+            f"{CLAIMS_CHECK.message}"]
+
+
+CLAIMS_CHECK = next(c for c in SECURITY_CHECKS if c.allowance == "claims")
 
 
 def _queue(job, uid: str, state: JobState, old_status: dict[str, Any], pods: dict[str, ReplicaObservation]):

@@ -566,3 +566,15 @@ def test_the_check_judges_the_rendered_pod():
     assert podsecurity.problems(ps, Settings()) == [
         f"{PT}.volumes[theirs].secret: {message('secrets', 'Secret volumes')}"]
     assert podsecurity.problems(ps, Settings(pod_security_allow=frozenset({"secrets"}))) == []
+
+
+def test_every_allowance_is_documented_where_an_operator_looks():
+    """The chart's values, the operating guide's table and the security page name every allowance."""
+    values = (CHART / "values.yaml").read_text()
+    operating = (ROOT / "docs" / "operating.md").read_text()
+    security = (ROOT / "docs" / "security.md").read_text()
+    for name in ALLOWANCES:
+        assert name in values, f"charts/kubetrain/values.yaml: {name}"
+        assert f"| `{name}` |" in operating, f"docs/operating.md's table: {name}"
+    assert "## What a job creator can reach inside the namespace" in security
+    assert "## What remains" in security

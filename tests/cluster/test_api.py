@@ -136,7 +136,7 @@ COLLISIONS = [
     ("annotation kubetrain.dev/size", base(podTemplate={"metadata": {"annotations": {"kubetrain.dev/size": "9"}}}),
      "spec.podTemplate.metadata.annotations", podtemplate.reserved_key_message("kubetrain.dev/size")),
     ("label value not a string", base(podTemplate={"metadata": {"labels": {"team": 1}}}),
-     "spec.podTemplate.metadata.labels.team", "must be of type string"),
+     "spec.podTemplate.metadata.labels.team", "expected string"),
 ]
 
 

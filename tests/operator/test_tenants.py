@@ -27,6 +27,29 @@ def create_json(op, doc: dict, check: bool = True):
     return op.kube.run("create", "-f", "-", input=json.dumps(doc), check=check)
 
 
+def shared_claim(op) -> dict:
+    """A claim of the operator's namespace, bound to a PersistentVolume of its own, for many jobs'
+    checkpoint.storage.existingClaim: the session's static volumes (tests/operator/conftest.py) are
+    too few for a test's dozen jobs after the other tests took theirs."""
+    name = f"shared-{op.namespace}"
+    op.cluster.kube().apply({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/{name}"},
+                 "claimRef": {"namespace": op.namespace, "name": "shared"}}})
+    op.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "shared"},
+              "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": name,
+                       "resources": {"requests": {"storage": "1Gi"}}}})
+    op.wait("the shared claim bound", lambda: (op.get("persistentvolumeclaim", "shared") or {}).get(
+        "status", {}).get("phase") == "Bound")
+    return {"storage": {"existingClaim": "shared", "accessMode": "ReadWriteMany"}}
+
+
+@pytest.fixture(scope="module")
+def storage(operator) -> dict:
+    return shared_claim(operator)
+
+
 def status_of(op, name: str) -> dict:
     """The job's status alone (the whole object, deeply nested, is more than this process's JSON decoder reads)."""
     return json.loads(op.kubectl("get", "trainingjob", name, "-o", "jsonpath={.status}") or "{}")
@@ -107,14 +130,16 @@ def test_chiefs_that_stall_their_metrics_never_stall_another_jobs_reconcile(clus
     op = type(operator)(cluster, namespace, proc.log, proc.metrics_port)
     servers = {kind: Stalling(kind) for kind in HOSTILE}
     try:
-        victim = manifest(mode="Single", name="victim")
+        storage = shared_claim(op)
+        victim = manifest(mode="Single", name="victim", checkpoint=storage)
         op.apply(victim)
         running_pods(op, "victim", 1)
         op.wait("the victim Running", lambda: op.job_status("victim").get("state") == "Running")
         hostile = []
         for kind, count in HOSTILE.items():
             for i in range(count):
-                doc = manifest(mode="Single", name=f"{kind}-{i}", metrics={"port": servers[kind].port})
+                doc = manifest(mode="Single", name=f"{kind}-{i}", metrics={"port": servers[kind].port},
+                               checkpoint=storage)
                 op.apply(doc)
                 hostile.append(doc["metadata"]["name"])
         for name in hostile:
@@ -140,10 +165,10 @@ def test_chiefs_that_stall_their_metrics_never_stall_another_jobs_reconcile(clus
 
 # --- the template: nulls, kubetrain's labels, another job's pods ----------------------------------
 
-def test_a_null_in_the_template_fails_the_job_naming_the_field_and_no_pod_is_made(operator):
+def test_a_null_in_the_template_fails_the_job_naming_the_field_and_no_pod_is_made(operator, storage):
     """The API server keeps a null in podTemplate (its schema preserves unknown fields); the merge
     once copied it over kubetrain's `runAsNonRoot: true`."""
-    doc = manifest(mode="Single", podTemplate={"spec": {
+    doc = manifest(mode="Single", checkpoint=storage, podTemplate={"spec": {
         "securityContext": {"runAsNonRoot": None},
         "containers": [{"name": "trainer", "securityContext": {"allowPrivilegeEscalation": None}}]}})
     name = doc["metadata"]["name"]
@@ -159,15 +184,15 @@ def test_a_null_in_the_template_fails_the_job_naming_the_field_and_no_pod_is_mad
     assert pods_of(operator, name) == {}
 
 
-def test_a_pod_labelled_as_another_jobs_replica_is_not_that_jobs(operator):
+def test_a_pod_labelled_as_another_jobs_replica_is_not_that_jobs(operator, storage):
     """A pod in the namespace labelled `kubetrain.dev/job-name: victim` (made by a tenant who may create
     pods, or by a template before such labels were refused) used to be filed under the victim: its
     success, with forged results, ended the victim's training."""
-    doc = manifest(mode="Single")
+    doc = manifest(mode="Single", checkpoint=storage)
     name = doc["metadata"]["name"]
     operator.apply(doc)
     running_pods(operator, name, 1)
-    attacker = manifest(mode="Single")
+    attacker = manifest(mode="Single", checkpoint=storage)
     operator.apply(attacker)
     attacker_uid = operator.wait("the attacker's uid", lambda: (j := operator.get("trainingjob", attacker["metadata"]["name"]))
                                  and j["metadata"]["uid"])
@@ -196,6 +221,24 @@ def test_a_pod_labelled_as_another_jobs_replica_is_not_that_jobs(operator):
     assert operator.get("pod", f"{name}-forged") is not None  # not the victim's to delete either
 
 
+def test_another_jobs_checkpoint_claim_is_not_a_jobs_existing_claim(operator):
+    """checkpoint.storage.existingClaim may name any claim of the namespace: once, another job's
+    checkpoint claim, whose checkpoints the pods could then read or overwrite."""
+    victim = manifest(mode="Single")
+    operator.apply(victim)
+    claim = f"{victim['metadata']['name']}-ckpt-single-0"
+    operator.wait("the victim's claim", lambda: operator.get("persistentvolumeclaim", claim))
+    doc = manifest(mode="Single", checkpoint={"storage": {"existingClaim": claim}})
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    failed = condition(failed_status(operator, name), "Failed")
+    assert failed["reason"] == "PodSecurity"
+    assert failed["message"].startswith(f"spec.checkpoint.storage.existingClaim: '{claim}' is job "
+                                        f"{victim['metadata']['name']}'s checkpoint claim; "), failed["message"]
+    assert "podSecurity.allow: [claims]" in failed["message"]
+    assert pods_of(operator, name) == {}
+
+
 # --- bounds on what the operator reads ------------------------------------------------------------
 
 NESTED = "nested-placeholder"
@@ -207,12 +250,12 @@ def with_nesting(doc: dict, levels: int) -> str:
 
 
 @pytest.mark.parametrize("levels", [100, 900, 3000])
-def test_a_spec_nested_past_the_limit_fails_with_invalid_spec(operator, levels):
+def test_a_spec_nested_past_the_limit_fails_with_invalid_spec(operator, storage, levels):
     """The API server accepts far deeper objects than a TrainingJob's limit (64): 100 levels were
     accepted and run; 900 raised RecursionError in every event of the job, with nothing on its status;
     3,000 broke the operator's watch of every job (its JSON decoder's recursion). Each fails with
     InvalidSpec, and the jobs after it are reconciled as ever."""
-    doc = manifest(mode="Single", podTemplate={"spec": {"affinity": NESTED}})
+    doc = manifest(mode="Single", checkpoint=storage, podTemplate={"spec": {"affinity": NESTED}})
     name = doc["metadata"]["name"]
     done = operator.kube.run("create", "-f", "-", input=with_nesting(doc, levels), check=False)
     if done.returncode != 0:
@@ -222,15 +265,15 @@ def test_a_spec_nested_past_the_limit_fails_with_invalid_spec(operator, levels):
     assert failed["reason"] == "InvalidSpec"
     assert "nests deeper than 64 levels" in failed["message"], failed["message"]
     assert pods_of(operator, name) == {}
-    after = manifest(mode="Single")
+    after = manifest(mode="Single", checkpoint=storage)
     operator.apply(after)
     running_pods(operator, after["metadata"]["name"], 1)
 
 
-def test_a_huge_number_in_a_termination_message_is_dropped(operator):
+def test_a_huge_number_in_a_termination_message_is_dropped(operator, storage):
     """A 400-digit integer in the chief's termination message (the trainer's results, the tenant's to
     write) raised OverflowError in every round of its job; the job ends as if it were not there."""
-    doc = manifest(mode="Single")
+    doc = manifest(mode="Single", checkpoint=storage)
     name = doc["metadata"]["name"]
     operator.apply(doc)
     running_pods(operator, name, 1)
