@@ -17,6 +17,7 @@ import yaml
 
 from . import __version__
 from .api import InvalidSpec, TrainingJob, dump_manifest, from_object, load_file, load_one
+from .api.schema import MAX_SHOWN_PROBLEMS
 from .api.spec import DNS1123_PATTERN
 from .api.podtemplate import ALLOWANCES, parse_allowances
 from .core import podsecurity as pod_security
@@ -92,6 +93,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # What the template asks of the node, judged as the cluster's policy and operator judge it.
         settings = Settings(pod_security_allow=frozenset(args.allow))
         missing = [f"{path}: {p}" for job in jobs for p in pod_security.problems(job, settings)]
+        if len(missing) > MAX_SHOWN_PROBLEMS:
+            missing[MAX_SHOWN_PROBLEMS:] = [f"{path}: ... and {len(missing) - MAX_SHOWN_PROBLEMS} more problems"]
         if missing:
             missing.append(f"{path}: checked for an installation whose podSecurity.allow is "
                            f"[{', '.join(sorted(args.allow))}]; --allow NAME,... checks for one that allows more")

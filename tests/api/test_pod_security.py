@@ -578,3 +578,14 @@ def test_every_allowance_is_documented_where_an_operator_looks():
         assert f"| `{name}` |" in operating, f"docs/operating.md's table: {name}"
     assert "## What a job creator can reach inside the namespace" in security
     assert "## What remains" in security
+
+
+def test_a_flood_of_refusals_prints_a_bounded_number_of_lines(tmp_path, capsys):
+    from kubetrain_operator.api.schema import MAX_SHOWN_PROBLEMS
+
+    volumes = [{"name": f"v{i}", "hostPath": {"path": f"/{i}"}} for i in range(MAX_SHOWN_PROBLEMS + 30)]
+    path = write(tmp_path, manifest({"volumes": volumes}))
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == MAX_SHOWN_PROBLEMS + 2  # the problems shown, the count of the rest, the --allow hint
+    assert lines[-2] == f"{path}: ... and 30 more problems"
