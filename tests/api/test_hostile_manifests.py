@@ -115,3 +115,23 @@ def test_a_manifest_is_parsed_once_by_libyaml(tmp_path, monkeypatch, capsys):
     assert file.stat().st_size < MAX_MANIFEST_BYTES
     assert main(["validate", "--no-code-check", str(file)]) == 0, capsys.readouterr().err
     assert seen == [("parse", yaml.CSafeLoader)]
+
+
+def test_a_spec_as_the_api_server_delivers_it_is_bounded_at_the_same_depth():
+    """The operator's path (a dict, not YAML): 64 levels in all pass, 65 are refused naming where,
+    without recursion (a thousand levels once raised RecursionError in every round)."""
+    from kubetrain_operator.api import InvalidSpec, from_spec_dict
+
+    def spec(levels: int) -> dict:
+        value: object = "x"
+        for _ in range(levels - 4):  # the document, spec, podTemplate and its spec are 4 of them
+            value = {"a": value}
+        return {"mode": "Single", "podTemplate": {"spec": {"affinity": value}}}
+
+    from_spec_dict("t", spec(MAX_NESTING))
+    for levels in (MAX_NESTING + 1, 5000):
+        with pytest.raises(InvalidSpec) as refused:
+            from_spec_dict("t", spec(levels))
+        (problem,) = refused.value.problems
+        assert problem.path.startswith("spec.podTemplate.spec.affinity.a") and \
+            problem.message == f"nests deeper than {MAX_NESTING} levels (the limit of a TrainingJob)"

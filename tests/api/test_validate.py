@@ -147,6 +147,8 @@ CASES += [
         "kubetrain.dev/size": "1"}}}), "spec.podTemplate.metadata.annotations", "'kubetrain.dev/size' is kubetrain's own"),
     Case("podTemplate label of a kubetrain.dev subdomain", with_spec(podTemplate={"metadata": {"labels": {
         "x.kubetrain.dev/job-name": "victim"}}}), "spec.podTemplate.metadata.labels", "is kubetrain's own"),
+    Case("podTemplate too many labels", with_spec(podTemplate={"metadata": {"labels": {
+        f"l{i}": "x" for i in range(257)}}}), "spec.podTemplate.metadata.labels", "at most 256 keys, got 257"),
     Case("podTemplate labels a list", with_spec(podTemplate={"metadata": {"labels": ["a"]}}),
          "spec.podTemplate.metadata.labels", "must be a map of strings to strings, got list"),
     Case("podTemplate null runAsNonRoot", with_pod({"securityContext": {"runAsNonRoot": None}}),
