@@ -492,7 +492,8 @@ class DataServer:
                                            f"and HELLO within {self.hello_seconds:g} s (hello_seconds)")
                 return
             pending = False
-            self._greeted(peer)
+            self._greeted(peer)  # before the OK: a peer that read it may open its next connection at once
+            conn.sendall(RECORD.pack(OK, 0))
             while True:
                 conn.settimeout(self.idle_seconds)
                 try:
@@ -532,7 +533,6 @@ class DataServer:
         if not hmac.compare_digest(token, self._token):
             self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "wrong job token")
             return False
-        conn.sendall(RECORD.pack(OK, 0))
         return True
 
     def _refuse(self, conn: socket.socket, code: grpc.StatusCode, details: str, reason: str = "",
