@@ -17,8 +17,11 @@ import yaml
 
 from . import __version__
 from .api import InvalidSpec, TrainingJob, dump_manifest, from_object, load_file, load_one
+from .api.schema import MAX_SHOWN_PROBLEMS
 from .api.spec import DNS1123_PATTERN
-from .api.podtemplate import ALLOWANCES, parse_allowances, pod_security_problems
+from .api.podtemplate import ALLOWANCES, parse_allowances
+from .core import podsecurity as pod_security
+from .core.children import Settings
 
 EXIT_USAGE = 2
 EXIT_LOAD = 3
@@ -30,8 +33,8 @@ class UsageError(Exception):
 
 def _print_invalid(err: InvalidSpec) -> None:
     source = f"{err.source}: " if err.source else ""
-    for problem in err.problems:
-        print(f"{source}{problem}", file=sys.stderr)
+    for line in err.shown():
+        print(f"{source}{line}", file=sys.stderr)
 
 
 def _module_found(name: str, code_dir: Path) -> bool:
@@ -88,7 +91,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # manifest's directory (kubetrain run's code directory), else as installed packages.
         code_dir = Path(path).resolve().parent
         # What the template asks of the node, judged as the cluster's policy and operator judge it.
-        missing = [f"{path}: {p}" for job in jobs for p in pod_security_problems(job.spec, args.allow)]
+        settings = Settings(pod_security_allow=frozenset(args.allow))
+        missing = [f"{path}: {p}" for job in jobs for p in pod_security.problems(job, settings)]
+        if len(missing) > MAX_SHOWN_PROBLEMS:
+            missing[MAX_SHOWN_PROBLEMS:] = [f"{path}: ... and {len(missing) - MAX_SHOWN_PROBLEMS} more problems"]
         if missing:
             missing.append(f"{path}: checked for an installation whose podSecurity.allow is "
                            f"[{', '.join(sorted(args.allow))}]; --allow NAME,... checks for one that allows more")

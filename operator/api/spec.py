@@ -502,11 +502,16 @@ class Spec:
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
         "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
-        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous. What reaches past the pod "
-        "is refused unless the cluster's kubetrain installation allows it (the chart's podSecurity.allow): "
-        "privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, hostNetwork, hostPath volumes, "
-        "added capabilities, runAsUser 0 or runAsNonRoot false, another serviceAccountName and "
-        "automountServiceAccountToken.",
+        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous; labels and annotations "
+        "kubetrain.dev/* and app.kubernetes.io/managed-by; and null anywhere in spec. kubetrain's own "
+        "security fields are applied after the template. What reaches past the pod is refused unless the "
+        "cluster's kubetrain installation allows it (the chart's podSecurity.allow): Pod Security "
+        "baseline and restricted (privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, "
+        "hostNetwork, hostPath volumes, hostPort, added capabilities, runAsUser 0 or runAsNonRoot false, "
+        "Unconfined seccomp or AppArmor profiles, SELinux options, procMount, unsafe sysctls, volume "
+        "types outside restricted's), the namespace's Secrets and other claims, another ServiceAccount "
+        "or its token, nodeName, a toleration of every taint, priorityClassName and runtimeClassName "
+        "(docs/security.md).",
         default_factory=dict,
     )
 
