@@ -251,7 +251,13 @@ def cmd_operator(args: argparse.Namespace) -> int:
         allowed = parse_allowances([args.pod_security_allow])
     except ValueError as err:
         raise UsageError(f"--pod-security-allow: {err}") from None
+    from .controller.handlers import MAX_WORKERS, WORKERS
+
+    workers = WORKERS if args.workers is None else args.workers
+    if not 1 <= workers <= MAX_WORKERS:
+        raise UsageError(f"--workers: expected 1 to {MAX_WORKERS}, got {workers}")
     return run(
+        workers=workers,
         gang_schedulers=parse_gang_schedulers(args.gang_scheduler),
         network_policy=not args.no_network_policy,
         kueue=args.kueue,
@@ -446,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated CIDRs of pod IPs the operator may read /metrics from (default: any)",
     )
     p.add_argument("--no-scrape", action="store_true", help="never read the trainers' /metrics (no progress, no hang detection)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="reconcile workers that take any job (1 to 64; default 8), beside one that only replaces "
+                        "replicas that died")
     p.add_argument("--leader-elect", action="store_true",
                    help="act only while holding a coordination.k8s.io Lease, so replicas make one leader and standbys")
     p.add_argument("--lease-name", default="kubetrain-operator", help="name of the leader-election Lease")

@@ -51,6 +51,9 @@ FINALIZER = f"{DOMAIN}/finalizer"
 WORKERS = 8
 """Reconcile workers. A round is a few API calls at most (milliseconds each), so 8 keep up with
 thousands of jobs; more would only multiply concurrent calls against the API server."""
+MAX_WORKERS = 64
+"""The most `--workers` takes: the rounds share one interpreter (the GIL), and each worker holds an
+API connection of its own; beyond this they only contend."""
 RESYNC_SECONDS = 300.0
 """A running job's pods are listed afresh this often, in case the watch missed an event."""
 EXPECTATION_SECONDS = 30.0
@@ -170,7 +173,9 @@ class Index:
 
 
 INDEX = Index()
-QUEUE = WorkQueue()
+QUEUE = WorkQueue(on_wait=lambda lane, seconds: metrics.WORKQUEUE_WAIT_SECONDS.labels(lane).observe(seconds))
+for _lane in ("urgent", "routine"):
+    metrics.WORKQUEUE_DEPTH.labels(_lane).set_function(lambda lane=_lane: QUEUE.depth()[lane])
 SCRAPES = scrapes.Scrapes(on_change=QUEUE.add)
 JOBS: dict[Key, JobState] = {}
 JOBS_LOCK = threading.Lock()
@@ -217,9 +222,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     start_workers(CONFIG.workers)
 
 
+URGENT_WORKERS = 1
+"""Workers that take urgent keys only (a replica to replace), beside the WORKERS that take both: a
+replacement never waits for a worker busy with a long routine round (a large job's creation)."""
+
+
 def start_workers(count: int) -> None:
-    for n in range(count - len(_WORKERS)):
-        worker = threading.Thread(target=_work, name=f"reconcile-{n}", daemon=True)
+    for n in range(URGENT_WORKERS + count - len(_WORKERS)):
+        urgent_only = len(_WORKERS) < URGENT_WORKERS
+        worker = threading.Thread(target=_work, args=(urgent_only,), daemon=True,
+                                  name=f"reconcile-urgent-{n}" if urgent_only else f"reconcile-{n}")
         worker.start()
         _WORKERS.append(worker)
 
@@ -250,9 +262,11 @@ def job_event(event: dict[str, Any], **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 def pod_event(event: dict[str, Any], **_: Any) -> None:
-    key = _index_pod(event.get("type"), event.get("object") or {})
+    raw = event.get("object") or {}
+    key = _index_pod(event.get("type"), raw)
     if key is not None:
-        QUEUE.add(key)
+        # A pod that died or went is handled ahead of routine rounds (a creation burst, status to follow).
+        QUEUE.add(key, urgent=observe.urgent(event.get("type"), raw))
 
 
 @kopf.on.event("", "v1", "persistentvolumeclaims", labels={LABEL_JOB: kopf.PRESENT})
@@ -321,9 +335,9 @@ def _index_claim(kind: str | None, raw: dict[str, Any]) -> Key | None:
     return key
 
 
-def _work() -> None:
+def _work(urgent_only: bool = False) -> None:
     while True:
-        key = QUEUE.get()
+        key = QUEUE.get(urgent_only=urgent_only)
         if key is None:
             return
         try:

@@ -20,6 +20,7 @@ from kubernetes.client.rest import ApiException
 from ..api import GROUP, PLURAL, VERSION
 from ..core.children import LABEL_JOB
 from ..core.kueue import GROUP as KUEUE_GROUP, VERSION as KUEUE_VERSION
+from . import metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,41 @@ def load_config() -> None:
         config.load_kube_config()
 
 
+class CountingApiClient(client.ApiClient):
+    """The client's ApiClient, every request counted by verb and resource (kubetrain_operator_api_requests_total)."""
+
+    def call_api(self, resource_path, method, path_params=None, *args, **kwargs):  # noqa: ANN001 - the client's own
+        metrics.API_REQUESTS.labels(method, resource_of(resource_path, path_params or {})).inc()
+        return super().call_api(resource_path, method, path_params, *args, **kwargs)
+
+
+def resource_of(path: str, params: dict[str, Any]) -> str:
+    """`pods`, `pods/status`, `trainingjobs/status`, ... of a request's path template: bounded, whatever the names.
+
+    '/api/v1/namespaces/{namespace}/pods/{name}/status' -> 'pods/status';
+    '/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}' -> the plural asked for.
+    """
+    parts = path.strip("/").split("/")
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]  # api/v1 or apis/<group>/<version>
+    out: list[str] = []
+    skip = False
+    for part in parts:
+        if skip:
+            skip = False
+        elif part == "namespaces" and len(parts) > 1 and out == [] and part != parts[-1]:
+            skip = True  # the namespace's name follows
+        elif part == "{plural}":
+            out.append(str(params.get("plural", "?")))
+        elif not part.startswith("{"):
+            out.append(part)
+    return "/".join(out) or "?"
+
+
 def _api() -> client.ApiClient:
     # One ApiClient per thread: kopf runs sync handlers on a thread pool.
     api = getattr(_local, "api", None)
     if api is None:
-        api = _local.api = client.ApiClient()
+        api = _local.api = CountingApiClient()
     return api
 
 

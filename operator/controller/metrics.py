@@ -43,6 +43,22 @@ RECONCILE_ERRORS = Counter(
     "kubetrain_operator_reconcile_errors_total", "Reconciliations that failed and will be retried.", registry=REGISTRY
 )
 
+WORKQUEUE_DEPTH = Gauge(
+    "kubetrain_operator_workqueue_depth",
+    "Jobs ready to be reconciled and waiting for a worker, by lane: urgent (a replica to replace) or routine.",
+    ["lane"], registry=REGISTRY,
+)  # fmt: skip
+WORKQUEUE_WAIT_SECONDS = Histogram(
+    "kubetrain_operator_workqueue_wait_seconds",
+    "How long a job waited ready in the work queue before a worker took it, by lane.",
+    ["lane"], buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=REGISTRY,
+)  # fmt: skip
+API_REQUESTS = Counter(
+    "kubetrain_operator_api_requests_total",
+    "Requests the operator's reconciliations made to the Kubernetes API, by HTTP verb and resource "
+    "(kopf's watches not counted).",
+    ["verb", "resource"], registry=REGISTRY,
+)  # fmt: skip
 LEADER = Gauge(
     "kubetrain_operator_leader",
     "1 while this operator acts (it holds the leader Lease, or runs without leader election), 0 while it stands by.",

@@ -218,3 +218,20 @@ def scrape_allowed(ip: str, networks: list[str]) -> bool:
         return True
     addr = ipaddress.ip_address(ip)
     return any(addr in ipaddress.ip_network(n, strict=False) for n in networks)
+
+
+def urgent(kind: str | None, pod: dict[str, Any]) -> bool:
+    """Whether a pod event may need a replacement made (the work queue's urgent lane): the pod went
+    (DELETED, or being deleted), failed, or its trainer container ended with a non-zero code (a DDP
+    pod's container restarts in place). A pod that starts, runs or succeeds is routine."""
+    if kind == "DELETED" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return True
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") == CONTAINER:
+            ended = (cs.get("state") or {}).get("terminated")
+            if ended and ended.get("exitCode") not in (0, None):
+                return True
+    return False

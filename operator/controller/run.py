@@ -96,6 +96,7 @@ def run(
     metrics_from: tuple[dict[str, Any], ...] = (),
     kueue: bool = False,
     gang_schedulers: tuple[tuple[str, str], ...] = (),
+    workers: int = handlers.WORKERS,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
@@ -106,6 +107,7 @@ def run(
     handlers.CONFIG.scrape_networks = scrape_networks
     handlers.CONFIG.scrape = scrape
     handlers.CONFIG.namespaces = list(namespaces)
+    handlers.CONFIG.workers = workers
     if kueue:
         handlers.enable_kueue()
     metrics.serve(metrics_port)

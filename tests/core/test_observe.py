@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from kubetrain_operator.controller import observe
 from kubetrain_operator.controller.observe import (owned_by, owner_of, parse_metrics, pod_observation, progress_from,
                                                    termination_results)
 
@@ -157,3 +160,20 @@ def test_the_operators_index_files_a_pod_under_its_owner():
     index.set_pod(key, "forged", handlers._observed_pod(raw("forged", "u-attacker", "Succeeded")))
     seen = index.replicas(key, "u-victim")
     assert list(seen) == ["single-0"] and seen["single-0"].phase == "Running" and seen["single-0"].uid == "victim-single-0"
+
+
+@pytest.mark.parametrize("kind, pod, expected", [
+    ("DELETED", {"status": {"phase": "Running"}}, True),
+    ("MODIFIED", {"metadata": {"deletionTimestamp": "2026-12-02T00:00:00Z"}, "status": {"phase": "Running"}}, True),
+    ("MODIFIED", {"status": {"phase": "Failed"}}, True),
+    ("MODIFIED", {"status": {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 137}}}]}}, True),
+    ("MODIFIED", {"status": {"phase": "Running", "containerStatuses": [
+        {"name": "sidecar", "state": {"terminated": {"exitCode": 1}}}]}}, False),
+    ("MODIFIED", {"status": {"phase": "Succeeded", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}}, False),
+    ("ADDED", {"status": {"phase": "Pending"}}, False),
+    ("MODIFIED", {"status": {"phase": "Running"}}, False),
+], ids=["deleted", "being deleted", "failed", "trainer ended badly", "a sidecar's end", "succeeded", "new", "running"])
+def test_a_pod_that_died_or_went_is_urgent_and_one_that_starts_or_succeeds_is_routine(kind, pod, expected):
+    assert observe.urgent(kind, pod) is expected
