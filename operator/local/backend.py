@@ -317,7 +317,7 @@ class LocalBackend:
             signal.signal(signal.SIGTERM, old_handler)
             self._stop_all()
             self._read_events()
-            self.display.update(self.progress, force=True)
+            self.display.update(self.progress, force=True, eta=self._eta())
             self.display.close()
         self.state.wall_seconds = previous_wall + (time.monotonic() - started)
         if outcome == "Interrupted":
@@ -414,6 +414,10 @@ class LocalBackend:
         if job.spec.size != self.job.spec.size:
             self.job = job
 
+    def _eta(self) -> int | None:
+        """The engine's ETA (status.progress.etaSeconds), for the progress line."""
+        return self.status.progress.eta_seconds if self.status.progress is not None else None
+
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         raise KeyboardInterrupt
 
@@ -429,7 +433,7 @@ class LocalBackend:
         while True:
             self._read_events()
             self._echo_logs()
-            self.display.update(self.progress)
+            self.display.update(self.progress, eta=self._eta())
             for p in self.procs.values():
                 if p.phase == "Running" and p.popen is not None:
                     code = p.popen.poll()
