@@ -11,6 +11,7 @@ ApiException becomes one of the client's errors (`_error`), naming the job.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -65,8 +66,10 @@ def connect(namespace: str | None) -> tuple[client.ApiClient, str]:
     except (config.ConfigException, OSError):
         configuration = client.Configuration()
         try:
-            config.load_kube_config(client_configuration=configuration)
-            _, active = config.list_kube_config_contexts()
+            # KUBECONFIG as it is now (the kubernetes package reads it once, at its import).
+            path = os.environ.get("KUBECONFIG") or None
+            config.load_kube_config(config_file=path, client_configuration=configuration)
+            _, active = config.list_kube_config_contexts(config_file=path)
         except (config.ConfigException, OSError, TypeError) as err:
             raise ClientError(f"no cluster to talk to: no kubeconfig ({err}) and not in a pod; "
                               "kubetrain.Client(local=True) runs jobs on this machine") from None
