@@ -26,8 +26,9 @@ see `save` and `restore`, and docs/custom-code.md#sharded-models.
 
 `kubetrain.Client` drives jobs from Python (a notebook, a script): create,
 wait with a progress bar, logs, export, reports, in a cluster or on this
-machine (docs/client.md). It is imported on first use, so the four calls of a
-training script never load the Kubernetes client.
+machine (docs/client.md); `kubetrain.client` holds its types and errors. It is
+imported on first use, so the four calls of a training script never load the
+Kubernetes client.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["restore", "save", "report", "checkpoint_dir", "Client"]
 
 def __getattr__(name: str) -> Any:
     if name == "Client":
-        from kubetrain_operator.client import Client
+        from .client import Client
 
         return Client
     raise AttributeError(f"module 'kubetrain' has no attribute {name!r}")
