@@ -367,6 +367,7 @@ class ClusterBackend(Backend):
             ws.update(timeout=1)
             output.append(ws.read_stdout() + ws.read_stderr())
         code = ws.returncode if not ws.is_open() else None
+        output.append(ws.read_stdout() + ws.read_stderr())  # what came with the close
         ws.close()
         if code is None:
             raise ClientError(f"pod {pod_name}: {command[:4]} did not end within {timeout:.0f} s")
@@ -445,6 +446,7 @@ class _Follow:
         self.streamed: set[tuple[str, int]] = set()
         self.open_streams = 0
         self.finished = threading.Event()  # the job is Succeeded or Failed
+        self.listed = threading.Event()  # the pods there were at the start have their streams
         self.stop = threading.Event()
         self.responses: list[Any] = []
         self.error: BaseException | None = None
@@ -465,8 +467,8 @@ class _Follow:
                     continue
                 if self.error is not None:
                     raise self.error
-                with self.lock:
-                    done = self.finished.is_set() and self.open_streams == 0
+                with self.lock:  # a job that had ended before: its pods' logs are read first
+                    done = self.finished.is_set() and self.listed.is_set() and self.open_streams == 0
                 if done and self.lines_q.empty():
                     return
         finally:
@@ -504,6 +506,7 @@ class _Follow:
                 rv = page["metadata"]["resourceVersion"]
                 for pod in page.get("items", []):
                     self._seen(pod)
+                self.listed.set()
             resp = self.b._call("watch", f"pods of trainingjob {self.name}", self.b.core.list_namespaced_pod,
                                 self.b.namespace, label_selector=selector, watch=True, resource_version=rv,
                                 timeout_seconds=WATCH_SECONDS, allow_watch_bookmarks=True, _preload_content=False,

@@ -19,17 +19,9 @@ def run_notebook(workdir: Path, env: dict[str, str]) -> nbformat.NotebookNode:
     """The notebook executed in `workdir` (its runs, report and model.pt land there) with `env` added to the
     kernel's environment; a failing cell raises nbclient's CellExecutionError with its traceback."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({"KUBETRAIN_EXAMPLES": str(EXAMPLES), "PYTHONSAFEPATH": "1", **env})
-    try:
-        NotebookClient(nb, timeout=CELL_SECONDS, kernel_name="python3",
-                       resources={"metadata": {"path": str(workdir)}}).execute()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    kernel_env = {**os.environ, "KUBETRAIN_EXAMPLES": str(EXAMPLES), "PYTHONSAFEPATH": "1", **env}
+    NotebookClient(nb, timeout=CELL_SECONDS, kernel_name="python3",
+                   resources={"metadata": {"path": str(workdir)}}).execute(env=kernel_env)
     return nb
 
 
