@@ -541,25 +541,31 @@ class _Follow:
         threading.Thread(target=self._stream, args=(pod["metadata"]["name"], replica, key), daemon=True).start()
 
     def _stream(self, pod: str, replica: str, key: tuple[str, int]) -> None:
+        """One incarnation's lines. No read timeout: a replica may print nothing for long. Whatever happens, the
+        stream is counted closed at the end (a stream counted open for ever would hold `lines` for ever)."""
+        resp = None
         try:
             resp = self.b.core.read_namespaced_pod_log(pod, self.b.namespace, container=CONTAINER, follow=True,
-                                                       _preload_content=False, _request_timeout=(API_TIMEOUT[0], None))
-        except (ApiException, HTTPError):
-            with self.lock:  # not readable yet (or gone): a later event of the pod tries again
-                self.streamed.discard(key)
-                self.open_streams -= 1
-            return
-        self.responses.append(resp)
-        try:
+                                                       _preload_content=False)
+            self.responses.append(resp)
             for line in iter_resp_lines(resp):
                 if self.stop.is_set():
                     return
                 self.lines_q.put(prefixed(replica, line, self.replica is None))
-        except (HTTPError, OSError, ValueError):
-            pass  # the container ended or the connection dropped: the next incarnation has its own stream
+        except (ApiException, HTTPError) as err:
+            if resp is None:
+                with self.lock:  # not readable yet (or gone): a later event of the pod tries again
+                    self.streamed.discard(key)
+            del err  # else the container ended or the connection dropped: the next incarnation has its own
+        except (OSError, ValueError):
+            pass
+        except Exception as err:  # noqa: BLE001  (anything else is a bug here: say so rather than hang)
+            if not self.stop.is_set():
+                self.error = ClientError(f"following the log of pod {pod}: {err}")
         finally:
-            if resp in self.responses:
-                self.responses.remove(resp)
-            resp.release_conn()
+            if resp is not None:
+                if resp in self.responses:
+                    self.responses.remove(resp)
+                resp.release_conn()
             with self.lock:
                 self.open_streams -= 1
