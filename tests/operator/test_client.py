@@ -6,6 +6,7 @@ status subresource. Logs and export need real pods: tests/e2e/test_e2e_client.py
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -15,6 +16,7 @@ import yaml
 from kubernetes import config
 
 import kubetrain
+from helpers.process import run
 from kubetrain_operator.client import ClientError, Forbidden, InvalidManifest, JobExists, JobNotFound
 from support import EXAMPLES
 
@@ -146,3 +148,20 @@ def test_no_permission_is_a_forbidden_error_naming_the_call(cluster, operator):
     assert "HTTP response headers" not in text and "{" not in text  # no API dump
     with pytest.raises(Forbidden, match="create trainingjob"):
         client.create(manifest())
+
+
+def test_kubetrain_wait_and_logs_against_the_cluster(cluster, operator):
+    """The command line's client: the kubeconfig's cluster, `-n` the namespace, one line on an error."""
+    client = kubetrain.Client(namespace=operator.namespace, api_client=api_client(cluster))
+    name = client.create(manifest()).name
+    env = {**cluster.env, "PYTHONSAFEPATH": "1"}
+    kubetrain_cli = (sys.executable, "-m", "kubetrain_operator.cli")
+    waited = run(*kubetrain_cli, "wait", name, "-n", operator.namespace, "--until", "Running", "--timeout", "60",
+                 env=env, timeout=120, check=False)
+    assert (waited.returncode, waited.stdout.strip()) == (0, f"{name}: Running"), waited.stderr
+    timed_out = run(*kubetrain_cli, "wait", name, "-n", operator.namespace, "--timeout", "2", "--quiet",
+                    env=env, timeout=60, check=False)
+    assert timed_out.returncode == 124 and f"{name}: still Running" in timed_out.stderr, timed_out.stderr
+    missing = run(*kubetrain_cli, "logs", "nope", "-n", operator.namespace, env=env, timeout=60, check=False)
+    assert missing.returncode == 2 and missing.stderr.strip() == \
+        f"kubetrain: trainingjob nope: not found in namespace {operator.namespace}"
