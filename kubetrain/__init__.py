@@ -23,6 +23,12 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): call `restore()` after
 checkpoint; every rank may call `save()`, rank 0 writes. A sharded model
 (FSDP2) saves its DTensors from every rank and restores into a template:
 see `save` and `restore`, and docs/custom-code.md#sharded-models.
+
+`kubetrain.Client` drives jobs from Python (a notebook, a script): create,
+wait with a progress bar, logs, export, reports, in a cluster or on this
+machine (docs/client.md); `kubetrain.client` holds its types and errors. It is
+imported on first use, so the four calls of a training script never load the
+Kubernetes client.
 """
 
 from __future__ import annotations
@@ -30,7 +36,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["restore", "save", "report", "checkpoint_dir"]
+__all__ = ["restore", "save", "report", "checkpoint_dir", "Client"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module 'kubetrain' has no attribute {name!r}")
 
 
 def restore(template: dict[str, Any] | None = None) -> tuple[Any, int]:

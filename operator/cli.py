@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from . import __version__
-from .api import InvalidSpec, TrainingJob, dump_manifest, from_object, load_file, load_one
+from .api import InvalidSpec, TrainingJob, load_file, load_one
 from .api.schema import MAX_SHOWN_PROBLEMS
 from .api.spec import DNS1123_PATTERN
 from .api.podtemplate import ALLOWANCES, parse_allowances
+from .client.api import ClientError
 from .core import podsecurity as pod_security
 from .core.children import Settings
 
@@ -169,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = run_dir_of(job, args.run_dir)
     try:
         # User code (a script, entry points) is found next to the manifest.
-        code_dir = Path(args.file).resolve().parent
+        code_dir = Path(args.code_dir).resolve() if args.code_dir else Path(args.file).resolve().parent
         return LocalBackend(job, RunDir(run_dir), faults, echo_logs=not args.quiet, code_dir=code_dir).run_job()
     except RunDirError as err:
         raise UsageError(str(err)) from None
@@ -179,7 +179,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     """Set a local run's size (spec.replicas in its run directory's job.yaml), as `kubectl scale` does a
     TrainingJob's: a `kubetrain run` in progress resizes the job within a second (a ParameterServer job
     live, a DDP job after a checkpoint); otherwise the next run starts at that size."""
-    from .local.rundir import atomic_write
+    from .local.rundir import RunDirError, scale_run
 
     target = Path(args.target)
     if target.is_dir():
@@ -187,19 +187,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
     else:
         job = load_one(target)
         run_dir = run_dir_of(job, args.run_dir)
-    job_file = run_dir / "job.yaml"
-    if not job_file.is_file():
-        raise UsageError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")
     try:
-        doc = yaml.safe_load(job_file.read_text())
-    except yaml.YAMLError as err:
-        raise UsageError(f"{job_file}: not YAML ({err})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
-        raise UsageError(f"{job_file}: not a TrainingJob manifest")
-    doc["spec"]["replicas"] = args.replicas
-    job = from_object(doc, str(job_file))  # refuses a size the job cannot take, naming spec.replicas
+        job = scale_run(run_dir, args.replicas)  # refuses a size the job cannot take, naming spec.replicas
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
     unit = {"ParameterServer": "worker", "DDP": "node", "Single": "replica"}[job.spec.mode] + ("s" if job.spec.size != 1 else "")
-    atomic_write(job_file, dump_manifest(job))
     how = "at once (live)" if job.spec.mode == "ParameterServer" else "after a checkpoint"
     print(f"{run_dir}: {job.name} scaled to {job.spec.size} {unit}; a `kubetrain run` in progress resizes it "
           f"{how}, otherwise the next run starts at that size")
@@ -279,10 +271,67 @@ def cmd_operator(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import ReportError, build_report
 
+    sources: list[Any] = []
     try:
-        path = build_report([Path(d) for d in args.run_dirs], Path(args.out))
+        for source in args.run_dirs:
+            kind, _, name = source.partition("/")
+            if kind.lower() in ("tj", "trainingjob", "trainingjobs") and name:
+                if not args.prometheus:
+                    raise UsageError(f"{source}: a cluster job's series come from Prometheus: give --prometheus URL")
+                from .report.cluster import cluster_run
+
+                sources.append(cluster_run(_client(args).backend, name, args.prometheus))
+            else:
+                sources.append(Path(source))
+        path = build_report(sources, Path(args.out))
     except ReportError as err:
         raise UsageError(str(err)) from None
+    print(path)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """The Python client for `kubetrain logs|wait|export|report`: the cluster, or this machine with --local."""
+    from .client import Client
+
+    if getattr(args, "local", False):
+        return Client(local=True, runs_dir=args.runs_dir)
+    return Client(namespace=args.namespace or None)
+
+
+EXIT_TIMEOUT = 124  # as timeout(1)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    try:
+        for line in _client(args).logs(args.job, replica=args.replica, follow=args.follow):
+            print(line, flush=args.follow)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    from .client import JobEnded, WaitTimeout
+
+    until = [s for s in args.until.split(",") if s]
+    try:
+        job = _client(args).wait(args.job, until=until, timeout=args.timeout,
+                                 progress=None if not args.quiet else False)
+    except WaitTimeout as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except JobEnded as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"{job.name}: {job.state}")
+    return 1 if job.state == "Failed" else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    path = _client(args).export(args.job, args.out)
     print(path)
     return 0
 
@@ -390,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
              "its files written and not yet committed (kill@save=N); first attempt only; repeatable",
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
+    p.add_argument("--code-dir", metavar="DIR",
+                   help="where the job's own code is found (spec.script, entry points); default: FILE's directory")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("scale", help="change a local run's size (ParameterServer workers, DDP nodes), as kubectl "
@@ -399,10 +450,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run directory of FILE (default: runs/<name>)")
     p.set_defaults(func=cmd_scale)
 
-    p = sub.add_parser("report", help="a Markdown report with plots comparing finished run directories")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p = sub.add_parser("report", help="a Markdown report with plots comparing finished runs: run directories, "
+                                      "or cluster jobs (tj/NAME, their series from --prometheus)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR|tj/NAME")
     p.add_argument("--out", default="reports/latest", help="output directory (default: reports/latest)")
+    p.add_argument("--prometheus", metavar="URL", help="the Prometheus that scrapes the cluster jobs' pods")
+    p.add_argument("-n", "--namespace", default="", help="the cluster jobs' namespace (default: the context's)")
     p.set_defaults(func=cmd_report)
+
+    def job_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("job", metavar="JOB", help="the TrainingJob's name")
+        p.add_argument("-n", "--namespace", default="", help="its namespace (default: the kubeconfig context's)")
+        p.add_argument("--local", action="store_true", help="a local run: RUNS_DIR/JOB, not a cluster job")
+        p.add_argument("--runs-dir", default="runs", help="with --local: where the runs are (default: runs)")
+
+    p = sub.add_parser("logs", help="a job's log lines: one replica's or every replica's, [replica]-prefixed")
+    job_args(p)
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="stream new lines until the job ends, across a replica's restarts")
+    p.add_argument("--replica", help="only this replica (worker-1, ddp-0, ...)")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("wait", help="wait for a job to end (or reach --until), with a progress bar; exit 0 "
+                                    "succeeded or reached, 1 failed, 124 timed out")
+    job_args(p)
+    p.add_argument("--until", default="Succeeded,Failed", help="comma-separated states (default: Succeeded,Failed)")
+    p.add_argument("--timeout", type=float, help="seconds (default: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_wait)
+
+    p = sub.add_parser("export", help="a job's trained weights as a plain torch.save state_dict, from a cluster "
+                                      "(a short-lived pod on its checkpoint claims) or a local run")
+    job_args(p)
+    p.add_argument("--out", required=True, metavar="FILE", help="the file to write (replaced atomically)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compare", help="run variants of one manifest locally (modes, compression) and report")
     p.add_argument("file", metavar="FILE")
@@ -534,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_invalid(err)
         return EXIT_USAGE
     except UsageError as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except ClientError as err:  # logs, wait, export, report of cluster jobs: the message names the job
         print(f"kubetrain: {err}", file=sys.stderr)
         return EXIT_USAGE
 

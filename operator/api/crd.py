@@ -506,6 +506,8 @@ PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
     {"name": "Workers", "type": "integer", "jsonPath": ".status.workers"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "ETA", "type": "integer", "jsonPath": ".status.progress.etaSeconds",
+     "description": "Seconds until totalSteps at the recent steps per second."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "State", "type": "string", "jsonPath": ".status.state"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -35,6 +35,10 @@ from .summary import build_summary, format_summary
 
 POLL_SECONDS = 0.2
 GRACE_SECONDS = 30.0
+PROGRESS_SAVE_SECONDS = 1.0
+"""state.json is rewritten for a change of progress alone at most this often: the client's `get` and `wait`
+read the progress there. Every round (POLL_SECONDS) would fsync five times a second; a reader sees
+progress at most this old (a cluster's status is up to the scrape interval, 5 s, old)."""
 
 
 MAX_PORT_TRIES = 256
@@ -222,14 +226,15 @@ class Proc:
 
 
 class LogTail:
-    """New complete lines of a replica's log, for echoing with a prefix."""
+    """New complete lines of a replica's log, for echoing with a prefix (and for the client's `logs`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, from_start: bool = False):
         self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
+        self.offset = path.stat().st_size if path.exists() and not from_start else 0
         self.partial = ""
 
-    def read(self) -> list[str]:
+    def read(self, final: bool = False) -> list[str]:
+        """The lines appended since the last read; a partial last line waits for its newline unless `final`."""
         try:
             with open(self.path, errors="replace") as f:
                 f.seek(self.offset)
@@ -239,6 +244,9 @@ class LogTail:
             return []
         lines = (self.partial + data).split("\n")
         self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = ""
         return lines
 
 
@@ -272,6 +280,7 @@ class LocalBackend:
         self.token = secrets.token_hex(16)
         self.tls_dir: Path | None = None  # the run's certificates (write_certificates), as a pod's Secret
         self.endpoints: LocalEndpoints | None = None  # the ports of the plan (_plan, _plan_live)
+        self._saved_at = 0.0  # when state.json was last written (monotonic)
 
     # -- entry ----------------------------------------------------------------
 
@@ -295,6 +304,7 @@ class LocalBackend:
             self.display.message(f"{self.job.name}: spec.runPolicy.suspend is true; set it to false to run the job")
             return 0
         resumed = self.state.invocations > 0
+        self.run.write_pid()
         self.state.invocations += 1
         self.state.state = "Running"
         self.state.restart_log = self.state.restart_log or []
@@ -317,8 +327,9 @@ class LocalBackend:
             signal.signal(signal.SIGTERM, old_handler)
             self._stop_all()
             self._read_events()
-            self.display.update(self.progress, force=True)
+            self.display.update(self.progress, force=True, eta=self._eta())
             self.display.close()
+            self.run.clear_pid()
         self.state.wall_seconds = previous_wall + (time.monotonic() - started)
         if outcome == "Interrupted":
             # Every replica was stopped from outside: a suspended job, which the next run resumes.
@@ -414,10 +425,15 @@ class LocalBackend:
         if job.spec.size != self.job.spec.size:
             self.job = job
 
+    def _eta(self) -> int | None:
+        """The engine's ETA (status.progress.etaSeconds), for the progress line."""
+        return self.status.progress.eta_seconds if self.status.progress is not None else None
+
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         raise KeyboardInterrupt
 
     def _save(self) -> None:
+        self._saved_at = time.monotonic()
         self.state.status = to_dict(self.status)
         self.state.restarts = self.status.restarts
         self.state.restarts_without_progress = self.status.restarts_without_progress
@@ -426,10 +442,11 @@ class LocalBackend:
     # -- the loop: observe, let the engine decide, act ------------------------
 
     def _supervise(self) -> tuple[str, str, str]:
+        saved_at, saved_progress = self._saved_at, to_dict(self.status).get("progress")
         while True:
             self._read_events()
             self._echo_logs()
-            self.display.update(self.progress)
+            self.display.update(self.progress, eta=self._eta())
             for p in self.procs.values():
                 if p.phase == "Running" and p.popen is not None:
                     code = p.popen.poll()
@@ -447,6 +464,10 @@ class LocalBackend:
             after = to_dict(self.status)
             if {k: v for k, v in after.items() if k != "progress"} != {k: v for k, v in before.items() if k != "progress"}:
                 self._save()
+            elif after.get("progress") != saved_progress and time.monotonic() - saved_at >= PROGRESS_SAVE_SECONDS:
+                self._save()  # progress alone: for readers of state.json (the client), at most once a PROGRESS_SAVE_SECONDS
+            if self._saved_at > saved_at:
+                saved_at, saved_progress = self._saved_at, to_dict(self.status).get("progress")
             time.sleep(POLL_SECONDS)
 
     def decide(self, now: float) -> engine.Round:
@@ -456,7 +477,8 @@ class LocalBackend:
 
     def _act(self, actions: engine.Actions) -> tuple[str, str, str] | None:
         """Carry out a round's actions; the job's end (state, reason, message) when it ended."""
-        for _, reason, message in actions.events:
+        for kind, reason, message in actions.events:
+            self.run.append_event(time.time(), kind, reason, message)
             if reason not in ("Completed",):
                 self.display.message(f"{self.job.name}: {message}")
         for r in actions.restarted:
