@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -73,20 +74,50 @@ def crd(cluster):
     return install_crd(cluster)
 
 
+STATIC_VOLUMES = 60
+RECYCLE_EVERY_SECONDS = 2.0
+
+
 @pytest.fixture(scope="session")
 def volumes(cluster):
     """Static PersistentVolumes for the jobs' checkpoint claims: kwok's nodes have no storage
     provisioner, and a pod whose claim never binds is never scheduled. (The real-node tests
-    get rancher's local-path-provisioner instead.) Nothing is ever mounted on a fake node."""
+    get rancher's local-path-provisioner instead.) Nothing is ever mounted on a fake node.
+
+    The session's tests make far more claims than STATIC_VOLUMES over its life: a volume whose
+    claim went with its job is Released (Retain) and made Available again by a thread of this
+    fixture (its claimRef removed), as a provisioner would make a new one. Without it the session
+    ran out of volumes part-way through, and the later tests' pods waited for ever for a claim (seen
+    as a node-loss test and a standby test timing out only in the whole suite)."""
     pvs = [
         {"apiVersion": "v1", "kind": "PersistentVolume",
          "metadata": {"name": f"kt-test-pv-{i}", "labels": {"kubetrain.dev/test": "static"}},
          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
-                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/kt-test-pv-{i}"}}}
-        for i in range(60)
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/tmp/kt-test-pv-{i}"}}}
+        for i in range(STATIC_VOLUMES)
     ]
-    cluster.kube().apply(*pvs)
-    return len(pvs)
+    kube = cluster.kube()
+    kube.apply(*pvs)
+    stop = threading.Event()
+
+    def recycle() -> None:
+        while not stop.wait(RECYCLE_EVERY_SECONDS):
+            try:
+                released = [pv["metadata"]["name"] for pv in kube.items("pv", "-l", "kubetrain.dev/test=static")
+                            if pv.get("status", {}).get("phase") == "Released"]
+                for name in released:
+                    kube.run("patch", "pv", name, "--type=json", "-p", '[{"op":"remove","path":"/spec/claimRef"}]',
+                             check=False)
+            except (AssertionError, OSError, subprocess.SubprocessError) as err:  # the cluster going down
+                print(f"volumes: recycling skipped a round: {err}", file=sys.stderr)
+
+    thread = threading.Thread(target=recycle, name="recycle-volumes", daemon=True)
+    thread.start()
+    try:
+        yield len(pvs)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")
