@@ -116,16 +116,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@step=(?P<step>\d+)")
+FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@(?P<point>step|allreduce)=(?P<step>\d+)")
 
 
-def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
-    faults: dict[str, int] = {}
+def parse_faults(values: list[str], replicas: list[str], fault_tolerant: bool = False) -> dict[str, int | str]:
+    """REPLICA -> the step it is killed after (kill@step=N), or the KUBETRAIN_FAULT text of a kill in the
+    middle of a step's gradient average across replica groups (kill@allreduce=N: fault-tolerant DDP)."""
+    faults: dict[str, int | str] = {}
     for value in values:
         m = FAULT.fullmatch(value)
         if not m:
-            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N, for example worker-1:kill@step=40")
+            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N, for example worker-1:kill@step=40 "
+                             "(or ddp-R:kill@allreduce=N in a fault-tolerant DDP job)")
         replica, step = m["replica"], int(m["step"])
+        if m["point"] == "allreduce" and not fault_tolerant:
+            raise UsageError(f"--fault {value!r}: kill@allreduce applies to the ranks of a fault-tolerant DDP job "
+                             "(spec.ddp.faultTolerance), whose steps average gradients through torchft")
         if replica not in replicas:
             raise UsageError(f"--fault {value!r}: this job has no replica {replica!r} (it has {', '.join(replicas)})")
         if step < 1:
@@ -134,7 +140,7 @@ def parse_faults(values: list[str], replicas: list[str]) -> dict[str, int]:
             raise UsageError(f"--fault {value!r}: a fault for {replica} is given twice")
         if replica.startswith("ddp-") and any(r.startswith("ddp-") for r in faults):
             raise UsageError(f"--fault {value!r}: a DDP group takes one fault per run")
-        faults[replica] = step
+        faults[replica] = step if m["point"] == "step" else f"kill@allreduce={step}"
     return faults
 
 
@@ -156,7 +162,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     replicas = [f"{role}-{i}" for role, i in replica_names(job)]
     if job.spec.mode == "DDP":  # a fault names a rank, and there are nodes x procsPerNode of them
         replicas = [f"ddp-{rank}" for rank in range(job.spec.world_size)]
-    faults = parse_faults(args.fault, replicas)
+    faults = parse_faults(args.fault, replicas, fault_tolerant=job.spec.fault_tolerant)
     run_dir = run_dir_of(job, args.run_dir)
     try:
         # User code (a script, entry points) is found next to the manifest.

@@ -33,6 +33,12 @@ SPEC_CEL = [
         "message": "ddp.backend: nccl needs GPUs; use gloo with training.device cpu",
     },
     {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.ddp.commHook) "
+        "|| self.ddp.commHook == 'None'",
+        "message": "ddp.commHook: faultTolerance averages gradients through torchft's Manager, not DDP's "
+        "communication hooks: use None",
+    },
+    {
         "rule": "!has(self.script) || self.mode != 'ParameterServer'",
         "message": "script: script jobs run in mode Single or DDP, got ParameterServer (a parameter server "
         "needs the built-in loop's model, dataset and training)",
@@ -56,6 +62,12 @@ SIZE_CEL = [
     {
         "rule": f"self.mode != 'DDP' || {_MIN_NODES} <= {_NODES} && {_NODES} <= {_MAX_NODES}",
         "message": "ddp.nodes: must be between ddp.minNodes and ddp.maxNodes",
+    },
+    {
+        "rule": f"self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) "
+        f"|| !has(self.ddp.faultTolerance.minReplicas) || self.ddp.faultTolerance.minReplicas <= {_MIN_NODES}",
+        "message": "ddp.faultTolerance.minReplicas: must be at most ddp.minNodes (ddp.nodes when unset): a quorum "
+        "that needs more groups than the job may have never forms",
     },
     {
         "rule": "!has(self.replicas) || !has(self.parameterServer) || !has(self.parameterServer.standbyWorkers) "

@@ -625,6 +625,9 @@ def _progress(job, pods):
         return observe.parse_metrics(text) if text is not None else None
 
     head = samples(chief(job))
+    if head is None and job.spec.fault_tolerant:
+        # The chief's group is lost and the others train on: any live group speaks for the job.
+        head = next((found for name in sorted(pods) if name.startswith("ddp-") and (found := samples(name))), None)
     shard = samples("ps-0") if job.spec.mode == "ParameterServer" else None
     if head is None and shard is None:
         return None

@@ -38,9 +38,20 @@ from typing import Any
 
 from ..api import TrainingJob
 from ..api.exitcodes import EXIT_RELEASED
+from ..api.launch import LIGHTHOUSE
 from ..api.spec import MAX_REPORTED_METRICS
 from ..api import schema
-from ..api.status import Condition, JobMemory, JobStatus, LastCheckpoint, Progress, ReplicaCounts, read_object, read_status
+from ..api.status import (
+    Condition,
+    JobMemory,
+    JobStatus,
+    LastCheckpoint,
+    Progress,
+    Quorum,
+    ReplicaCounts,
+    read_object,
+    read_status,
+)
 from . import policy
 from .plan import chief, replica_names
 from .status import TERMINAL, Observed, conditions
@@ -56,6 +67,12 @@ stopped as any replica is (SIGTERM, a kill after the grace period), an Event say
 PS_DRAIN_SECONDS = 60.0
 """Parameter servers exit by themselves once every worker finished and they wrote their final
 checkpoint; one still running this long afterwards is stopped and the job succeeds."""
+
+FT_DRAIN_SECONDS = 60.0
+"""A fault-tolerant DDP job's replica groups commit every step together: once one group finished, the others
+of the final quorum end within moments (their own final evaluation and checkpoint), and a group still
+starting then (a replacement) has nothing left to train. Those still running this long after the first
+group finished are stopped and the job succeeds."""
 
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 WAITING_REASONS = ("ImagePullFailed", "VolumePending", "Unschedulable")
@@ -101,6 +118,7 @@ class ProgressReading:
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None  # unix seconds
     metrics: Mapping[str, float] | None = None  # what a script reported by name (kubetrain.report)
+    quorum: int | None = None  # fault-tolerant DDP: replica groups in the reader's current quorum
 
 
 @dataclass(frozen=True)
@@ -241,6 +259,12 @@ class _Round:
             self.status.last_checkpoint = LastCheckpoint(
                 progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
             )
+        if progress.quorum is not None and self.spec.fault_tolerant:
+            quorum = Quorum(participants=progress.quorum, groups=self.spec.size)
+            old_quorum = self.status.quorum
+            if old_quorum is None or dataclasses.replace(old_quorum, update_time=None) != quorum:
+                quorum.update_time = iso(self.now)
+                self.status.quorum = quorum
 
     # -- 2. finished -----------------------------------------------------------------
 
@@ -265,6 +289,9 @@ class _Round:
             if (clean == "All" or (clean == "Running" and r.phase in ("Pending", "Running"))) and n not in self.actions.stop
         ]  # fmt: skip
         self.actions.hold = clean != "None"
+        lighthouse = self.replicas.get(LIGHTHOUSE)
+        if lighthouse is not None and lighthouse.phase in ("Pending", "Running") and LIGHTHOUSE not in self.actions.stop:
+            self.actions.stop.append(LIGHTHOUSE)  # no group is left to serve: it stops whatever cleanPodPolicy says
         self.actions.events.append(("Normal" if state == "Succeeded" else "Warning", reason, message))
         if state == "Succeeded":
             self._final_progress()
@@ -353,6 +380,9 @@ class _Round:
         if not self.is_ddp:
             self._resize_live()
             return False
+        if self.spec.fault_tolerant:
+            self._resize_groups()
+            return False
         unit = "nodes"
         if self.replicas:
             # Every one, whatever its phase: a pod that failed or finished (a worker done before the
@@ -410,6 +440,30 @@ class _Round:
         memory.workers_done_time = None  # new workers have work to do; the drain clock starts again when they are done
         self.actions.resized = True
 
+    def _resize_groups(self) -> None:
+        """A fault-tolerant DDP job takes its new size while it runs: each node is a replica group of its own,
+        so new groups start and join the quorum (copying the model from a live group), groups above the size
+        are stopped (SIGTERM: a checkpoint, then they leave the quorum), and the others train on untouched:
+        no restart is counted, their incarnations stay. Resized while stopped (suspended, or held by its Kueue
+        queue until the Workload of the new size is admitted), every group starts at the new size."""
+        memory, size = self.memory, self.spec.size
+        if self.before == "Suspended":
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} replica groups "
+                                                             "while stopped: the job resumes at the new size from "
+                                                             "its newest checkpoint."))
+        else:
+            if size > memory.size:
+                how = f"{_listed(range(memory.size, size), 'ddp')} {'joins' if size - memory.size == 1 else 'join'}"
+            else:
+                how = f"{_listed(range(size, memory.size), 'ddp')} {'leaves' if memory.size - size == 1 else 'leave'}"
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} replica groups, "
+                                                             f"live: {how}; the other groups train on; nothing "
+                                                             "restarts."))
+        memory.size = size
+        memory.resize_time = self.now
+        memory.pending_restarts = {n: t for n, t in memory.pending_restarts.items() if n in self.names}
+        self.actions.resized = True
+
     def _release(self) -> None:
         """The workers above a ParameterServer job's size (it was resized down) are no part of the job: taken
         out of this round's replicas, so that no failure, success, restart, count or waiting reason sees them.
@@ -420,6 +474,9 @@ class _Round:
         A worker of the job's size that ended released was scaled away and back before it left (3 -> 1 -> 3
         within a step: ps-0 released it at the first resize and waits for it at the second): it rejoins,
         stopped and started again as a restart is (`pending_restarts`, due now) but counted as none."""
+        if self.spec.fault_tolerant:
+            self._release_groups()
+            return
         if self.is_ddp:
             return
         for name in self.names:
@@ -451,6 +508,16 @@ class _Round:
                                         f"{name} is above the job's size ({self.spec.size} workers) and still ran "
                                         f"{RELEASE_GRACE_SECONDS:.0f} s after the resize, not released by ps-0: "
                                         "stopped."))
+
+    def _release_groups(self) -> None:
+        """The replica groups above a fault-tolerant job's size (it was resized down) are no part of the job:
+        taken out of this round's replicas, and stopped (a group on SIGTERM writes a checkpoint and leaves
+        the quorum; in a cluster the StatefulSet's scale-down deletes their pods as well)."""
+        wanted = set(self.names)
+        for name in [n for n in self.replicas if n not in wanted]:
+            seen = self.departing[name] = self.replicas.pop(name)
+            if not seen.terminating and name not in self.actions.stop:
+                self.actions.stop.append(name)
 
     # -- 5. failures -------------------------------------------------------------------
 
@@ -587,7 +654,9 @@ class _Round:
     # -- 9. outcome ----------------------------------------------------------------------
 
     def _outcome(self, volume_pending: list[str]) -> None:
-        phases = {n: ("Succeeded" if _succeeded(self.replicas.get(n), self.is_ddp) else "Running") for n in self.names}
+        # A Lighthouse serves the replica groups and never finishes by itself: the groups decide.
+        phases = {n: ("Succeeded" if _succeeded(self.replicas.get(n), self.is_ddp) else "Running")
+                  for n in self.names if n != LIGHTHOUSE}
         if self.observed is None and policy.job_outcome(phases) == "Succeeded":
             self._finish("Succeeded", "Completed", "Every replica finished.")
             return
@@ -599,6 +668,9 @@ class _Round:
             self.actions.stop += [n for n in self.names if n.startswith(("worker-", "standby-"))
                                   and n in self.replicas and phases[n] != "Succeeded" and n not in self.actions.stop]
             return
+        if self.observed is None and self.spec.fault_tolerant and any(p == "Succeeded" for p in phases.values()):
+            if self._groups_drained(phases):
+                return
         if self.observed is None and self.spec.mode == "ParameterServer" and policy.workers_done(phases):
             memory = self.memory
             if memory.workers_done_time is None:
@@ -627,6 +699,24 @@ class _Round:
                 self.observed = Observed("Created", "Created", "The job's objects are created; replicas are starting.")
         self.status.state = self.observed.state
 
+    def _groups_drained(self, phases: dict[str, str]) -> bool:
+        """A replica group of a fault-tolerant job finished and the others did not (all finished: `_outcome`
+        succeeds already). True when FT_DRAIN_SECONDS have passed since: the job succeeds, the rest stop."""
+        memory = self.memory
+        if memory.workers_done_time is None:
+            memory.workers_done_time = self.now
+        waited = self.now - memory.workers_done_time
+        if waited < FT_DRAIN_SECONDS:
+            self._requeue(FT_DRAIN_SECONDS - waited)
+            return False
+        done = sorted(n for n, p in phases.items() if p == "Succeeded")
+        running = [n for n, p in phases.items() if p != "Succeeded" and n in self.replicas]
+        self._finish("Succeeded", "Completed",
+                     f"Replica group {done[0]} finished training; {', '.join(running) or 'none'} still running "
+                     f"{FT_DRAIN_SECONDS:.0f} s later had nothing left to train and stopped.")
+        self.actions.stop += [n for n in running if n not in self.actions.stop]
+        return True
+
     # -- the end of a round --------------------------------------------------------------
 
     def _requeue(self, seconds: float) -> None:
@@ -654,6 +744,10 @@ class _Round:
         """At success, the chief's final results complete the progress that the last reading,
         up to a few seconds old, left behind."""
         head = self.replicas.get(chief(self.job))
+        if (head is None or not head.final) and self.spec.fault_tolerant:
+            # The chief's group was replaced and stopped before it finished: another group speaks.
+            head = next((seen for name, seen in sorted(self.replicas.items())
+                         if name.startswith("ddp-") and seen.final), head)
         final = head.final if head is not None else None
         if not final:
             return
@@ -701,9 +795,9 @@ def interrupted(status: JobStatus, now: float) -> JobStatus:
     return out
 
 
-def _listed(indices: range) -> str:
+def _listed(indices: range, role: str = "worker") -> str:
     """worker-1, worker-2 and worker-3."""
-    names = [f"worker-{i}" for i in indices]
+    names = [f"{role}-{i}" for i in indices]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
