@@ -197,7 +197,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     job = from_object(doc, str(job_file))  # refuses a size the job cannot take, naming spec.replicas
     unit = {"ParameterServer": "worker", "DDP": "node", "Single": "replica"}[job.spec.mode] + ("s" if job.spec.size != 1 else "")
     atomic_write(job_file, dump_manifest(job))
-    how = "at once (live)" if job.spec.mode == "ParameterServer" else "after a checkpoint"
+    how = "at once (live)" if job.spec.mode == "ParameterServer" or job.spec.fault_tolerant else "after a checkpoint"
     print(f"{run_dir}: {job.name} scaled to {job.spec.size} {unit}; a `kubetrain run` in progress resizes it "
           f"{how}, otherwise the next run starts at that size")
     return 0
@@ -497,6 +497,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ratio", type=float, default=0.01, help="TopK's fraction of elements")
     b.add_argument("--rank", type=int, default=2, help="PowerSGD's rank")
     b.add_argument("--min-tensor-bytes", type=int, default=0, help="tensors below this travel uncompressed")
+    b.add_argument("--out", help="also write the JSON here")
+    b = bsub.add_parser("ft", help="a fault-tolerant DDP job with a node killed every 30 s against no kill, beside "
+                        "plain DDP restarted from its checkpoint under the same kills, in one run")
+    b.add_argument("--steps", type=int, default=20000, help="maxSteps of every variant (about 2 minutes each here)")
+    b.add_argument("--groups", type=int, default=3, help="DDP nodes: the replica groups of the fault-tolerant job")
+    b.add_argument("--kill-every", type=float, default=30.0, help="seconds between two SIGKILLs of a node")
+    b.add_argument("--model-hidden", type=int, default=128, help="width of the MLP")
+    b.add_argument("--heartbeat", type=float, default=1.0, help="faultTolerance.heartbeatTimeoutSeconds")
+    b.add_argument("--keep", help="keep the run directories here (default: a temporary directory)")
     b.add_argument("--out", help="also write the JSON here")
     b = bsub.add_parser("checkpoint", help="what a checkpoint costs the training loop, background against synchronous")
     b.add_argument("--model-mb", type=int, default=100, help="parameter megabytes of the model (at least 100)")

@@ -468,6 +468,8 @@ PRINTER_COLUMNS = [
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "State", "type": "string", "jsonPath": ".status.state"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # Fault-tolerant DDP: the replica groups in the current quorum (`kubectl get tj -o wide`).
+    {"name": "Quorum", "type": "integer", "jsonPath": ".status.quorum.participants", "priority": 1},
 ]
 
 

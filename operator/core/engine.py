@@ -377,11 +377,8 @@ class _Round:
         if memory.size is None or memory.size == size:
             memory.size = size
             return False
-        if not self.is_ddp:
+        if not self.is_ddp or self.spec.fault_tolerant:
             self._resize_live()
-            return False
-        if self.spec.fault_tolerant:
-            self._resize_groups()
             return False
         unit = "nodes"
         if self.replicas:
@@ -416,52 +413,35 @@ class _Round:
         after their step (`_release`). Nothing is stopped, no restart is counted, the state stays what it
         is: the replicas that keep running are the same incarnations (`memory.identities` stays). A job
         resized while its replicas were stopped (suspended, or held by its Kueue queue until the Workload of
-        the new size is admitted) starts them all now at the new size, and its Event says that instead."""
+        the new size is admitted) starts them all now at the new size, and its Event says that instead.
+
+        A fault-tolerant DDP job resizes live too: each node is a replica group of its own, so new groups
+        start and join the quorum (copying the model from a live group), the groups above the size are
+        stopped (`_release_groups`: SIGTERM, a checkpoint, then they leave the quorum), and the others
+        train on untouched."""
         memory, size = self.memory, self.spec.size
+        groups = self.spec.fault_tolerant
+        unit, role = ("replica groups", "ddp") if groups else ("workers", "worker")
         if self.before == "Suspended":
             # Resized while its replicas were stopped (suspended, or a queued job whose Workload Kueue
             # admitted again at the new size): every replica starts now, from the newest checkpoint.
-            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers while "
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} {unit} while "
                                                              "stopped: the job resumes at the new size from its "
                                                              "newest checkpoint."))
         else:
             if size > memory.size:
-                how = f"{_listed(range(memory.size, size))} {'joins' if size - memory.size == 1 else 'join'}"
+                how = f"{_listed(range(memory.size, size), role)} {'joins' if size - memory.size == 1 else 'join'}"
             else:
-                how = (f"{_listed(range(size, memory.size))} "
-                       f"{'leaves after its step' if memory.size - size == 1 else 'leave after their step'}")
-            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers, live: "
-                                                             f"{how}; ps-0 deals the rest of the epoch again among the "
-                                                             f"{size}; nothing restarts."))
+                one, more = ("leaves", "leave") if groups else ("leaves after its step", "leave after their step")
+                how = f"{_listed(range(size, memory.size), role)} {one if memory.size - size == 1 else more}"
+            then = "the other groups train on" if groups else f"ps-0 deals the rest of the epoch again among the {size}"
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} {unit}, live: "
+                                                             f"{how}; {then}; nothing restarts."))
         memory.size = size
         memory.resize_time = self.now
         # A restart due for a worker above the new size is not wanted any more; the others stand.
         memory.pending_restarts = {n: t for n, t in memory.pending_restarts.items() if n in self.names}
         memory.workers_done_time = None  # new workers have work to do; the drain clock starts again when they are done
-        self.actions.resized = True
-
-    def _resize_groups(self) -> None:
-        """A fault-tolerant DDP job takes its new size while it runs: each node is a replica group of its own,
-        so new groups start and join the quorum (copying the model from a live group), groups above the size
-        are stopped (SIGTERM: a checkpoint, then they leave the quorum), and the others train on untouched:
-        no restart is counted, their incarnations stay. Resized while stopped (suspended, or held by its Kueue
-        queue until the Workload of the new size is admitted), every group starts at the new size."""
-        memory, size = self.memory, self.spec.size
-        if self.before == "Suspended":
-            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} replica groups "
-                                                             "while stopped: the job resumes at the new size from "
-                                                             "its newest checkpoint."))
-        else:
-            if size > memory.size:
-                how = f"{_listed(range(memory.size, size), 'ddp')} {'joins' if size - memory.size == 1 else 'join'}"
-            else:
-                how = f"{_listed(range(size, memory.size), 'ddp')} {'leaves' if memory.size - size == 1 else 'leave'}"
-            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} replica groups, "
-                                                             f"live: {how}; the other groups train on; nothing "
-                                                             "restarts."))
-        memory.size = size
-        memory.resize_time = self.now
-        memory.pending_restarts = {n: t for n, t in memory.pending_restarts.items() if n in self.names}
         self.actions.resized = True
 
     def _release(self) -> None:

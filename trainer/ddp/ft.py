@@ -515,24 +515,28 @@ class FaultTolerantTrainer(DDPTrainer):
         self.metrics.process_starts_total.inc()
         port = self.ctx.metrics_port
         self.metrics.serve(port + self.topo.local_rank if port else 0, self.ctx.listen_address)
-        self.join()
-        group = self.group
-        assert group is not None
         spec = self.ctx.spec
+        # Before joining: what the first quorum decides (a `resume` from this group's checkpoint, or a
+        # `heal` from a peer) is written after the attempt's `start`.
         self.events.write(
             "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
             rank=self.rank, world_size=self.world_size, node=self.place.group, pid=os.getpid(),
             node_replica=self.node_replica, replica_group=self.place.group, replica_groups=self.place.groups,
             backend=spec.ddp.backend, fault_tolerant=True,
         )
+        self.join()
+        group = self.group
+        assert group is not None
         params = list(self.model.parameters())
         run_samples, train_seconds = 0, 0.0
         self.reporter.start_window(self.step)
         while self.step < self.total_steps:
             step_start = time.perf_counter()
             group.begin()
+            self.slowdown.begin()
             batch = self.batch()
             local_loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective)
+            self.slowdown.after()
             values = group.average(params, [local_loss * len(batch), float(len(batch))])
             self.bytes_sent += group.last_bytes
             committed = group.commit()
@@ -562,21 +566,9 @@ class FaultTolerantTrainer(DDPTrainer):
         # The first rank of every group evaluates the final model (a group's result speaks for the job
         # when the chief's group was replaced: engine._final_progress, local summary).
         self.chief = self.chief or self.topo.local_rank == 0
-        if self.eval_step != self.step:
-            self.evaluate()
-        if self.checkpoint_step != self.step:
-            self.checkpoint()
-        self.wait_checkpoint()
-        wall = time.monotonic() - self.started
+        wall = self.final_checkpoint()
         result: dict[str, Any] = {
-            "steps": self.step,
-            "epochs": round(self.step / self.cursor.steps_per_epoch, 4),
-            "final_train_loss": self.loss,
-            "samples": self.samples,
-            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
-            "wall_seconds": wall,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_sent,
+            **self.result(wall, run_samples, train_seconds),
             "rank": self.rank,
             "world_size": self.world_size,
             "replica_group": self.place.group,
@@ -612,3 +604,87 @@ def run_replica_group(ctx: ReplicaContext) -> int:
     finally:
         trainer.close()
     raise TrainerError(f"{trainer.ctx.replica}: training failed: {failure}")
+
+
+class FaultTolerance:
+    """A user's model and optimizer in a fault-tolerant replica group: `kubetrain.fault_tolerant`.
+
+    The same `ReplicaGroup` as the built-in loop, with the script's `import kubetrain` session (its
+    metrics, event log and checkpoints): a step that cannot complete is discarded, never raised; a
+    replacement heals from a live group without reading a checkpoint; the loss of every group
+    falls back to each group's own newest checkpoint (`save`).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 state: Callable[[], dict[str, Any]] | None = None,
+                 load_state: Callable[[dict[str, Any]], None] | None = None):
+        from ..userapi import check_state, session
+
+        self.session = session()
+        ctx = self.session.ctx
+        if not ctx.spec.fault_tolerant:
+            raise RuntimeError("kubetrain.fault_tolerant: the job has no spec.ddp.faultTolerance; without it a "
+                               "DDP script averages its gradients with torch's DistributedDataParallel")
+        place = GroupPlace.from_env(os.environ)
+        if place.local_world > 1 and not dist.is_initialized():
+            dist.init_process_group(ctx.spec.ddp.backend)  # the group's own ranks (torchrun's environment)
+        self.model, self.optimizer = model, optimizer
+        self._user_state, self._user_load, self._check = state, load_state, check_state
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("kubetrain.fault_tolerant: the model has no parameter that requires a gradient")
+        self.loss = float("nan")
+        """The loss of the last committed step, averaged over the groups that took part (as passed to commit)."""
+        self.group = ReplicaGroup(ctx, place, self.session.metrics, self.session.events, self.session.checkpoints,
+                                  state=self._state, load=self._load, device=self.params[0].device)
+        self.group.join()
+        self.session.reporter.start_window(self.step)
+
+    @property
+    def step(self) -> int:
+        """Steps the job has committed: the next one trains the batch of this step (a replacement's is
+        its peers', once it healed)."""
+        return self.group.step
+
+    @property
+    def participants(self) -> int | None:
+        """Replica groups in the last step's quorum."""
+        return self.group.participants
+
+    def zero_grad(self) -> None:
+        """Start the step: its quorum (in the background) and the gradients set to none."""
+        self.group.begin()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def commit(self, loss: Any = None) -> bool:
+        """After the backward pass: average the gradients (and `loss`) over the group's ranks and the
+        quorum's groups, vote, and step the optimizer when the step commits. False: the step was
+        discarded (a group was lost in it, or fewer than minReplicas took part): train the same step again."""
+        value = float(loss.item() if hasattr(loss, "item") else loss) if loss is not None else float("nan")
+        values = self.group.average(self.params, [value, 1.0])
+        if not self.group.commit():
+            return False
+        self.optimizer.step()
+        self.loss = values[0] / values[1] if values[1] else value
+        return True
+
+    def save(self, wait: bool = False) -> None:
+        """This group's checkpoint of the current step (the model, the optimizer, your `state()`), written by
+        its first rank in the background: what the job resumes from when every group is lost."""
+        state = self.group.checkpoint_state()
+        self._check(state)
+        self.session.checkpoints.save(self.step, state)
+        if wait:
+            self.session.checkpoints.wait()
+
+    def _state(self) -> dict[str, Any]:
+        out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self._user_state is not None:
+            out["user"] = self._user_state()
+        return out
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self._user_load is not None and "user" in state:
+            self._user_load(state["user"])

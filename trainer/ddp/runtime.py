@@ -270,6 +270,29 @@ class DDPTrainer:
         self.checkpoints.wait()
         dist.barrier()
 
+    def result(self, wall: float, run_samples: int, train_seconds: float) -> dict[str, Any]:
+        """The figures of this rank's results file every DDP loop writes."""
+        return {
+            "steps": self.step,
+            "epochs": round(self.cursor.epochs_done, 4),
+            "final_train_loss": self.loss,
+            "samples": self.samples,
+            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
+            "wall_seconds": wall,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_sent,
+        }
+
+    def final_checkpoint(self) -> float:
+        """The end of the loop: the final model evaluated and checkpointed (durable on return); the wall
+        seconds of the process so far."""
+        if self.eval_step != self.step:
+            self.evaluate()
+        if self.checkpoint_step != self.step:
+            self.checkpoint()
+        self.wait_checkpoint()
+        return time.monotonic() - self.started
+
     def evaluate(self) -> None:
         """The chief evaluates; the others only note that the step was evaluated."""
         self.eval_step = self.step
@@ -349,21 +372,9 @@ class DDPTrainer:
                 self.events.write("stop", step=self.step)
                 log.info("%s: stopped by SIGTERM at step %d, checkpoint written", self.ctx.replica, self.step)
                 return EXIT_TERMINATED
-        if self.eval_step != self.step:
-            self.evaluate()
-        if self.checkpoint_step != self.step:
-            self.checkpoint()
-        self.wait_checkpoint()
-        wall = time.monotonic() - self.started
+        wall = self.final_checkpoint()
         result: dict[str, Any] = {
-            "steps": self.step,
-            "epochs": round(self.cursor.epochs_done, 4),
-            "final_train_loss": self.loss,
-            "samples": self.samples,
-            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
-            "wall_seconds": wall,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_sent,
+            **self.result(wall, run_samples, train_seconds),
             "raw_gradient_bytes": self.raw_gradient_bytes,
             "compressed_gradient_bytes": self.bytes_sent,
             "compression_ratio": self.raw_gradient_bytes / self.bytes_sent if self.bytes_sent else None,
