@@ -89,9 +89,7 @@ class JobMemory:
     in_place_restarts: dict[str, int] = field(
         "Restarts of each DDP replica's container in place already counted.", default_factory=dict
     )
-    workers_done_time: float | None = field(
-        "When a job's training was done: every worker of a PS job had finished, or the first replica group of a "
-        "fault-tolerant DDP job (unix seconds).", None)
+    workers_done_time: float | None = field("When every worker of a PS job had finished (unix seconds).", None)
     active_seconds: float = field("Time the job ran before activeSince (seconds; suspended time excluded).", 0.0)
     active_since: float | None = field("When the current active period began (unix seconds); None while stopped.", None)
     size: int | None = field(

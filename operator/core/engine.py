@@ -68,12 +68,6 @@ PS_DRAIN_SECONDS = 60.0
 """Parameter servers exit by themselves once every worker finished and they wrote their final
 checkpoint; one still running this long afterwards is stopped and the job succeeds."""
 
-FT_DRAIN_SECONDS = 60.0
-"""A fault-tolerant DDP job's replica groups commit every step together: once one group finished, the others
-of the final quorum end within moments (their own final evaluation and checkpoint), and a group still
-starting then (a replacement) has nothing left to train. Those still running this long after the first
-group finished are stopped and the job succeeds."""
-
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
 WAITING_REASONS = ("ImagePullFailed", "VolumePending", "Unschedulable")
 """Why a job's replicas wait (the reason on its condition while they do; `_problem`): a fixed set, so
@@ -649,8 +643,8 @@ class _Round:
                                   and n in self.replicas and phases[n] != "Succeeded" and n not in self.actions.stop]
             return
         if self.observed is None and self.spec.fault_tolerant and any(p == "Succeeded" for p in phases.values()):
-            if self._groups_drained(phases):
-                return
+            self._groups_done(phases)
+            return
         if self.observed is None and self.spec.mode == "ParameterServer" and policy.workers_done(phases):
             memory = self.memory
             if memory.workers_done_time is None:
@@ -679,23 +673,18 @@ class _Round:
                 self.observed = Observed("Created", "Created", "The job's objects are created; replicas are starting.")
         self.status.state = self.observed.state
 
-    def _groups_drained(self, phases: dict[str, str]) -> bool:
-        """A replica group of a fault-tolerant job finished and the others did not (all finished: `_outcome`
-        succeeds already). True when FT_DRAIN_SECONDS have passed since: the job succeeds, the rest stop."""
-        memory = self.memory
-        if memory.workers_done_time is None:
-            memory.workers_done_time = self.now
-        waited = self.now - memory.workers_done_time
-        if waited < FT_DRAIN_SECONDS:
-            self._requeue(FT_DRAIN_SECONDS - waited)
-            return False
+    def _groups_done(self, phases: dict[str, str]) -> None:
+        """A replica group of a fault-tolerant job finished and another did not (all finished: `_outcome`
+        succeeds already). The groups commit every step together, so the job's training is over: those of
+        the final quorum are writing their final checkpoint (a SIGTERM then changes nothing: they end
+        with 0), and one that is still starting or rejoining (a replacement) has nothing left to train.
+        The job succeeds; the groups still running are stopped."""
         done = sorted(n for n, p in phases.items() if p == "Succeeded")
         running = [n for n, p in phases.items() if p != "Succeeded" and n in self.replicas]
         self._finish("Succeeded", "Completed",
-                     f"Replica group {done[0]} finished training; {', '.join(running) or 'none'} still running "
-                     f"{FT_DRAIN_SECONDS:.0f} s later had nothing left to train and stopped.")
+                     f"Replica group {done[0]} finished training; {', '.join(running)} "
+                     f"{'was' if len(running) == 1 else 'were'} stopped with nothing left to train.")
         self.actions.stop += [n for n in running if n not in self.actions.stop]
-        return True
 
     # -- the end of a round --------------------------------------------------------------
 

@@ -184,12 +184,49 @@ def advertised_transport(timeout: timedelta, listen: str, advertise: str) -> Any
     return AdvertisedHTTPTransport()
 
 
+class QuorumRecorder:
+    """torchft's ManagerClient, keeping the last quorum it was given (`_quorum`); everything else passes through."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self.client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def step_salted(pg_class: type, recorder: QuorumRecorder) -> Any:
+    """torchft's process group between the groups, its store prefix made unique to the quorum's step too.
+
+    torchft keys a quorum's rendezvous in the primary group's store by the quorum's id alone
+    (`torchft/<quorum id>/<group rank>`), and the Lighthouse numbers its quorums from 1 again when it is
+    restarted: a later quorum with another set of groups found the keys an earlier one of the same id had
+    left there, its groups dialled addresses of that old quorum, and they hung for the process group's
+    timeout (60 s) again and again until a group gave up (seen here after a Lighthouse was killed). The
+    step every member of a quorum is told (`max_step`) only grows while the Lighthouse lives and is past
+    every step before its restart, so id and step together never name two quorums.
+    """
+
+    class StepSalted(pg_class):  # type: ignore[misc, valid-type]
+        def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+            quorum = recorder.last
+            if quorum is not None:
+                store_addr = f"{store_addr}/step{quorum.max_step}"
+            super().configure(store_addr, *args, **kwargs)
+
+    return StepSalted
+
+
 class ReplicaGroup:
     """One rank's side of torchft: the Manager, the step protocol, heals, the lazy restore, its events.
 
     `state()` and `load(state)` are the owner's: what a healing peer receives and what a checkpoint
-    holds (the Manager's own step counters are added under "torchft"). `intra` is the group's own
-    process group (torch.distributed's, initialised by the owner) when it has more than one rank.
+    holds (the Manager's own step counters are added under "torchft"). A group of more than one rank
+    averages within itself over torch.distributed's default group, which the owner initialises.
     """
 
     def __init__(self, ctx: ReplicaContext, place: GroupPlace, metrics: TrainerMetrics, events: EventLog,
@@ -229,7 +266,9 @@ class ReplicaGroup:
         timeout = timedelta(seconds=ft.timeout_seconds)
         quorum_timeout = timedelta(seconds=ft.quorum_timeout_seconds)
         # Gloo between groups unless the job runs NCCL (GPUs; not verified on this project's machines).
-        self.pg = ProcessGroupNCCL(timeout=timeout) if self.ctx.spec.ddp.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        recorder = QuorumRecorder()
+        pg_class = ProcessGroupNCCL if self.ctx.spec.ddp.backend == "nccl" else ProcessGroupGloo
+        self.pg = step_salted(pg_class, recorder)(timeout=timeout)
         self.manager = torchft.Manager(
             pg=self.pg,
             load_state_dict=self._from_peer,
@@ -250,6 +289,7 @@ class ReplicaGroup:
             init_sync=False,  # every group builds the same initial weights from spec.training.seed
             quorum_retries=QUORUM_RETRIES,
         )
+        recorder.client, self.manager._client = self.manager._client, recorder  # before any quorum is asked for
         startup("manager", rank=self.place.rank)
         self._gather()
         if self.manager.current_step() == 0:

@@ -193,6 +193,8 @@ def test_a_killed_group_costs_the_others_a_heartbeat_and_its_replacement_heals_f
     assert [(r["replica"], r["reason"]) for r in run.restarts()] == [("ddp-1", "ReplicaGroupLost")]
     assert summary["state"] == "Succeeded" and summary["restarts"] == 1 and summary["steps"] == STEPS
     assert "the other replica groups train on" in out
+    quorum = json.loads((run.dir / "state.json").read_text())["status"]["quorum"]
+    assert quorum["groups"] == 3 and quorum["participants"] == 3, quorum  # the status, as `kubectl get` shows it
     assert_equal_weights(run)
     print(f"accuracy {summary['eval_accuracy']:.4f}, fault-free {fault_free['eval_accuracy']:.4f}; heal "
           f"{heal['seconds']:.2f} s")
@@ -258,7 +260,10 @@ def test_scaling_3_to_2_to_3_groups_never_restarts_the_survivors(runs):
         assert scaled.returncode == 0, scaled.stderr
         wait_for(f"the run at {size} groups", lambda: json.loads((run.dir / "state.json").read_text())["status"]
                  .get("replicas") == size, RUN_TIMEOUT_SECONDS, every=0.2)
-        run.wait_step(run.step() + 300)
+        run.wait_step(run.step() + 100)
+    # The new ddp-2 joins by copying the model from a live group, while the job still trains.
+    wait_for("the new ddp-2 to heal", lambda: run.proc.poll() is not None or any(
+        e["event"] == "heal" for e in run.attempts("ddp-2")[-1]), RUN_TIMEOUT_SECONDS, every=0.2)
     summary, out = run.finish()
     assert "Resized from 3 to 2 replica groups, live: ddp-2 leaves" in out
     assert "Resized from 2 to 3 replica groups, live: ddp-2 joins" in out

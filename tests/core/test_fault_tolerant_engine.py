@@ -11,7 +11,7 @@ from kubetrain_operator.api.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTH
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.api.spec import FT_PORT
 from kubetrain_operator.core.children import ClusterEndpoints, children
-from kubetrain_operator.core.engine import FT_DRAIN_SECONDS
+from kubetrain_operator.core import engine
 from kubetrain_operator.core.plan import plan_replicas, replica_names
 from kubetrain_operator.core.reconcile import Progress, iso, reconcile
 
@@ -193,18 +193,17 @@ def test_the_job_succeeds_when_its_groups_did_and_its_lighthouse_is_stopped_what
     assert act.status["state"] == "Succeeded" and act.delete_pods == ["j-lighthouse-0"]
 
 
-def test_a_group_still_starting_when_the_others_finished_is_stopped_after_the_drain():
+def test_a_group_still_running_when_another_finished_is_stopped_and_the_job_succeeds():
     """The groups commit their steps together: one finished means the job's training is over; a replacement
     that was still starting then has nothing left to train."""
-    pods = {"ddp-0": Pod("ddp-0", "Succeeded", exit_code=0, uid="a"), "ddp-1": Pod("ddp-1", "Succeeded", exit_code=0,
-                                                                                   uid="b"),
+    # The chief's group (ddp-0) is not there (it was being replaced): another group's results speak.
+    pods = {"ddp-1": Pod("ddp-1", "Succeeded", exit_code=0, uid="b", final={"steps": 300, "eval_accuracy": 0.97}),
             "ddp-2": Pod("ddp-2", "Running", uid="c"), LIGHTHOUSE: Pod(LIGHTHOUSE, "Running", uid="d")}
     act = reconcile(ft_job(), "u", "tok", pods, active(), T0, existing=EXISTING)
-    assert act.status["state"] == "Running" and act.status["memory"]["workersDoneTime"] == T0
-    assert act.delete_pods == []
-    act = reconcile(ft_job(), "u", "tok", pods, act.status, T0 + FT_DRAIN_SECONDS, existing=EXISTING)
     assert act.status["state"] == "Succeeded"
-    assert "ddp-2 still running" in next(e[2] for e in act.events if e[1] == "Completed")
+    assert act.status["progress"]["step"] == 300 and act.status["progress"]["evalAccuracy"] == 0.97
+    assert "ddp-2 was stopped with nothing left to train" in next(e[2] for e in act.events if e[1] == "Completed")
+    assert act.scale_statefulset == 0 and act.delete_pods == ["j-lighthouse-0"]
 
 
 def test_the_status_shows_the_quorum_read_from_a_group():
@@ -233,3 +232,15 @@ def test_scaling_down_and_up_adds_and_removes_groups_without_touching_the_others
     assert next(o for o in act.replace if o["kind"] == "StatefulSet")["spec"]["replicas"] == 3
     assert act.status["restarts"] == 0 and act.status["memory"]["identities"] == {
         n: f"{n}-1" for n in ("ddp-0", "ddp-1", LIGHTHOUSE)}  # the same incarnations: none restarted
+
+
+def test_under_kueue_a_resize_stops_every_group_until_the_new_size_is_admitted():
+    """Kueue's pod counts are fixed once a Workload is admitted: a queued fault-tolerant job resizes as a
+    plain DDP job does (docs/scheduling.md#gangs-and-queues), never live."""
+    job = ft_job(nodes=3, minNodes=2, maxNodes=3)
+    job.spec.replicas = 2
+    job.spec.complete()
+    done = engine.step(job, active(), up(*GROUPS, LIGHTHOUSE), T0 + 1,
+                       admission=engine.QueueAdmission(False, "Resizing", "made again at the new size"))
+    assert sorted(done.actions.stop) == sorted([*GROUPS, LIGHTHOUSE]) and done.actions.hold
+    assert done.status.state == "Suspended" and not done.actions.resized

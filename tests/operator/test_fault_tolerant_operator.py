@@ -3,7 +3,7 @@ Lighthouse pod and Service beside its StatefulSet, `kubectl scale` 3 -> 2 -> 3 r
 survivors' pods keep their UIDs, the StatefulSet never goes to 0, nothing is counted as a restart), a
 lost group's container restarted in place counted once as ReplicaGroupLost with no other pod touched,
 and a lost Lighthouse replaced. The trainers' own side (a real kill, the heal, the quorum) is
-tests/local/test_fault_tolerance.py and, in real pods, tests/e2e/test_e2e_fault_tolerance.py."""
+tests/local/test_fault_tolerant_runs.py and, in real pods, tests/e2e/test_e2e_fault_tolerance.py."""
 
 from __future__ import annotations
 
