@@ -433,8 +433,11 @@ class _Round:
                                                              f"{how}; {then}; nothing restarts."))
         memory.size = size
         memory.resize_time = self.now
-        # A restart due for a worker above the new size is not wanted any more; the others stand.
+        # A restart due for a worker above the new size is not wanted any more; the others stand. A group
+        # above it is forgotten: scaled up again, its new pod is a new member, not a replacement.
         memory.pending_restarts = {n: t for n, t in memory.pending_restarts.items() if n in self.names}
+        memory.identities = {n: uid for n, uid in memory.identities.items() if n in self.names}
+        memory.in_place_restarts = {n: c for n, c in memory.in_place_restarts.items() if n in self.names}
         memory.workers_done_time = None  # new workers have work to do; the drain clock starts again when they are done
         self.actions.resized = True
 

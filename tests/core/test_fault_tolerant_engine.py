@@ -232,6 +232,10 @@ def test_scaling_down_and_up_adds_and_removes_groups_without_touching_the_others
     assert next(o for o in act.replace if o["kind"] == "StatefulSet")["spec"]["replicas"] == 3
     assert act.status["restarts"] == 0 and act.status["memory"]["identities"] == {
         n: f"{n}-1" for n in ("ddp-0", "ddp-1", LIGHTHOUSE)}  # the same incarnations: none restarted
+    # The StatefulSet makes ddp-2 again: a new member of the job, not a replacement of the one that left.
+    pods["ddp-2"] = Pod("ddp-2", "Running", uid="ddp-2-2")
+    act = reconcile(bigger, "u", "tok", pods, act.status, T0 + 3, existing=EXISTING)
+    assert act.status["restarts"] == 0 and act.events == [] and act.status["state"] == "Running"
 
 
 def test_under_kueue_a_resize_stops_every_group_until_the_new_size_is_admitted():
