@@ -500,11 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="also write the JSON here")
     b = bsub.add_parser("ft", help="a fault-tolerant DDP job with a node killed every 30 s against no kill, beside "
                         "plain DDP restarted from its checkpoint under the same kills, in one run")
-    b.add_argument("--steps", type=int, default=20000, help="maxSteps of every variant (about 2 minutes each here)")
+    b.add_argument("--steps", type=int, default=5000, help="maxSteps of every variant (2-4 minutes each here)")
     b.add_argument("--groups", type=int, default=3, help="DDP nodes: the replica groups of the fault-tolerant job")
     b.add_argument("--kill-every", type=float, default=30.0, help="seconds between two SIGKILLs of a node")
     b.add_argument("--model-hidden", type=int, default=128, help="width of the MLP")
     b.add_argument("--heartbeat", type=float, default=1.0, help="faultTolerance.heartbeatTimeoutSeconds")
+    b.add_argument("--slowdown", type=float, default=4.0,
+                   help="every rank's step lasts this many times its compute (a sleep): nodes with CPUs of their own")
     b.add_argument("--keep", help="keep the run directories here (default: a temporary directory)")
     b.add_argument("--out", help="also write the JSON here")
     b = bsub.add_parser("checkpoint", help="what a checkpoint costs the training loop, background against synchronous")
