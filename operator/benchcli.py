@@ -434,7 +434,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from .benchft import bench_ft
 
         return bench_ft(args.steps, args.groups, args.kill_every, args.model_hidden, args.heartbeat, args.slowdown,
-                        args.keep)
+                        args.rounds, args.keep)
     if args.bench == "checkpoint":
         try:
             from kubetrain_trainer.bench_checkpoint import bench_checkpoint

@@ -122,8 +122,11 @@ class Variant:
                   if e["event"] == "start" and e.get("node_replica") == node]
         if not starts:
             return
+        # The newest: a plain group's restart deals the ranks to the nodes anew (c10d), so a rank's
+        # event log names another node after it.
+        newest = max(starts, key=lambda e: e["time"])
         try:
-            os.killpg(os.getpgid(starts[-1]["pid"]), signal.SIGKILL)
+            os.killpg(os.getpgid(newest["pid"]), signal.SIGKILL)
         except ProcessLookupError:
             return  # that attempt is gone already: no kill this time
         self.kills.append((node, time.time()))
@@ -235,8 +238,10 @@ def _median(values: list[Any]) -> float | None:
 
 
 def bench_ft(steps: int = 5000, groups: int = 3, kill_every: float = 30.0, hidden: int = 128,
-             heartbeat: float = 1.0, slowdown: float = 4.0, keep: str | None = None) -> dict[str, Any]:
-    """The four variants, one after the other; the figures as a JSON-ready dict.
+             heartbeat: float = 1.0, slowdown: float = 4.0, rounds: int = 2, keep: str | None = None) -> dict[str, Any]:
+    """The four variants, `rounds` times (a round runs a job's two variants in turns: no kill first in even
+    rounds, killed first in odd ones, so that a load that comes and goes on a shared machine falls on
+    both), one after the other; the figures (medians over the rounds) as a JSON-ready dict.
 
     `slowdown`: every rank's step lasts this many times its compute (trainer/slowdown.py: a sleep, no CPU),
     a node with CPUs of its own. On this project's 2-core machines 3 nodes share 2 cores: unslowed, a
@@ -246,6 +251,8 @@ def bench_ft(steps: int = 5000, groups: int = 3, kill_every: float = 30.0, hidde
         raise ValueError(f"--groups {groups}: a kill needs a survivor; at least 2")
     if kill_every <= heartbeat:
         raise ValueError(f"--kill-every {kill_every}: must exceed the heartbeat timeout ({heartbeat} s)")
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: at least 1")
     with tempfile.TemporaryDirectory(prefix="kubetrain-bench-ft-") as tmp:
         root = Path(keep) if keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -256,40 +263,59 @@ def bench_ft(steps: int = 5000, groups: int = 3, kill_every: float = 30.0, hidde
                     "heartbeat_timeout_seconds": heartbeat, "step_slowed": slowdown,
                     "train_event_every_steps": max(1, steps // 200)},
             "kill_every_seconds": kill_every,
+            "rounds": rounds,
             "cpus": os.cpu_count(),
+            "load_average_at_start": os.getloadavg(),
         }
         for label, tolerant in (("fault_tolerant", True), ("restart_from_checkpoint", False)):
-            figures: dict[str, Any] = {}
-            for case, every in (("no_kill", None), ("killed", kill_every)):
-                name = f"bench-ft-{'ft' if tolerant else 'ddp'}-{case.replace('_', '-')}"
-                variant = Variant(root, name, groups).start(job_doc(name, steps, groups, tolerant, hidden, heartbeat),
-                                                            slowdown)
-                try:
-                    figures[case] = variant.rate(every)
-                    if every is not None:
-                        per_kill = variant.ft_kills() if tolerant else variant.plain_kills()
-                        figures[case]["per_kill"] = per_kill
-                        if tolerant:
-                            figures[case]["median_survivor_stall_seconds"] = _median(
-                                [k["survivor_stall_seconds"] for k in per_kill])
-                            figures[case]["median_rejoin_seconds"] = _median([k["rejoin_seconds"] for k in per_kill])
-                            parts = [k["breakdown_seconds"] for k in per_kill if "breakdown_seconds" in k]
-                            if parts:
-                                figures[case]["median_breakdown_seconds"] = {
-                                    key: _median([p[key] for p in parts]) for key in parts[0]}
-                        else:
-                            figures[case]["median_until_training_again_seconds"] = _median(
-                                [k["until_training_again_seconds"] for k in per_kill])
-                            figures[case]["median_steps_lost_at_least"] = _median(
-                                [k["steps_lost_at_least"] for k in per_kill])
-                finally:
-                    variant.stop()
-            rate = figures["killed"]["committed_steps_per_second"] / figures["no_kill"]["committed_steps_per_second"]
-            figures["killed_over_no_kill"] = round(rate, 3)
-            result[label] = figures
+            runs: dict[str, list[dict[str, Any]]] = {"no_kill": [], "killed": []}
+            for r in range(rounds):
+                cases = (("no_kill", None), ("killed", kill_every))
+                for case, every in cases if r % 2 == 0 else reversed(cases):
+                    name = f"bench-ft-{'ft' if tolerant else 'ddp'}-{case.replace('_', '-')}-{r}"
+                    variant = Variant(root, name, groups).start(
+                        job_doc(name, steps, groups, tolerant, hidden, heartbeat), slowdown)
+                    try:
+                        figures = variant.rate(every)
+                        if every is not None:
+                            figures["per_kill"] = variant.ft_kills() if tolerant else variant.plain_kills()
+                        runs[case].append(figures)
+                    finally:
+                        variant.stop()
+            result[label] = _summarise(runs, tolerant)
         result["fault_tolerant_over_restart_from_checkpoint_killed"] = round(
             result["fault_tolerant"]["killed"]["committed_steps_per_second"]
             / result["restart_from_checkpoint"]["killed"]["committed_steps_per_second"], 3)
         result["aim"] = {"fault_tolerant_killed_over_no_kill": 0.85,
                          "met": result["fault_tolerant"]["killed_over_no_kill"] >= 0.85}
+        result["load_average_at_end"] = os.getloadavg()
         return result
+
+
+def _summarise(runs: dict[str, list[dict[str, Any]]], tolerant: bool) -> dict[str, Any]:
+    """Medians over the rounds of one job's variants, every round's figures and every kill beside them."""
+    out: dict[str, Any] = {}
+    for case, rounds in runs.items():
+        kills = [k for r in rounds for k in r.get("per_kill", [])]
+        figures: dict[str, Any] = {
+            "committed_steps_per_second": _median([r["committed_steps_per_second"] for r in rounds]),
+            "rounds": [{k: v for k, v in r.items() if k != "per_kill"} for r in rounds],
+        }
+        if case == "killed" and tolerant:
+            figures["median_survivor_stall_seconds"] = _median([k["survivor_stall_seconds"] for k in kills])
+            figures["max_survivor_stall_seconds"] = max((k["survivor_stall_seconds"] for k in kills
+                                                        if k["survivor_stall_seconds"] is not None), default=None)
+            figures["median_rejoin_seconds"] = _median([k["rejoin_seconds"] for k in kills])
+            parts = [k["breakdown_seconds"] for k in kills if "breakdown_seconds" in k]
+            if parts:
+                figures["median_breakdown_seconds"] = {key: _median([p[key] for p in parts]) for key in parts[0]}
+            figures["heals_without_a_checkpoint_read"] = sum(1 for k in kills if k["healed"] and not k["read_checkpoint"])
+        elif case == "killed":
+            figures["median_until_training_again_seconds"] = _median([k["until_training_again_seconds"] for k in kills])
+            figures["median_steps_lost_at_least"] = _median([k["steps_lost_at_least"] for k in kills])
+        if kills:
+            figures["per_kill"] = kills
+        out[case] = figures
+    out["killed_over_no_kill"] = round(out["killed"]["committed_steps_per_second"]
+                                       / out["no_kill"]["committed_steps_per_second"], 3)
+    return out

@@ -500,7 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="also write the JSON here")
     b = bsub.add_parser("ft", help="a fault-tolerant DDP job with a node killed every 30 s against no kill, beside "
                         "plain DDP restarted from its checkpoint under the same kills, in one run")
-    b.add_argument("--steps", type=int, default=5000, help="maxSteps of every variant (2-4 minutes each here)")
+    b.add_argument("--steps", type=int, default=5000, help="maxSteps of every variant (1-4 minutes each here)")
+    b.add_argument("--rounds", type=int, default=2, help="rounds of each job's two variants, in alternating order "
+                   "(medians are compared)")
     b.add_argument("--groups", type=int, default=3, help="DDP nodes: the replica groups of the fault-tolerant job")
     b.add_argument("--kill-every", type=float, default=30.0, help="seconds between two SIGKILLs of a node")
     b.add_argument("--model-hidden", type=int, default=128, help="width of the MLP")
