@@ -33,8 +33,8 @@ SLOWDOWN_VAR = "KUBETRAIN_BENCH_SLOWDOWN"
 # Fault-tolerant DDP (spec.ddp.faultTolerance, docs/custom-code.md#fault-tolerant-scripts): what every
 # rank of a replica group finds in its environment, beside torchrun's own.
 FT_LIGHTHOUSE_VAR = "KUBETRAIN_FT_LIGHTHOUSE"
-"""http://host:port of the job's Lighthouse (also in TORCHFT_LIGHTHOUSE, where torchft's Manager looks)."""
-TORCHFT_LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+"""http://host:port of the job's Lighthouse: torchft's Manager's `lighthouse_addr` (torchft reads TORCHFT_LIGHTHOUSE
+when it is not given; kubetrain does not set that name, whose pod template entry it would have to refuse)."""
 FT_GROUP_VAR = "KUBETRAIN_FT_REPLICA_GROUP"
 """This node's replica group: its index, 0 to KUBETRAIN_FT_REPLICA_GROUPS - 1."""
 FT_GROUPS_VAR = "KUBETRAIN_FT_REPLICA_GROUPS"

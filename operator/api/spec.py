@@ -553,7 +553,7 @@ class Spec:
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
         "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
-        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous. What reaches past the pod "
+        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse. What reaches past the pod "
         "is refused unless the cluster's kubetrain installation allows it (the chart's podSecurity.allow): "
         "privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, hostNetwork, hostPath volumes, "
         "added capabilities, runAsUser 0 or runAsNonRoot false, another serviceAccountName and "

@@ -17,7 +17,6 @@ from ..api.launch import (
     FT_LIGHTHOUSE_PORT_VAR,
     FT_LIGHTHOUSE_VAR,
     FT_STORE_VAR,
-    TORCHFT_LIGHTHOUSE_VAR,
     torchrun_command,
 )
 
@@ -187,7 +186,6 @@ def fault_tolerance_env(job: TrainingJob, endpoints: Endpoints, index: int, stor
     lighthouse = f"http://{endpoints.lighthouse_address()}"
     return {
         FT_LIGHTHOUSE_VAR: lighthouse,
-        TORCHFT_LIGHTHOUSE_VAR: lighthouse,
         FT_GROUP_VAR: str(index),
         FT_GROUPS_VAR: str(job.spec.ddp.node_range[1]),
         FT_STORE_VAR: f"{endpoints.advertise_address(index)}:{store_port}",
