@@ -169,6 +169,9 @@ def assert_equal_weights(run: Run) -> None:
     for group in GROUPS[1:]:
         for name, tensor in first.items():
             assert torch.equal(models[group][name], tensor), (group, name)
+    # Every group's first rank evaluated that model at the end: the same figures, to the last bit.
+    results = [json.loads((run.dir / "results" / f"{g}.json").read_text()) for g in GROUPS]
+    assert len({(r["steps"], r["eval_loss"], r["eval_accuracy"]) for r in results}) == 1, results
 
 
 def test_a_killed_group_costs_the_others_a_heartbeat_and_its_replacement_heals_from_a_peer(runs, fault_free):

@@ -252,6 +252,8 @@ class ReplicaGroup:
         self.last_error = ""
         self.last_bytes = 0
         """Bytes of the last step's average (sent, and received, by this rank)."""
+        self.held_step = 0
+        """The step of the state this group holds: restored, healed or committed."""
 
     # --- joining -------------------------------------------------------------------
 
@@ -300,6 +302,7 @@ class ReplicaGroup:
                 step, state = found
                 self._load(state)
                 self.manager.load_state_dict(state["torchft"])
+                self.held_step = step
                 log.info("%s: restored step %d from this group's checkpoint", self.ctx.replica, step)
             self._start_quorum()
         self._quorum_pending = True
@@ -417,6 +420,7 @@ class ReplicaGroup:
             log.warning("%s: step %d discarded: %s", self.ctx.replica, self.step + 1, why)
             return False
         self.metrics.ft_committed_steps_total.inc()
+        self.held_step = self.step
         if self.participants != self._participants_at_commit:
             # The first step committed under another quorum: how long the group stood since its last one.
             stalled = now - self._last_commit if self._last_commit is not None else None
@@ -447,9 +451,15 @@ class ReplicaGroup:
     def _for_peer(self) -> dict[str, Any]:
         return {**self._state(), "group": self.place.group}
 
+    @property
+    def pending_heal(self) -> bool:
+        """A quorum found this group behind, and the peer's state is not applied yet (it is at the next commit)."""
+        return self.manager.current_step() > self.held_step
+
     def _from_peer(self, state: dict[str, Any]) -> None:
         """A heal: a live group's state, applied at this step's commit (torchft calls it there)."""
         self._load(state)
+        self.held_step = self.manager.current_step()
         seconds = time.monotonic() - self._heal_started if self._heal_started is not None else float("nan")
         self.metrics.ft_heals_total.inc()
         if math.isfinite(seconds):
@@ -603,9 +613,18 @@ class FaultTolerantTrainer(DDPTrainer):
                 self.events.write("stop", step=self.step)
                 log.info("%s: stopped by SIGTERM at step %d, checkpoint written", self.ctx.replica, self.step)
                 return EXIT_TERMINATED
+        if group.pending_heal:
+            # Joined as the others finished (a StatefulSet restarts a container that ended 0 too): a live
+            # group's state was promised at the job's last step, but no step is left to apply it at. This
+            # group holds nothing to checkpoint or report; the groups that trained have.
+            log.info("%s: the job's groups finished at step %d; nothing left to train", self.ctx.replica, self.step)
+            self.events.write("end", step=self.step, wall_seconds=time.monotonic() - self.started, trained=False)
+            return EXIT_OK
         # The first rank of every group evaluates the final model (a group's result speaks for the job
-        # when the chief's group was replaced: engine._final_progress, local summary).
-        self.chief = self.chief or self.topo.local_rank == 0
+        # when the chief's group was replaced: engine._final_progress, local summary). Only the chief
+        # evaluated at the epochs' ends (the others only marked the step): the others evaluate now.
+        if not self.chief and self.topo.local_rank == 0:
+            self.chief, self.eval_step = True, -1
         wall = self.final_checkpoint()
         result: dict[str, Any] = {
             **self.result(wall, run_samples, train_seconds),
