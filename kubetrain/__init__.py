@@ -20,7 +20,15 @@ kubetrain restarts the process when it fails (the job's restartPolicy), and
 once per rank with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): call `restore()` after
 `torch.distributed.init_process_group()` so that every rank gets the same
-checkpoint; every rank may call `save()`, rank 0 writes. See docs/custom-code.md.
+checkpoint; every rank may call `save()`, rank 0 writes. A sharded model
+(FSDP2) saves its DTensors from every rank and restores into a template:
+see `save` and `restore`, and docs/custom-code.md#sharded-models.
+
+`kubetrain.Client` drives jobs from Python (a notebook, a script): create,
+wait with a progress bar, logs, export, reports, in a cluster or on this
+machine (docs/client.md); `kubetrain.client` holds its types and errors. It is
+imported on first use, so the four calls of a training script never load the
+Kubernetes client.
 """
 
 from __future__ import annotations
@@ -28,18 +36,39 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["restore", "save", "report", "checkpoint_dir", "fault_tolerant"]
+__all__ = ["restore", "save", "report", "checkpoint_dir", "fault_tolerant", "Client"]
 
 
-def restore() -> tuple[Any, int]:
+def __getattr__(name: str) -> Any:
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module 'kubetrain' has no attribute {name!r}")
+
+
+def restore(template: dict[str, Any] | None = None) -> tuple[Any, int]:
     """(state, step) of the newest valid checkpoint of this job; (None, 0) when there is none.
 
-    Checkpoints are verified (length and sha256); a damaged newest one is set
-    aside and the previous one returned. In a DDP job every rank gets the same one.
+    Checkpoints are verified (length and sha256 of every file); a damaged newest
+    one is set aside and the previous one returned. In a DDP job every rank gets
+    the same step.
+
+    `template`: a state of the structure saved, loaded in place and returned.
+    A sharded model (FSDP2, tensor parallel) must pass one: build and shard the
+    model and optimizer first, then
+    `kubetrain.restore({"model": msd, "optimizer": osd})` with
+    `msd, osd = get_state_dict(model, optimizer)`
+    (torch.distributed.checkpoint.state_dict), and give them back with
+    `set_state_dict`. Each rank reads only its own pieces of a sharded
+    checkpoint, resharded to the current world size (a checkpoint of 2 ranks
+    restores into 1 or 4); a plain (whole) checkpoint fills a sharded template
+    too. Restoring a sharded checkpoint without a template is an error that
+    says so. With a template every rank must call it (it is collective).
     """
     from kubetrain_trainer.userapi import session
 
-    return session().restore()
+    return session().restore(template)
 
 
 def save(state: dict[str, Any], step: int, wait: bool = False) -> None:
@@ -59,6 +88,15 @@ def save(state: dict[str, Any], step: int, wait: bool = False) -> None:
     model's or an optimizer's `state_dict()`, not the object. The job's
     `checkpoint.keepLast` newest checkpoints are kept. In a DDP job every rank
     may call it and rank 0 alone writes.
+
+    A sharded state (its tensors DTensors: `get_state_dict(model, optimizer)`
+    of an FSDP2 or tensor-parallel model) is collective: every rank must call
+    `save`, and each writes only its own shards, in parallel, through
+    torch.distributed.checkpoint; no rank gathers the whole model. The
+    checkpoint exists once every rank's files are durable and verified and
+    rank 0 has committed them; only then is it reported. Every rank must read
+    the same directory: in a cluster a DDP job of several nodes needs
+    `checkpoint.storage.accessMode: ReadWriteMany`.
     """
     from kubetrain_trainer.userapi import session
 

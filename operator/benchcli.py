@@ -438,8 +438,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.bench == "checkpoint":
         try:
             from kubetrain_trainer.bench_checkpoint import bench_checkpoint
+            from kubetrain_trainer.bench_sharded import bench_sharded
         except ImportError as err:
             raise SystemExit(f"kubetrain bench checkpoint needs the trainer's dependencies (torch): {err}")
+        if args.sharded:
+            return bench_sharded(args.gib, args.dir)
         return bench_checkpoint(args.model_mb, args.steps, args.every, args.rounds, args.dir)
     modes = [m for m in args.modes.split(",") if m] if args.modes else None
     cases = list(CASES) if args.case == "all" else [args.case]

@@ -13,12 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from . import __version__
-from .api import InvalidSpec, TrainingJob, dump_manifest, from_object, load_file, load_one
+from .api import InvalidSpec, TrainingJob, load_file, load_one
+from .api.schema import MAX_SHOWN_PROBLEMS
 from .api.spec import DNS1123_PATTERN
-from .api.podtemplate import ALLOWANCES, parse_allowances, pod_security_problems
+from .api.podtemplate import ALLOWANCES, parse_allowances
+from .client.api import ClientError
+from .core import podsecurity as pod_security
+from .core.children import Settings
 
 EXIT_USAGE = 2
 EXIT_LOAD = 3
@@ -30,8 +33,8 @@ class UsageError(Exception):
 
 def _print_invalid(err: InvalidSpec) -> None:
     source = f"{err.source}: " if err.source else ""
-    for problem in err.problems:
-        print(f"{source}{problem}", file=sys.stderr)
+    for line in err.shown():
+        print(f"{source}{line}", file=sys.stderr)
 
 
 def _module_found(name: str, code_dir: Path) -> bool:
@@ -88,7 +91,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # manifest's directory (kubetrain run's code directory), else as installed packages.
         code_dir = Path(path).resolve().parent
         # What the template asks of the node, judged as the cluster's policy and operator judge it.
-        missing = [f"{path}: {p}" for job in jobs for p in pod_security_problems(job.spec, args.allow)]
+        settings = Settings(pod_security_allow=frozenset(args.allow))
+        missing = [f"{path}: {p}" for job in jobs for p in pod_security.problems(job, settings)]
+        if len(missing) > MAX_SHOWN_PROBLEMS:
+            missing[MAX_SHOWN_PROBLEMS:] = [f"{path}: ... and {len(missing) - MAX_SHOWN_PROBLEMS} more problems"]
         if missing:
             missing.append(f"{path}: checked for an installation whose podSecurity.allow is "
                            f"[{', '.join(sorted(args.allow))}]; --allow NAME,... checks for one that allows more")
@@ -116,20 +122,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@(?P<point>step|allreduce)=(?P<step>\d+)")
+FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@(?P<when>step|save|allreduce)=(?P<step>\d+)")
 
 
-def parse_faults(values: list[str], replicas: list[str], fault_tolerant: bool = False) -> dict[str, int | str]:
-    """REPLICA -> the step it is killed after (kill@step=N), or the KUBETRAIN_FAULT text of a kill in the
-    middle of a step's gradient average across replica groups (kill@allreduce=N: fault-tolerant DDP)."""
-    faults: dict[str, int | str] = {}
+def parse_faults(values: list[str], replicas: list[str], fault_tolerant: bool = False) -> dict[str, str]:
+    """`REPLICA:kill@step=N` (SIGKILL right after step N), `REPLICA:kill@save=N` (SIGKILL in the middle of
+    writing the checkpoint of step N: its files written, not yet committed) or `ddp-R:kill@allreduce=N`
+    (SIGKILL in the middle of step N's gradient average across replica groups: fault-tolerant DDP)
+    -> {replica: "kill@...=N"}."""
+    faults: dict[str, str] = {}
     for value in values:
         m = FAULT.fullmatch(value)
         if not m:
-            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N, for example worker-1:kill@step=40 "
-                             "(or ddp-R:kill@allreduce=N in a fault-tolerant DDP job)")
+            raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N or REPLICA:kill@save=N, for example "
+                             "worker-1:kill@step=40 (or ddp-R:kill@allreduce=N in a fault-tolerant DDP job)")
         replica, step = m["replica"], int(m["step"])
-        if m["point"] == "allreduce" and not fault_tolerant:
+        if m["when"] == "allreduce" and not fault_tolerant:
             raise UsageError(f"--fault {value!r}: kill@allreduce applies to the ranks of a fault-tolerant DDP job "
                              "(spec.ddp.faultTolerance), whose steps average gradients through torchft")
         if replica not in replicas:
@@ -140,7 +148,7 @@ def parse_faults(values: list[str], replicas: list[str], fault_tolerant: bool = 
             raise UsageError(f"--fault {value!r}: a fault for {replica} is given twice")
         if replica.startswith("ddp-") and any(r.startswith("ddp-") for r in faults):
             raise UsageError(f"--fault {value!r}: a DDP group takes one fault per run")
-        faults[replica] = step if m["point"] == "step" else f"kill@allreduce={step}"
+        faults[replica] = f"kill@{m['when']}={step}"
     return faults
 
 
@@ -166,7 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_dir = run_dir_of(job, args.run_dir)
     try:
         # User code (a script, entry points) is found next to the manifest.
-        code_dir = Path(args.file).resolve().parent
+        code_dir = Path(args.code_dir).resolve() if args.code_dir else Path(args.file).resolve().parent
         return LocalBackend(job, RunDir(run_dir), faults, echo_logs=not args.quiet, code_dir=code_dir).run_job()
     except RunDirError as err:
         raise UsageError(str(err)) from None
@@ -176,7 +184,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     """Set a local run's size (spec.replicas in its run directory's job.yaml), as `kubectl scale` does a
     TrainingJob's: a `kubetrain run` in progress resizes the job within a second (a ParameterServer job
     live, a DDP job after a checkpoint); otherwise the next run starts at that size."""
-    from .local.rundir import atomic_write
+    from .local.rundir import RunDirError, scale_run
 
     target = Path(args.target)
     if target.is_dir():
@@ -184,19 +192,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
     else:
         job = load_one(target)
         run_dir = run_dir_of(job, args.run_dir)
-    job_file = run_dir / "job.yaml"
-    if not job_file.is_file():
-        raise UsageError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")
     try:
-        doc = yaml.safe_load(job_file.read_text())
-    except yaml.YAMLError as err:
-        raise UsageError(f"{job_file}: not YAML ({err})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
-        raise UsageError(f"{job_file}: not a TrainingJob manifest")
-    doc["spec"]["replicas"] = args.replicas
-    job = from_object(doc, str(job_file))  # refuses a size the job cannot take, naming spec.replicas
+        job = scale_run(run_dir, args.replicas)  # refuses a size the job cannot take, naming spec.replicas
+    except RunDirError as err:
+        raise UsageError(str(err)) from None
     unit = {"ParameterServer": "worker", "DDP": "node", "Single": "replica"}[job.spec.mode] + ("s" if job.spec.size != 1 else "")
-    atomic_write(job_file, dump_manifest(job))
     how = "at once (live)" if job.spec.mode == "ParameterServer" or job.spec.fault_tolerant else "after a checkpoint"
     print(f"{run_dir}: {job.name} scaled to {job.spec.size} {unit}; a `kubetrain run` in progress resizes it "
           f"{how}, otherwise the next run starts at that size")
@@ -248,7 +248,13 @@ def cmd_operator(args: argparse.Namespace) -> int:
         allowed = parse_allowances([args.pod_security_allow])
     except ValueError as err:
         raise UsageError(f"--pod-security-allow: {err}") from None
+    from .controller.handlers import MAX_WORKERS, WORKERS
+
+    workers = WORKERS if args.workers is None else args.workers
+    if not 1 <= workers <= MAX_WORKERS:
+        raise UsageError(f"--workers: expected 1 to {MAX_WORKERS}, got {workers}")
     return run(
+        workers=workers,
         gang_schedulers=parse_gang_schedulers(args.gang_scheduler),
         network_policy=not args.no_network_policy,
         kueue=args.kueue,
@@ -270,10 +276,67 @@ def cmd_operator(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import ReportError, build_report
 
+    sources: list[Any] = []
     try:
-        path = build_report([Path(d) for d in args.run_dirs], Path(args.out))
+        for source in args.run_dirs:
+            kind, _, name = source.partition("/")
+            if kind.lower() in ("tj", "trainingjob", "trainingjobs") and name:
+                if not args.prometheus:
+                    raise UsageError(f"{source}: a cluster job's series come from Prometheus: give --prometheus URL")
+                from .report.cluster import cluster_run
+
+                sources.append(cluster_run(_client(args).backend, name, args.prometheus))
+            else:
+                sources.append(Path(source))
+        path = build_report(sources, Path(args.out))
     except ReportError as err:
         raise UsageError(str(err)) from None
+    print(path)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """The Python client for `kubetrain logs|wait|export|report`: the cluster, or this machine with --local."""
+    from .client import Client
+
+    if getattr(args, "local", False):
+        return Client(local=True, runs_dir=args.runs_dir)
+    return Client(namespace=args.namespace or None)
+
+
+EXIT_TIMEOUT = 124  # as timeout(1)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    try:
+        for line in _client(args).logs(args.job, replica=args.replica, follow=args.follow):
+            print(line, flush=args.follow)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    from .client import JobEnded, WaitTimeout
+
+    until = [s for s in args.until.split(",") if s]
+    try:
+        job = _client(args).wait(args.job, until=until, timeout=args.timeout,
+                                 progress=None if not args.quiet else False)
+    except WaitTimeout as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except JobEnded as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"{job.name}: {job.state}")
+    return 1 if job.state == "Failed" else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    path = _client(args).export(args.job, args.out)
     print(path)
     return 0
 
@@ -318,7 +381,7 @@ def recovery_inputs(manifest: str | Path, fault: str) -> tuple[Any, dict[str, in
     return job, parse_faults([fault], [f"{role}-{i}" for role, i in replica_names(job)])
 
 
-def run_locally(job: Any, run_dir: Path, faults: dict[str, int], stream: Any) -> int:
+def run_locally(job: Any, run_dir: Path, faults: dict[str, str], stream: Any) -> int:
     """Run a job to its end with the local backend (the recovery check's runs); its exit code."""
     from .local.backend import LocalBackend
     from .local.rundir import RunDir, RunDirError
@@ -376,10 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault",
         action="append",
         default=[],
-        metavar="REPLICA:kill@step=N",
-        help="SIGKILL a replica when it reaches step N (first attempt only); repeatable",
+        metavar="REPLICA:kill@step=N|kill@save=N",
+        help="SIGKILL a replica right after step N (kill@step=N), or while it writes the checkpoint of step N, "
+             "its files written and not yet committed (kill@save=N); first attempt only; repeatable",
     )
     p.add_argument("--quiet", action="store_true", help="do not echo the replicas' log lines")
+    p.add_argument("--code-dir", metavar="DIR",
+                   help="where the job's own code is found (spec.script, entry points); default: FILE's directory")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("scale", help="change a local run's size (ParameterServer workers, DDP nodes), as kubectl "
@@ -389,10 +455,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run directory of FILE (default: runs/<name>)")
     p.set_defaults(func=cmd_scale)
 
-    p = sub.add_parser("report", help="a Markdown report with plots comparing finished run directories")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p = sub.add_parser("report", help="a Markdown report with plots comparing finished runs: run directories, "
+                                      "or cluster jobs (tj/NAME, their series from --prometheus)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR|tj/NAME")
     p.add_argument("--out", default="reports/latest", help="output directory (default: reports/latest)")
+    p.add_argument("--prometheus", metavar="URL", help="the Prometheus that scrapes the cluster jobs' pods")
+    p.add_argument("-n", "--namespace", default="", help="the cluster jobs' namespace (default: the context's)")
     p.set_defaults(func=cmd_report)
+
+    def job_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("job", metavar="JOB", help="the TrainingJob's name")
+        p.add_argument("-n", "--namespace", default="", help="its namespace (default: the kubeconfig context's)")
+        p.add_argument("--local", action="store_true", help="a local run: RUNS_DIR/JOB, not a cluster job")
+        p.add_argument("--runs-dir", default="runs", help="with --local: where the runs are (default: runs)")
+
+    p = sub.add_parser("logs", help="a job's log lines: one replica's or every replica's, [replica]-prefixed")
+    job_args(p)
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="stream new lines until the job ends, across a replica's restarts")
+    p.add_argument("--replica", help="only this replica (worker-1, ddp-0, ...)")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("wait", help="wait for a job to end (or reach --until), with a progress bar; exit 0 "
+                                    "succeeded or reached, 1 failed, 124 timed out")
+    job_args(p)
+    p.add_argument("--until", default="Succeeded,Failed", help="comma-separated states (default: Succeeded,Failed)")
+    p.add_argument("--timeout", type=float, help="seconds (default: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_wait)
+
+    p = sub.add_parser("export", help="a job's trained weights as a plain torch.save state_dict, from a cluster "
+                                      "(a short-lived pod on its checkpoint claims) or a local run")
+    job_args(p)
+    p.add_argument("--out", required=True, metavar="FILE", help="the file to write (replaced atomically)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compare", help="run variants of one manifest locally (modes, compression) and report")
     p.add_argument("file", metavar="FILE")
@@ -415,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c = csub.add_parser("recovery", help="run a job with a fault and without, and compare their final checkpoints")
     c.add_argument("dirs", nargs=1, metavar="FILE")
-    c.add_argument("--fault", required=True, metavar="REPLICA:kill@step=N")
+    c.add_argument("--fault", required=True, metavar="REPLICA:kill@step=N|kill@save=N")
     c.add_argument("--run-root", default="runs/recovery-check")
     c.add_argument("--json", action="store_true")
     c = csub.add_parser(
@@ -442,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated CIDRs of pod IPs the operator may read /metrics from (default: any)",
     )
     p.add_argument("--no-scrape", action="store_true", help="never read the trainers' /metrics (no progress, no hang detection)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="reconcile workers that take any job (1 to 64; default 8), beside one that only replaces "
+                        "replicas that died")
     p.add_argument("--leader-elect", action="store_true",
                    help="act only while holding a coordination.k8s.io Lease, so replicas make one leader and standbys")
     p.add_argument("--lease-name", default="kubetrain-operator", help="name of the leader-election Lease")
@@ -517,6 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--every", type=int, default=20, help="a checkpoint every this many steps")
     b.add_argument("--rounds", type=int, default=2, help="alternating rounds (none, checkpoints) and synchronous saves")
     b.add_argument("--dir", help="write the checkpoints under this directory (default: a temporary one under /tmp)")
+    b.add_argument("--sharded", action="store_true",
+                   help="a sharded checkpoint instead: FSDP2 over 2 ranks, every rank writing its shards, against "
+                        "its synchronous save and against rank 0's torch.save of the gathered state")
+    b.add_argument("--gib", type=float, default=1.0, help="--sharded: GiB of state in all (parameters and AdamW's)")
     b.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
     return parser
@@ -530,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
         _print_invalid(err)
         return EXIT_USAGE
     except UsageError as err:
+        print(f"kubetrain: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except ClientError as err:  # logs, wait, export, report of cluster jobs: the message names the job
         print(f"kubetrain: {err}", file=sys.stderr)
         return EXIT_USAGE
 

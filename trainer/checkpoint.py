@@ -231,7 +231,7 @@ def _header_line(step: int, spec_hash: str, length: int, digest: str) -> bytes:
     return text.ljust(HEADER_BYTES - 1) + b"\n"
 
 
-def _drop_cache(fd: int) -> None:
+def drop_cache(fd: int) -> None:
     """Ask the kernel to forget the file's cached pages (clean after fsync), so the next read is the device's."""
     if hasattr(os, "posix_fadvise"):
         try:
@@ -250,7 +250,7 @@ def _verify_written(path: Path, header: bytes, length: int, digest: str) -> None
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        _drop_cache(fd)
+        drop_cache(fd)
         with os.fdopen(fd, "rb", closefd=False) as f:
             if f.read(len(MAGIC)) != MAGIC or f.read(len(header)) != header:
                 raise CorruptCheckpoint("read back, the magic or header differs from what was written")
@@ -262,12 +262,12 @@ def _verify_written(path: Path, header: bytes, length: int, digest: str) -> None
             raise CorruptCheckpoint(f"read back, the payload is {seen} bytes, {length} were written")
         if sha.hexdigest() != digest:
             raise CorruptCheckpoint("read back, the payload's sha256 differs from what was written")
-        _drop_cache(fd)
+        drop_cache(fd)
     finally:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Callable[[BinaryIO], None],
+def atomic_write(path: Path, write: Callable[[BinaryIO], None],
                   verify: Callable[[Path], None] | None = None) -> None:
     """`write` into a temporary file, fsync it, `verify` it, rename it to `path`, fsync the directory.
 
@@ -297,11 +297,37 @@ def _write_atomic(path: Path, write: Callable[[BinaryIO], None],
         os.close(fd)
 
 
-def _write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
+def write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
     return lambda f: f.write(data)
 
 
-class CheckpointStore:
+class Store:
+    """What every checkpoint store of one job keeps: where, how many, for which spec, whom to tell.
+
+    `on_persisted(info, seconds)` runs once a checkpoint is durable and
+    verified (in the writer thread); `mid_save(step)` once its files are
+    written, before they become a checkpoint (the `kill@save` fault).
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int, spec_hash: str,
+                 on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
+                 mid_save: Callable[[int], None] | None = None):
+        if keep_last < 1:
+            raise ConfigError(f"spec.checkpoint.keepLast: must be at least 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.spec_hash = spec_hash
+        self.on_persisted = on_persisted
+        self.mid_save = mid_save
+        self.durable_step: int | None = None
+        """Step of the newest checkpoint this process wrote and verified, or restored; None: none yet."""
+        self.stall_seconds = 0.0
+        """How long the last `save` held its caller (the wait for the write before, the copy into memory)."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+
+class CheckpointStore(Store):
     """One replica's checkpoint directory; it assumes it is the directory's only writer."""
 
     def __init__(
@@ -311,27 +337,13 @@ class CheckpointStore:
         spec_hash: str,
         background: bool = True,
         on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
+        mid_save: Callable[[int], None] | None = None,
     ):
-        """`on_persisted(info, seconds)` runs after each file is durable and verified (in the writer thread).
-
-        `background`: `save` returns once the state is copied into memory and
-        the file is written by a writer thread; False writes it before `save`
-        returns (no copy needed then).
-        """
-        if keep_last < 1:
-            raise ConfigError(f"spec.checkpoint.keepLast: must be at least 1, got {keep_last}")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self.spec_hash = spec_hash
+        """`background`: `save` returns once the state is copied into memory and the file is written by a
+        writer thread; False writes it before `save` returns (no copy needed then)."""
+        super().__init__(directory, keep_last, spec_hash, on_persisted, mid_save)
         self.background = background
-        self.on_persisted = on_persisted
-        self.durable_step: int | None = None
-        """Step of the newest checkpoint this process wrote and verified, or restored; None: none yet."""
-        self.stall_seconds = 0.0
-        """How long the last `save` held its caller (the wait for the write before, the copy into memory)."""
         self._buffers = SnapshotBuffers()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -398,10 +410,14 @@ class CheckpointStore:
             f.flush()
             os.pwrite(f.fileno(), written["header"], len(MAGIC))
 
+        def verify(tmp: Path) -> None:
+            _verify_written(tmp, written["header"], written["length"], written["digest"])
+            if self.mid_save is not None:
+                self.mid_save(step)
+
         try:
-            _write_atomic(path, write, lambda tmp: _verify_written(tmp, written["header"], written["length"],
-                                                                    written["digest"]))
-            _write_atomic(self.directory / LATEST, _write_bytes(path.name.encode() + b"\n"))
+            atomic_write(path, write, verify)
+            atomic_write(self.directory / LATEST, write_bytes(path.name.encode() + b"\n"))
         except BaseException as err:  # the training thread sees it in wait()
             self._error = err
             return

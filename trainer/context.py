@@ -18,10 +18,10 @@ from kubetrain_operator.api import InvalidSpec, Spec, TrainingJob, load_one
 
 from .errors import ConfigError
 
-FAULT_PATTERN = re.compile(r"kill@(step|allreduce)=([0-9]+)")
-FAULT_POINTS = ("step", "allreduce")
-"""Where KUBETRAIN_FAULT kills: right after step N (`kill@step=N`), or in the middle of step N's gradient
-average across replica groups (`kill@allreduce=N`, fault-tolerant DDP: trainer/ddp/ft.py)."""
+FAULT_PATTERN = re.compile(r"kill@(step|save|allreduce)=([0-9]+)")
+"""Where KUBETRAIN_FAULT kills: right after step N (`kill@step=N`), in the middle of writing step N's
+checkpoint (`kill@save=N`), or in the middle of step N's gradient average across replica groups
+(`kill@allreduce=N`, fault-tolerant DDP: trainer/ddp/ft.py)."""
 REPLICA_PATTERN = re.compile(r"([a-z]+)-([0-9]+)")
 
 
@@ -55,9 +55,13 @@ class ReplicaContext:
     token: str = ""
     """Shared secret the parameter servers check in call metadata."""
     fault_step: int | None = None
-    """Local fault injection: SIGKILL this process right after this step (or in it: `fault_point`)."""
-    fault_point: str = "step"
-    """Where in `fault_step` the fault fires: `step` (after it) or `allreduce` (during its gradient average)."""
+    """Local fault injection: SIGKILL this process right after this step."""
+    fault_save: int | None = None
+    """Local fault injection: SIGKILL this process in the middle of writing the checkpoint of this step (its
+    files written, before the checkpoint is committed)."""
+    fault_allreduce: int | None = None
+    """Local fault injection: SIGKILL this process in the middle of this step's gradient average across
+    replica groups (fault-tolerant DDP)."""
     namespace: str = ""
     """Metric label; the job's namespace when empty."""
     job_name: str = ""
@@ -113,8 +117,9 @@ class ReplicaContext:
             ps_data_port=_int(env, "KUBETRAIN_PS_DATA_PORT", 0),
             listen_address=env.get("KUBETRAIN_LISTEN_ADDRESS") or "127.0.0.1",
             token=env.get("KUBETRAIN_JOB_TOKEN", ""),
-            fault_step=_fault(env.get("KUBETRAIN_FAULT", ""))[1],
-            fault_point=_fault(env.get("KUBETRAIN_FAULT", ""))[0],
+            fault_step=_fault(env.get("KUBETRAIN_FAULT", ""), "step"),
+            fault_save=_fault(env.get("KUBETRAIN_FAULT", ""), "save"),
+            fault_allreduce=_fault(env.get("KUBETRAIN_FAULT", ""), "allreduce"),
             namespace=env.get("KUBETRAIN_NAMESPACE", ""),
             job_name=env.get("KUBETRAIN_JOB_NAME", ""),
             termination_log=Path(env["KUBETRAIN_TERMINATION_LOG"]) if env.get("KUBETRAIN_TERMINATION_LOG") else None,
@@ -126,13 +131,18 @@ class ReplicaContext:
         SIGKILL, not an exception: nothing gets to clean up or checkpoint, as
         when a node dies, so the run directory shows what a real crash leaves.
         """
-        if self.fault_step is not None and step == self.fault_step and self.fault_point == "step":
+        if self.fault_step is not None and step == self.fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def maybe_fault_in_allreduce(self, step: int) -> None:
         """SIGKILL this process now, in the middle of step `step`'s gradient average, when KUBETRAIN_FAULT
         is `kill@allreduce=<step>` (`step` is the one this average completes, 1-based as maybe_fault's)."""
-        if self.fault_step is not None and step == self.fault_step and self.fault_point == "allreduce":
+        if self.fault_allreduce is not None and step == self.fault_allreduce:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_fault_in_save(self, step: int) -> None:
+        """SIGKILL this process while it writes the checkpoint of `step`, when KUBETRAIN_FAULT says kill@save."""
+        if self.fault_save is not None and step == self.fault_save:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def install_signal_handlers(self) -> None:
@@ -153,12 +163,12 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
 
 
-def _fault(raw: str) -> tuple[str, int | None]:
-    """(point, step) of KUBETRAIN_FAULT; ("step", None) when unset."""
+def _fault(raw: str, when: str) -> int | None:
+    """The step of KUBETRAIN_FAULT (`kill@step=N` or `kill@save=N`) when it is of kind `when`."""
     if not raw:
-        return "step", None
+        return None
     match = FAULT_PATTERN.fullmatch(raw)
     if match is None:
-        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N', got {raw!r} (or 'kill@allreduce=N' "
-                          "in a fault-tolerant DDP job)")
-    return match.group(1), int(match.group(2))
+        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N' or 'kill@save=N', got {raw!r} (or "
+                          "'kill@allreduce=N' in a fault-tolerant DDP job)")
+    return int(match.group(2)) if match.group(1) == when else None

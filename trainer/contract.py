@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from datetime import timedelta
 from numbers import Real
 from typing import Any
 
 from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
 
 from .checkpoint import CheckpointInfo, CheckpointStore, spec_hash
+from .sharded import ShardedCheckpointError, ShardedStore, fill_template, has_dtensors
+from .sharded import complete as sharded_complete
 from .context import ReplicaContext
 from .events import EventLog
 from .metrics import TrainerMetrics
@@ -52,17 +55,28 @@ class JobCheckpoints:
     most one at a time; False makes every save durable when it returns.
     Metrics and the `checkpoint` event report a checkpoint only once it is
     durable and verified.
+
+    A state holding DTensors (a sharded model) takes the sharded path
+    instead (sharded.py): every rank writes its own shards, so every rank must
+    call `save`, and the directory must be one that every rank of the job
+    reads: `nodes` (the DDP nodes of the group) is 1, or the job's
+    checkpoint.storage.accessMode is ReadWriteMany (one claim for every node).
     """
 
     def __init__(self, ctx: ReplicaContext, metrics: TrainerMetrics, events: EventLog, *,
-                 reader: bool = True, writer: bool = True, background: bool = True):
+                 reader: bool = True, writer: bool = True, background: bool = True, nodes: int = 1):
         self.ctx = ctx
         self.metrics = metrics
         self.events = events
         self.writer = writer
+        self.reader = reader
+        self.nodes = nodes
+        self.sharded: ShardedStore | None = None
+        """The job's sharded checkpoints, made at the first sharded save or restore (on every rank)."""
         self.store = (
             CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec),
-                            background=background, on_persisted=self._persisted)
+                            background=background, on_persisted=self._persisted,
+                            mid_save=ctx.maybe_fault_in_save)
             if reader or writer else None
         )
         self.step = -1
@@ -72,8 +86,14 @@ class JobCheckpoints:
         """(step, state) of the newest valid checkpoint in this process's own directory."""
         return self.store.load_latest() if self.store is not None else None
 
+    @property
+    def shared(self) -> bool:
+        """Whether every rank of the job reads and writes this same directory (a sharded checkpoint needs it)."""
+        return self.nodes == 1 or self.ctx.spec.checkpoint.storage.access_mode == "ReadWriteMany"
+
     def restore(self, group: Any = None, world_size: int = 1, rank: int = 0,
-                found: tuple[int, dict[str, Any]] | None = None) -> tuple[int, dict[str, Any], int] | None:
+                found: tuple[int, dict[str, Any]] | None = None,
+                template: dict[str, Any] | None = None) -> tuple[int, dict[str, Any], int | None] | None:
         """(step, state, source rank) of the newest valid checkpoint of the job, or None.
 
         Alone (world_size 1) that is this directory's newest. In a DDP group
@@ -83,39 +103,112 @@ class JobCheckpoints:
         of the node that held rank 0 needs the files, and a rank 0 that lands on
         another node after a restart loses nothing. `found` is what this
         process read before joining the group (`load_local`), if it did.
+
+        A sharded checkpoint (sharded.py) newer than every plain one is loaded
+        into `template` in place (source rank None), each rank reading only its
+        own pieces; without a template that is a ShardedCheckpointError. A
+        plain checkpoint with a template is copied into it (a sharded template
+        takes its shards of the whole tensors). Collective in a group: every
+        rank calls it.
         """
         if found is None and world_size == 1:
             found = self.load_local()
+        offer = (found[0] if found is not None else None, self._sharded_seen())
+        offers = [offer]
         if world_size > 1:
             import torch.distributed as dist
 
-            offers: list[int | None] = [None] * world_size
-            dist.all_gather_object(offers, found[0] if found is not None else None, group=group)
-            held = [(step, r) for r, step in enumerate(offers) if step is not None]
-            if not held:
-                return None
-            step, source = max(held, key=lambda sr: (sr[0], -sr[1]))
+            offers = [None] * world_size
+            dist.all_gather_object(offers, offer, group=group)
+        if any(seen is not None for _, seen in offers):
+            loaded = self._restore_sharded(template, max(p for p, _ in offers if p is not None)
+                                           if any(p is not None for p, _ in offers) else None)
+            if loaded is not None:
+                return loaded
+        held = [(step, r) for r, (step, _) in enumerate(offers) if step is not None]
+        if not held:
+            return None
+        step, source = max(held, key=lambda sr: (sr[0], -sr[1]))
+        if world_size > 1:
+            import torch.distributed as dist
+
             box = [found[1] if rank == source and found is not None else None]
             dist.broadcast_object_list(box, src=source, group=group)
-            found, state_source = (step, box[0]), source
-        else:
-            state_source = rank
-        if found is None:
-            return None
+            found = (step, box[0])
+        assert found is not None
+        state = found[1] if template is None else fill_template(template, found[1])
         self.step = found[0]
-        self.events.write("resume", step=found[0], source_rank=state_source)
-        return found[0], found[1], state_source
+        self.events.write("resume", step=found[0], source_rank=source)
+        return found[0], state, source
+
+    def _sharded_seen(self) -> int | None:
+        """Step of the newest complete sharded checkpoint in this process's directory (not yet verified)."""
+        if not self.reader:
+            return None
+        found = sharded_complete(self.ctx.checkpoint_dir)
+        return found[-1][0] if found else None
+
+    def _restore_sharded(self, template: dict[str, Any] | None,
+                         plain_step: int | None) -> tuple[int, dict[str, Any], None] | None:
+        """The newest sharded checkpoint loaded into `template` when it is newer than `plain_step`, else None."""
+        if not self.shared:
+            raise ShardedCheckpointError(self._not_shared("restore"))
+        newest = self._sharded_store().newest()
+        if newest is None or (plain_step is not None and plain_step >= newest[0]):
+            return None
+        step, path = newest
+        if template is None:
+            raise ShardedCheckpointError(
+                f"kubetrain.restore: the newest checkpoint (step {step}, {path.name}) is sharded: pass a template "
+                "to load it into, of the structure saved, e.g. kubetrain.restore({'model': model_sd, 'optimizer': "
+                "optim_sd}) with get_state_dict(model, optimizer) of the freshly built, sharded model"
+            )
+        assert self.sharded is not None
+        self.sharded.load(path, template)
+        self.step = step
+        self.events.write("resume", step=step, source_rank=None, sharded=True, path=str(path))
+        return step, template, None
+
+    def _sharded_store(self) -> ShardedStore:
+        if self.sharded is None:
+            self.sharded = ShardedStore(
+                self.ctx.checkpoint_dir, self.ctx.spec.checkpoint.keep_last, spec_hash(self.ctx.spec),
+                timeout=timedelta(seconds=self.ctx.spec.run_policy.progress_deadline_seconds),
+                on_persisted=self._persisted, mid_save=self.ctx.maybe_fault_in_save,
+            )
+        return self.sharded
+
+    def _not_shared(self, call: str) -> str:
+        return (f"kubetrain.{call}: a sharded state (DTensors) is written by every rank into one directory that "
+                f"every rank reads, but this job's {self.nodes} nodes each have a checkpoint volume of their own: "
+                "set spec.checkpoint.storage.accessMode: ReadWriteMany (one claim that every node mounts)")
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Checkpoint `state` as step `step` (the writer only; others note the step)."""
-        if self.writer:
+        """Checkpoint `state` as step `step`.
+
+        A plain state: the writer only writes it, the others note the step. A
+        sharded one (DTensors): every rank must call, each writes its shards.
+        """
+        if has_dtensors(state):
+            if not self.shared:
+                raise ShardedCheckpointError(self._not_shared("save"))
+            if self.store is not None:
+                self.store.wait()  # at most one save in flight, of either kind
+            sharded = self._sharded_store()
+            sharded.save(step, state)
+            self.metrics.checkpoint_stall_seconds.observe(sharded.stall_seconds)
+        elif self.writer:
             assert self.store is not None
+            if self.sharded is not None:
+                self.sharded.wait()
             self.store.save(step, state)
             self.metrics.checkpoint_stall_seconds.observe(self.store.stall_seconds)
         self.step = step
 
     def wait(self) -> None:
         """The last save is durable on return (TransientError if it failed)."""
+        if self.sharded is not None:
+            self.sharded.wait()
         if self.writer and self.store is not None:
             self.store.wait()
 

@@ -14,6 +14,10 @@ of kubetrain in it (no header, no optimizer, no cursor):
 - a script job (`spec.script`): the state the script gave `kubetrain.save`,
   as it is.
 
+A sharded checkpoint (`sharded-<step>/`, every rank's shards: FSDP2, tensor
+parallel) is verified (COMMIT and every file) and gathered whole into the
+file, its DTensors as plain tensors: the model loads into an unsharded copy.
+
 SOURCE is a run directory (`runs/<name>`: job.yaml and checkpoints/<replica>/),
 one replica's checkpoint directory (a copy off a PVC), a directory holding
 replica directories (`ps-0/`, `ps-1/` ...), or several replica directories,
@@ -48,6 +52,7 @@ import torch
 
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
+from . import sharded
 from .checkpoint import FILE_PATTERN, LATEST, CheckpointInfo, read_valid
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATA = 0, 2, 3
@@ -93,7 +98,8 @@ class Exported:
 
 def _has_checkpoints(path: Path) -> bool:
     try:
-        return any(FILE_PATTERN.fullmatch(p.name) or p.name == LATEST for p in path.iterdir())
+        return any(FILE_PATTERN.fullmatch(p.name) or sharded.DIR_PATTERN.fullmatch(p.name) or p.name == LATEST
+                   for p in path.iterdir())
     except OSError as err:
         raise ExportError(f"{path}: cannot be read ({err.strerror})", EXIT_USAGE) from None
 
@@ -209,24 +215,41 @@ class _Reader:
             yield done[i]
             i += 1
 
+    def newest_sharded(self, replica: str) -> CheckpointInfo | None:
+        """The newest sharded checkpoint of `replica` whose COMMIT and every file verify (not loaded)."""
+        for step, path in reversed(sharded.complete(self.source.replicas[replica])):
+            try:
+                commit = sharded.check(path)
+            except sharded.CorruptSharded as err:
+                self.skipped.setdefault(replica, []).append(f"{path}: corrupt: {err}")
+                self._on_skip(path, f"corrupt: {err}")
+                continue
+            return CheckpointInfo(step, path, sum(n for n, _ in commit.files.values()))
+        return None
+
     def nothing_usable(self, replicas: list[str]) -> ExportError:
         where = ", ".join(str(self.source.replicas[r]) for r in replicas)
         detail = "; ".join(s for r in replicas for s in self.skipped.get(r, []))
         if not detail:  # a `latest` pointer, or files the trainer set aside as *.corrupt, and nothing else
-            return ExportError(f"{where}: no checkpoint files (ckpt-<step>.pt) here")
+            return ExportError(f"{where}: no checkpoint files (ckpt-<step>.pt) or sharded checkpoints here")
         return ExportError(f"{where}: no usable checkpoint, every one is corrupt ({detail})")
 
 
 def _newest_single(reader: _Reader, replicas: list[str]) -> tuple[str, CheckpointInfo, dict[str, Any]]:
-    """The newest valid checkpoint over `replicas` (a DDP job's nodes: only rank 0 writes, but copies may differ)."""
-    best: tuple[str, CheckpointInfo, dict[str, Any]] | None = None
+    """The newest valid checkpoint over `replicas` (a DDP job's nodes: only rank 0 writes, but copies may differ),
+    plain or sharded; a sharded one is gathered whole here (the point of an export)."""
+    best: tuple[str, CheckpointInfo, dict[str, Any] | None] | None = None
     for replica in replicas:
         found = next(reader.stream(replica), None)
         if found is not None and (best is None or found[0].step > best[1].step):
             best = (replica, *found)
+        whole = reader.newest_sharded(replica)
+        if whole is not None and (best is None or whole.step > best[1].step):
+            best = (replica, whole, None)
     if best is None:
         raise reader.nothing_usable(replicas)
-    return best
+    replica, info, state = best
+    return replica, info, state if state is not None else sharded.load_whole(info.path)
 
 
 def _expected_shards(source: Source, present: list[str]) -> list[str] | None:

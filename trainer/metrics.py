@@ -144,7 +144,8 @@ class TrainerMetrics:
         self.ps_data_refused_connections_total = self._counter(
             "ps_data_refused_connections",
             "Connections a parameter server's data plane closed unserved: past max_connections (limit), "
-            "a failed TLS handshake (handshake), or not its protocol (protocol).",
+            "past its address's connections before HELLO (peer), a failed TLS handshake (handshake), "
+            "not its protocol (protocol), or no handshake and HELLO within the deadline (deadline).",
             "reason",
         )
         self.non_finite_steps_total = self._counter(

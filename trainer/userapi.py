@@ -45,13 +45,21 @@ class Rank:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    local_world_size: int = 1
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "Rank":
         try:
-            return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), int(env.get("WORLD_SIZE", "1")))
+            world = int(env.get("WORLD_SIZE", "1"))
+            return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), world,
+                       int(env.get("LOCAL_WORLD_SIZE", str(world))))
         except ValueError as err:
             raise NotUnderKubetrain(f"torchrun environment: {err}") from None
+
+    @property
+    def nodes(self) -> int:
+        """Nodes (pods) of the group: torchrun runs LOCAL_WORLD_SIZE ranks on each."""
+        return max(1, self.world_size // max(1, self.local_world_size))
 
 
 class Session:
@@ -72,22 +80,27 @@ class Session:
             # A fault-tolerant group is a torchrun group of its own: its RANK is the rank in the group.
             replica = rank_replica(group_rank(environ) if ctx.spec.fault_tolerant else self.rank.rank)
             ctx = dataclasses.replace(ctx, replica=replica, role="ddp", index=self.rank.rank,
-                                      fault_step=ctx.fault_step if fault_armed(environ, replica) else None)
+                                      fault_step=ctx.fault_step if fault_armed(environ, replica) else None,
+                                      fault_save=ctx.fault_save if fault_armed(environ, replica) else None)
         self.ctx = ctx
         self.metrics = TrainerMetrics(ctx)
         self.events = EventLog(ctx.run_dir, ctx.replica)
         # Saves are written in the background, as the built-in loops' are: the
         # script's next step runs while the file is written and verified.
         self.checkpoints = JobCheckpoints(ctx, self.metrics, self.events, reader=self.rank.local_rank == 0,
-                                          writer=self.rank.rank == 0)
+                                          writer=self.rank.rank == 0, nodes=self.rank.nodes)
         self.reporter = ProgressReporter(ctx, self.metrics, self.events)
         self.metrics.process_starts_total.inc()
         port = ctx.metrics_port
         self.metrics.serve(port + self.rank.local_rank if port else 0, ctx.listen_address)
         self.events.write("start", step=0, pid=os.getpid(), rank=self.rank.rank, world_size=self.rank.world_size)
         atexit.register(self._at_exit)
+        _report_kubetrain_errors()
 
-    def restore(self) -> tuple[Any, int]:
+    def restore(self, template: dict[str, Any] | None = None) -> tuple[Any, int]:
+        if template is not None and not isinstance(template, dict):
+            raise TypeError(f"kubetrain.restore: template must be a dict (the structure saved), got "
+                            f"{type(template).__name__}")
         if self.rank.world_size > 1:
             import torch.distributed as dist
 
@@ -97,9 +110,9 @@ class Session:
                     "the ranks agree on the newest checkpoint any node holds, so that every rank gets the same one"
                 )
             found = self.checkpoints.restore(None, dist.get_world_size(), dist.get_rank(),
-                                             self.checkpoints.load_local())
+                                             self.checkpoints.load_local(), template=template)
         else:
-            found = self.checkpoints.restore()
+            found = self.checkpoints.restore(template=template)
         if found is None:
             return None, 0
         step, state, _ = found
@@ -146,6 +159,29 @@ class Session:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_TRANSIENT)
+
+
+def _report_kubetrain_errors() -> None:
+    """An uncaught kubetrain error in the script ends it as a built-in loop's would: one line, its exit code.
+
+    A sharded save on a volume per node, a restore without a template: the
+    message says what to change, and the exit code says whether retrying can
+    help (2 and 3 are permanent, so the job fails at once instead of
+    restarting until its backoff limit). Any other exception keeps Python's
+    own traceback and exit code 1: it is the script's own.
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        if not isinstance(error, TrainerError):
+            previous(kind, error, tb)
+            return
+        print(f"kubetrain: {error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(error.exit_code)
+
+    sys.excepthook = hook
 
 
 def _step(value: Any, call: str, name: str = "step") -> int:

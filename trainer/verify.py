@@ -29,6 +29,7 @@ import torch
 
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
+from . import sharded
 from .checkpoint import FILE_PATTERN, LATEST, CheckpointStore, CorruptCheckpoint, read_regular, spec_hash, unreadable
 from .data import Data
 from .errors import TrainerError
@@ -56,7 +57,7 @@ class Layout:
 
 
 def _has_checkpoints(path: Path) -> bool:
-    return any(FILE_PATTERN.fullmatch(p.name) or p.name.startswith("ckpt-") for p in path.iterdir())
+    return any(FILE_PATTERN.fullmatch(p.name) or p.name.startswith(("ckpt-", "sharded-")) for p in path.iterdir())
 
 
 def layout(directory: str | Path, job_file: str | Path | None = None) -> Layout:
@@ -74,7 +75,8 @@ def layout(directory: str | Path, job_file: str | Path | None = None) -> Layout:
         default_job = directory.parent.parent / "job.yaml"  # runs/<name>/checkpoints/<replica>
     replicas = {name: path for name, path in replicas.items() if _has_checkpoints(path)}
     if not replicas:
-        raise VerifyError(f"{directory}: no checkpoints here (expected ckpt-<step>.pt files, or a run directory "
+        raise VerifyError(f"{directory}: no checkpoints here (expected ckpt-<step>.pt files or sharded-<step>/ "
+                          "directories, or a run directory "
                           "with checkpoints/<replica>/)")
     if job_file is None and default_job.exists():
         job_file = default_job
@@ -113,6 +115,27 @@ def check_file(path: Path, expected_hash: str | None) -> tuple[dict[str, Any], d
         entry["ok"] = True
         return entry, state
     return entry, None
+
+
+def check_sharded(path: Path, expected_hash: str | None, load: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The verdict on one sharded checkpoint (its COMMIT and every file), and its whole state when `load`."""
+    match = sharded.DIR_PATTERN.fullmatch(path.name)
+    entry: dict[str, Any] = {"directory": str(path), "step": int(match.group(1)) if match else None, "files": 0,
+                             "bytes": 0, "spec_hash": None, "world_size": None, "ok": False, "error": None}
+    try:
+        commit = sharded.check(path, expected_hash)
+    except sharded.CorruptSharded as err:
+        entry["error"] = f"corrupt: {err}"
+        return entry, None
+    entry.update(files=len(commit.files), bytes=sum(n for n, _ in commit.files.values()),
+                 spec_hash=commit.spec_hash, world_size=commit.world_size)
+    try:
+        state = sharded.load_whole(path) if load else None
+    except Exception as err:  # noqa: BLE001 - whatever DCP raises, the checkpoint does not load
+        entry["error"] = f"does not load: {type(err).__name__}: {str(err)[:200]}"
+        return entry, None
+    entry["ok"] = True
+    return entry, state
 
 
 def model_parameters(job: TrainingJob, states: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -170,6 +193,19 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
                 report["problems"].append(f"{file}: {entry['error']}")
             else:
                 usable.setdefault(entry["step"], {})[replica] = state
+        # Sharded checkpoints: loaded whole only for the eval of a built-in job.
+        load = job is not None and job.spec.script is None and run_eval
+        for step_dir in (p for _, p in sharded.complete(path)):
+            entry, state = check_sharded(step_dir, expected, load)
+            entries.append(entry)
+            if not entry["ok"]:
+                report["problems"].append(f"{step_dir}: {entry['error']}")
+            elif state is not None:
+                usable.setdefault(entry["step"], {})[replica] = state
+        cut_short = sharded.incomplete(path)
+        if cut_short:
+            report["notes"].append(f"{path}: sharded saves that never completed (no COMMIT; never restored, removed at "
+                                   f"the next start): {', '.join(p.name for p in cut_short)}")
         set_aside = sorted(p.name for p in path.glob("*.corrupt"))
         if set_aside:
             report["notes"].append(f"{path}: set aside earlier as corrupt by the trainer: {', '.join(set_aside)}")
@@ -234,6 +270,12 @@ def final_parameters(directory: str | Path, job_file: str | Path | None = None) 
                 entry, state = check_file(file, expected)
                 if state is not None:
                     by_step.setdefault(entry["step"], {})[replica] = state
+        newest = sharded.complete(where.replicas[replica])
+        for _, step_dir in reversed(newest):  # the newest that verifies, loaded whole
+            entry, state = check_sharded(step_dir, expected, load=True)
+            if state is not None:
+                by_step.setdefault(entry["step"], {})[replica] = state
+                break
     complete = [step for step, states in by_step.items() if set(states) == replicas]
     if not complete:
         raise VerifyError(f"{directory}: no valid checkpoint of job {where.job.name} (spec hash {expected})")
@@ -277,7 +319,7 @@ def compare_checkpoints(dirs: list[str | Path], tolerance: float = 1e-6, run_eva
             "ok": all(c["within_tolerance"] for c in comparisons)}
 
 
-def recovery_check(job: TrainingJob, fault: str, faults: dict[str, int], run_root: str | Path,
+def recovery_check(job: TrainingJob, fault: str, faults: dict[str, str], run_root: str | Path,
                    run: Callable[[TrainingJob, Path, dict[str, int], TextIO], int],
                    stream: TextIO = sys.stderr) -> dict[str, Any]:
     """Run `job` uninterrupted and with `faults` (parsed from `fault`, REPLICA:kill@step=N); compare
@@ -350,7 +392,12 @@ def main_verify(directory: str | Path, job_file: str | Path | None = None, as_js
             verdict = "ok" if c["ok"] else f"BAD: {c['error']}"
             ev = evals.get(c["step"]) if c["ok"] else None
             score = f", eval accuracy {ev['eval_accuracy']:.4f}, loss {ev['eval_loss']:.4f}" if ev else ""
-            lines.append(f"    {Path(c['file']).name}  step {c['step']}  {c['bytes']:,} bytes  {verdict}{score}")
+            if "directory" in c:  # a sharded checkpoint: a directory of every rank's files and COMMIT
+                what = (f"{Path(c['directory']).name}/  step {c['step']}  {c['files']} files of "
+                        f"{c['world_size'] or '?'} ranks, {c['bytes']:,} bytes")
+            else:
+                what = f"{Path(c['file']).name}  step {c['step']}  {c['bytes']:,} bytes"
+            lines.append(f"    {what}  {verdict}{score}")
     lines += [f"  note: {n}" for n in report["notes"]]
     bad = len(report["problems"])
     lines.append("all checkpoints are valid" if report["ok"] else f"{bad} problem(s)")

@@ -39,6 +39,18 @@ SPEC_CEL = [
         "communication hooks: use None",
     },
     {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.ddp.strategy) "
+        "|| self.ddp.strategy == 'DDP'",
+        "message": "ddp.strategy: faultTolerance replicates the whole model in every replica group: use DDP",
+    },
+    {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.checkpoint) "
+        "|| !has(self.checkpoint.storage) || !has(self.checkpoint.storage.accessMode) "
+        "|| self.checkpoint.storage.accessMode != 'ReadWriteMany'",
+        "message": "checkpoint.storage.accessMode: with faultTolerance every replica group writes its own "
+        "checkpoints on its own volume: use ReadWriteOnce",
+    },
+    {
         "rule": "!has(self.script) || self.mode != 'ParameterServer'",
         "message": "script: script jobs run in mode Single or DDP, got ParameterServer (a parameter server "
         "needs the built-in loop's model, dataset and training)",
@@ -303,7 +315,27 @@ def pod_template_schema() -> dict[str, Any]:
             "containers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": container},
         }
     )
-    return _preserved({"spec": spec})
+    return _preserved({"metadata": _preserved({"labels": _string_map("labels"),
+                                               "annotations": _string_map("annotations")}),
+                       "spec": spec})
+
+
+def _string_map(what: str) -> dict[str, Any]:
+    """A template's labels or annotations: strings, none of kubetrain's own keys (podtemplate.reserved_key)."""
+    domain = podtemplate.RESERVED_KEY_DOMAIN.replace(".", "\\.")
+    reserved = f"k.matches({_cel_string(f'^([^/]*[.])?{domain}/')}) || k in {_cel_list(podtemplate.RESERVED_KEYS)}"
+    return {
+        "type": "object",
+        "maxProperties": podtemplate.MAX_METADATA_KEYS,
+        "additionalProperties": {"type": "string"},
+        "x-kubernetes-validations": [{
+            "rule": f"self.all(k, !({reserved}))",
+            # reserved_key_message(key), naming the first of kubetrain's keys.
+            "messageExpression": f"\"'\" + self.filter(k, {reserved})[0] + "
+                                 f"{_cel_string(chr(39) + ' ' + podtemplate.RESERVED_KEY_REASON)}",
+            "message": f"a key of {what} {podtemplate.RESERVED_KEY_REASON}",
+        }],
+    }
 
 
 # --- Pod security: the chart's ValidatingAdmissionPolicy ----------------------
@@ -323,50 +355,82 @@ POD_SECURITY_FILE = "charts/kubetrain/files/pod-security.yaml"
 POD_SECURITY_NAME = "kubetrain-pod-security"  # the chart's is "<release fullname>-pod-security"
 
 
-def _cel_refusal(check: podtemplate.SecurityCheck, var: str) -> str:
-    """CEL true when `var` (the pod spec, a container or a volume) holds a refused value of `check`."""
-    paths = [f"{var}.{'.'.join(check.field[: i + 1])}" for i in range(len(check.field))]
-    present = " && ".join(f"has({p})" for p in paths)
-    value = paths[-1]
-    test = {
-        "present": None,
+_CEL_VARS = "xyzuvw"  # loop variables, one per level of a check's path (EACH steps)
+
+
+def _cel_test(check: podtemplate.SecurityCheck, value: str) -> str:
+    """CEL true when `value` (present) is refused by `check`."""
+    values = _cel_list(check.values)
+    return {
+        "present": "true",
         "true": f"{value} == true",
         "false": f"{value} == false",
         "zero": f"{value} == 0",
+        "nonzero": f"type({value}) == int && {value} != 0",
         "nonempty": f"size({value}) > 0",
         "named": f"{value} != null && !({value} in {_cel_list(podtemplate.DEFAULT_SERVICE_ACCOUNTS)})",
+        "string": f"type({value}) == string && {value} != \"\"",
+        "in": f"type({value}) == string && {value} in {values}",
+        "not_in": f"type({value}) == string && !({value} in {values})",
+        "other_keys": f"{value}.exists(k, !(k in {values}))",
+        "tolerates_all": f"has({value}.operator) && {value}.operator == \"Exists\" && "
+                         f"(!has({value}.key) || {value}.key == \"\")",
+        "apparmor_annotations": f"{value}.exists(k, k.startsWith({_cel_string((check.values or ('',))[0])}) && "
+                                f"!({value}[k] == \"runtime/default\" || {value}[k].startsWith(\"localhost/\")))",
     }[check.refused]
-    return present if test is None else f"{present} && {test}"
+
+
+def _cel_refusal(check: podtemplate.SecurityCheck, var: str, steps: tuple[str, ...] | None = None,
+                 depth: int = 0) -> str:
+    """CEL true when `var` (the pod spec, a container, a volume or the metadata) holds a refused value
+    of `check`; an EACH step of its path becomes an `exists` over that list."""
+    steps = check.field if steps is None else steps
+    head = steps.index(podtemplate.EACH) if podtemplate.EACH in steps else len(steps)
+    paths = [f"{var}.{'.'.join(steps[: i + 1])}" for i in range(head)]
+    present = [f"has({p})" for p in paths]
+    value = paths[-1] if paths else var
+    if head == len(steps):
+        test = _cel_test(check, value)
+        return " && ".join(present + ([] if test == "true" else [test])) or test
+    item = _CEL_VARS[depth + 1]
+    inner = _cel_refusal(check, item, steps[head + 1:], depth + 1)
+    return " && ".join(present + [f"{value}.exists({item}, {inner})"])
 
 
 def _validations(check: podtemplate.SecurityCheck) -> list[dict[str, str]]:
-    field = ".".join(check.field)
-    if check.scope == "pod":
+    field = check.path
+    if check.scope in ("pod", "metadata"):
+        var, base = ("variables.pod", "spec.podTemplate.spec") if check.scope == "pod" else \
+            ("variables.meta", "spec.podTemplate.metadata")
         return [{
             "allow": check.allowance,
-            "expression": f"!({_cel_refusal(check, 'variables.pod')})",
-            "message": f"spec.podTemplate.spec.{field}: {check.message}",
+            "expression": f"!({_cel_refusal(check, var)})",
+            "message": f"{base}.{field}: {check.message}",
         }]
     out = []
     for key, unnamed in podtemplate.SCOPE_LISTS[check.scope]:
         refused = _cel_refusal(check, "x")
         first = f"variables.{key}.filter(x, {refused}).map(x, has(x.name) ? string(x.name) : {_cel_string(unnamed)})[0]"
+        tail = f".{field}" if field else ""
         out.append({
             "allow": check.allowance,
             "expression": f"!variables.{key}.exists(x, {refused})",
             # The path names the item, as pod_security_problems does; `message`
             # stands in should the expression fail (a name that is no string).
             "messageExpression": f"{_cel_string(f'spec.podTemplate.spec.{key}[')} + {first} + "
-                                 f"{_cel_string(f'].{field}: {check.message}')}",
-            "message": f"spec.podTemplate.spec.{key}[].{field}: {check.message}",
+                                 f"{_cel_string(f']{tail}: {check.message}')}",
+            "message": f"spec.podTemplate.spec.{key}[]{tail}: {check.message}",
         })
     return out
 
 
 def pod_security_rules() -> dict[str, Any]:
-    """The policy's spec, each validation tagged `allow` with the allowance that lifts it."""
+    """The policy's spec, each validation tagged `allow` with the allowance that lifts it. The checks
+    of rendered pods only (what kubetrain's own fields guarantee) are not here: a template need not
+    repeat them."""
     pod = "object.spec.podTemplate"
-    variables = [{"name": "pod", "expression": f"has({pod}) && has({pod}.spec) ? {pod}.spec : {{}}"}]
+    variables = [{"name": "pod", "expression": f"has({pod}) && has({pod}.spec) ? {pod}.spec : {{}}"},
+                 {"name": "meta", "expression": f"has({pod}) && has({pod}.metadata) ? {pod}.metadata : {{}}"}]
     for key, _ in (*podtemplate.SCOPE_LISTS["container"], *podtemplate.SCOPE_LISTS["volume"]):
         variables.append({"name": key, "expression": f"has(variables.pod.{key}) ? variables.pod.{key} : []"})
     return {
@@ -386,7 +450,8 @@ def pod_security_rules() -> dict[str, Any]:
             "expression": "request.operation == 'CREATE' || oldObject == null || object.spec != oldObject.spec",
         }],
         "variables": variables,
-        "validations": [v for check in podtemplate.SECURITY_CHECKS for v in _validations(check)],
+        "validations": [v for check in podtemplate.SECURITY_CHECKS if not check.rendered_only
+                        for v in _validations(check)],
     }
 
 
@@ -465,6 +530,8 @@ PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
     {"name": "Workers", "type": "integer", "jsonPath": ".status.workers"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "ETA", "type": "integer", "jsonPath": ".status.progress.etaSeconds",
+     "description": "Seconds until totalSteps at the recent steps per second."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "State", "type": "string", "jsonPath": ".status.state"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

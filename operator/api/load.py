@@ -9,7 +9,8 @@ from typing import Any
 import yaml
 
 from . import schema
-from .schema import InvalidSpec, Problem
+from .names import annotations_problems, labels_problems, namespace_problems
+from .schema import INT64_MAX, INT64_MIN, InvalidSpec, Problem, _short
 from .spec import API_VERSION, KIND, Metadata, Spec, TrainingJob
 
 # Child objects are named <job>-<role>-<index> (e.g. "<job>-worker-1023") and
@@ -43,10 +44,17 @@ def check_name(name: Any, path: str = "metadata.name") -> list[Problem]:
 
 
 def from_object(doc: Any, source: str = "") -> TrainingJob:
-    """Validate one TrainingJob document (a dict); raise InvalidSpec with every problem."""
+    """Validate one TrainingJob document (a dict); raise InvalidSpec with every problem.
+
+    The document may come from a file or from the API server (the operator): its depth is
+    checked first, without recursion, and every integer in it must fit int64, whichever field
+    holds it (a free-form one such as podTemplate included)."""
     problems: list[Problem] = []
     if not isinstance(doc, dict):
         raise InvalidSpec([Problem("(document)", "must be a TrainingJob object")], source)
+    deep = depth_problem(doc)
+    if deep is not None:
+        raise InvalidSpec([deep], source)
     api_version = doc.get("apiVersion")
     if api_version != API_VERSION:
         problems.append(Problem("apiVersion", f"must be {API_VERSION}, got {api_version!r}"))
@@ -60,16 +68,16 @@ def from_object(doc: Any, source: str = "") -> TrainingJob:
     if not isinstance(meta, dict):
         problems.append(Problem("metadata", "must be an object with a name"))
         meta = {}
-    problems += check_name(meta.get("name"))
+    problems += metadata_problems(meta)
     namespace = meta.get("namespace", "default")
-    if not isinstance(namespace, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace):
-        problems.append(Problem("metadata.namespace", f"{namespace!r} is not a valid namespace name"))
     spec_doc = doc.get("spec")
     spec = schema.MISSING
     if spec_doc is None:
         problems.append(Problem("spec", "is required"))
     else:
         spec = schema.parse(Spec, spec_doc, "spec", problems)
+    reported = {p.path for p in problems}
+    problems += [p for p in huge_integers(spec_doc, "spec") if p.path not in reported]
     if problems:
         raise InvalidSpec(sorted(set(problems), key=lambda p: (p.path, p.message)), source)
     metadata = Metadata(
@@ -81,6 +89,49 @@ def from_object(doc: Any, source: str = "") -> TrainingJob:
         generation=meta.get("generation", 0),
     )
     return TrainingJob(metadata=metadata, spec=spec.complete())
+
+
+def metadata_problems(meta: dict[str, Any]) -> list[Problem]:
+    """The job's name (kubetrain's own bound), namespace, labels and annotations, as the API server
+    judges them (names.py)."""
+    problems = check_name(meta.get("name"))
+    if "namespace" in meta:
+        problems += namespace_problems(meta["namespace"])
+    problems += labels_problems(meta.get("labels"), "metadata.labels")
+    problems += annotations_problems(meta.get("annotations"), "metadata.annotations")
+    return problems
+
+
+def depth_problem(doc: Any) -> Problem | None:
+    """Why `doc` nests deeper than MAX_NESTING (a dict or list is a level, the document the first),
+    found with a stack of its own, stopping at the first level too deep; None when it does not."""
+    stack = [(doc, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in children:
+            if isinstance(child, (dict, list)):
+                where = f"{path}[{key}]" if isinstance(node, list) else (f"{path}.{key}" if path else str(key))
+                if depth + 1 > MAX_NESTING:
+                    return Problem(where, f"nests deeper than {MAX_NESTING} levels (the limit of a TrainingJob)")
+                stack.append((child, depth + 1, where))
+    return None
+
+
+def huge_integers(value: Any, path: str) -> list[Problem]:
+    """An integer outside int64 anywhere in `value` (the API server stores int64; a free-form field
+    such as podTemplate would carry it to a pod the API server refuses, or to the trainer)."""
+    found = []
+    stack = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            stack += [(v, f"{where}.{k}") for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(node)]
+        elif isinstance(node, int) and not isinstance(node, bool) and not INT64_MIN <= node <= INT64_MAX:
+            found.append(Problem(where, f"must be a 64-bit integer (at most {INT64_MAX}), got {_short(node)}"))
+    return found
 
 
 def from_spec_dict(name: str, spec_doc: dict[str, Any], namespace: str = "default") -> TrainingJob:
@@ -103,40 +154,150 @@ def _yaml_error(err: yaml.YAMLError) -> str:
 # The API server refuses objects past about 1.5 MiB (etcd's request limit), so
 # a manifest past 1 MiB is a mistake or an attack, not a job.
 MAX_MANIFEST_BYTES = 1 << 20
-# PyYAML builds nested collections recursively: a few thousand '[' exhaust
-# Python's stack. The deepest real manifest (a podTemplate's affinity) nests
-# about 15 levels.
+# Nesting: the deepest real manifest (a podTemplate's affinity) nests about 15
+# levels. A file past this is refused while it is read (PyYAML's own builder
+# recursed: a few thousand '[' exhausted Python's stack); a spec from the API
+# server (which accepts far deeper objects) is refused by `depth_problem` before
+# anything walks it recursively (hundreds of levels once raised RecursionError
+# in the operator, in every round of that job).
 MAX_NESTING = 64
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser when PyYAML has it (the pure-Python one took 31 s of CPU for a 1 MiB flow list)."""
+_RESOLVER = yaml.resolver.Resolver()
+_CONSTRUCTOR = yaml.constructor.SafeConstructor()
+_MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 
-def _shape_problem(text: str) -> str | None:
-    """Why the YAML must not be built at all: an alias (a 1 KB alias bomb expands past
-    gigabytes once walked), or nesting past MAX_NESTING. Read from the event stream,
-    which PyYAML produces without recursion."""
-    depth = 0
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+
+class _Refused(Exception):
+    """A document that is not built at all (an alias, nesting past MAX_NESTING)."""
+
+
+def _where(path: str, mark: Any) -> str:
+    return f"{path or '(document)'} (line {mark.line + 1})"
+
+
+class _Builder:
+    """Builds the documents of a YAML stream from its events, in one pass of libyaml's parser and
+    without recursion: the event stream is flat, and the builder keeps its own stack. On the way it
+    refuses what PyYAML's loader let through or could not say: aliases (a 1 KB alias bomb once grew
+    `kubetrain run` past 2.4 GB), nesting past MAX_NESTING, a key given twice (YAML keeps the last:
+    `privileged: true` then `privileged: false` read as false), and a value that cannot be read (an
+    integer of 6,000 digits), each named by its field path."""
+
+    def __init__(self) -> None:
+        self.docs: list[Any] = []
+        self.problems: list[tuple[int, Problem]] = []  # (the document's number, from 1; the problem)
+        self._stack: list[list[Any]] = []  # [container, path, pending key or _NO_KEY, key lines]
+
+    def _problem(self, path: str, message: str) -> None:
+        self.problems.append((len(self.docs) + 1, Problem(path or "(document)", message)))
+
+    def feed(self, event: Any) -> None:
         if isinstance(event, yaml.AliasEvent):
-            return (f"YAML aliases (*{event.anchor}) are not allowed in a TrainingJob, at line "
-                    f"{event.start_mark.line + 1}: write the value out")
+            raise _Refused(f"YAML aliases (*{event.anchor}) are not allowed in a TrainingJob, at line "
+                           f"{event.start_mark.line + 1}: write the value out")
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_NESTING:
-                return f"nests deeper than {MAX_NESTING} levels at line {event.start_mark.line + 1}"
+            if len(self._stack) >= MAX_NESTING:
+                raise _Refused(f"nests deeper than {MAX_NESTING} levels at line {event.start_mark.line + 1}")
+            mapping = isinstance(event, yaml.MappingStartEvent)
+            path = self._child_path(event)
+            if event.tag not in (None, "!", _MAP if mapping else _SEQ):
+                self._problem(path, f"the YAML tag {event.tag} is not allowed in a TrainingJob "
+                                    f"(line {event.start_mark.line + 1})")
+            self._stack.append([{} if mapping else [], path, _NO_KEY, {}])
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-    return None
+            value = self._stack.pop()[0]
+            self._add(value, event)
+        elif isinstance(event, yaml.ScalarEvent):
+            self._add(self._scalar(event), event, scalar=True)
+
+    def _child_path(self, event: Any) -> str:
+        if not self._stack:
+            return ""
+        container, path, key, _ = self._stack[-1]
+        if isinstance(container, list):
+            return f"{path}[{len(container)}]"
+        if key is _NO_KEY:  # a mapping or a list as a key
+            self._problem(path, f"a key must be a plain value, not a mapping or a list (line "
+                                f"{event.start_mark.line + 1})")
+            return path
+        if key is _BAD_KEY:
+            return path
+        return f"{path}.{key}" if path else str(key)
+
+    def _scalar(self, event: Any) -> Any:
+        tag = event.tag
+        if tag in (None, "!"):
+            tag = _RESOLVER.resolve(yaml.ScalarNode, event.value, event.implicit)
+        if tag == "tag:yaml.org,2002:merge":
+            raise _Refused(f"YAML merge keys (<<) are not allowed in a TrainingJob, at line "
+                           f"{event.start_mark.line + 1}: write the values out")
+        construct = _CONSTRUCTOR.yaml_constructors.get(tag)
+        if construct is None or tag in (_MAP, _SEQ) or tag.startswith("tag:yaml.org,2002:python/"):
+            self._problem(self._child_path(event), f"the YAML tag {tag} is not allowed in a TrainingJob (line "
+                                                   f"{event.start_mark.line + 1})")
+            return event.value
+        node = yaml.ScalarNode(tag, event.value, event.start_mark, event.end_mark, event.style)
+        try:
+            return construct(_CONSTRUCTOR, node)
+        except (ValueError, OverflowError, yaml.YAMLError) as err:
+            digits = sum(c.isdigit() for c in event.value)
+            if tag == "tag:yaml.org,2002:int" and digits > 18:
+                message = (f"must be a 64-bit integer (at most {INT64_MAX}), got a number of {digits} digits "
+                           f"(line {event.start_mark.line + 1})")
+            else:
+                message = f"{event.value[:40]!r} cannot be read as {tag.rsplit(':', 1)[-1]}: {str(err)[:120]}"
+            self._problem(self._child_path(event), message)
+            return event.value
+
+    def _add(self, value: Any, event: Any, scalar: bool = False) -> None:
+        if not self._stack:
+            self.docs.append(value)
+            return
+        frame = self._stack[-1]
+        container, path, key, lines = frame
+        if isinstance(container, list):
+            container.append(value)
+        elif key is _NO_KEY:
+            if not scalar or isinstance(value, (dict, list)):
+                frame[2] = _BAD_KEY
+                return
+            try:
+                hash(value)
+            except TypeError:
+                value = str(value)
+            frame[2] = value
+            if value in container:
+                self._problem(f"{path}.{value}" if path else str(value),
+                              f"is given twice (lines {lines[value]} and {event.start_mark.line + 1}); YAML would "
+                              "silently keep the last: give it once")
+            lines.setdefault(value, event.start_mark.line + 1)
+        else:
+            if key is not _BAD_KEY and key not in container:
+                container[key] = value
+            frame[2] = _NO_KEY
+
+
+_NO_KEY, _BAD_KEY = object(), object()
 
 
 def documents(text: str, source: str) -> list[Any]:
+    """The documents of a YAML text, built in one pass (_Builder); InvalidSpec names the file and each
+    problem's field path."""
+    builder = _Builder()
     try:
-        problem = _shape_problem(text)
-        if problem is not None:
-            raise InvalidSpec([Problem("(file)", problem)], source)
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        for event in yaml.parse(text, Loader=_LOADER):
+            builder.feed(event)
+    except _Refused as err:
+        raise InvalidSpec([Problem("(file)", str(err))], source) from None
     except yaml.YAMLError as err:
         raise InvalidSpec([Problem("(file)", _yaml_error(err))], source) from None
-    except (ValueError, OverflowError) as err:  # an integer of thousands of digits, a date out of range
-        raise InvalidSpec([Problem("(file)", f"a value cannot be read: {str(err)[:200]}")], source) from None
+    docs = [d for d in builder.docs if d is not None]
+    if builder.problems:
+        several = len(builder.docs) > 1  # each problem's document, as load_file names them
+        raise InvalidSpec([Problem(f"document {n}: {p.path}", p.message) if several else p
+                           for n, p in builder.problems], source)
     if not docs:
         raise InvalidSpec([Problem("(file)", "holds no YAML document")], source)
     return docs

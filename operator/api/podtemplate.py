@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .names import annotations_problems, labels_problems
 from .schema import _type_name
 
 CONTAINER = "trainer"  # the container kubetrain runs the trainer in
@@ -128,13 +129,14 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
     CRD); the rest of the template is the Kubernetes API's to validate when
     the pods are created.
     """
-    problems: list[tuple[str, str]] = []
+    problems = _metadata_problems(template.get("metadata"))
     spec = template.get("spec")
     if spec is None:
         return problems
     if not isinstance(spec, dict):
-        return [("podTemplate.spec", f"must be an object, got {_type_name(spec)}")]
+        return problems + [("podTemplate.spec", f"must be an object, got {_type_name(spec)}")]
     path = "podTemplate.spec"
+    problems += [(where, NULL_MESSAGE) for where in null_paths(spec, path)]
     for i, volume in _items(spec, "volumes", MAX_VOLUMES, path, problems):
         name = _name(volume, f"{path}.volumes[{i}]", problems)
         if name in VOLUMES:
@@ -142,7 +144,124 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
     for i, container in _items(spec, "containers", MAX_CONTAINERS, path, problems):
         _name(container, f"{path}.containers[{i}]", problems)
         problems += _container_problems(container, f"{path}.containers[{i}]")
+    problems += _shape_problems(spec, path)
     return problems
+
+
+# What the renderer (core/children.py) reads or writes in a template besides kubetrain's names: the
+# security fields it applies after the template, the tolerations it adds to, the init containers it
+# hardens. A wrong shape there once raised in every round of its job (`tolerations: {}`, found by
+# tests/api/test_fuzz_manifests.py); refused here, naming the field, it fails the job once.
+POD_SHAPES: tuple[tuple[str, type], ...] = (("securityContext", dict), ("tolerations", list),
+                                            ("nodeSelector", dict))
+CONTAINER_SHAPES: tuple[tuple[tuple[str, ...], type], ...] = (
+    (("securityContext",), dict), (("securityContext", "capabilities"), dict),
+    (("securityContext", "capabilities", "drop"), list), (("securityContext", "capabilities", "add"), list))
+
+
+def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for key, kind in POD_SHAPES:
+        value = spec.get(key)
+        if value is not None and not isinstance(value, kind):
+            problems.append((f"{path}.{key}", f"must be {_kind_name(kind)}, got {_type_name(value)}"))
+    tolerations = spec.get("tolerations")
+    for i, item in enumerate(tolerations if isinstance(tolerations, list) else []):
+        if not isinstance(item, dict):
+            problems.append((f"{path}.tolerations[{i}]", f"must be an object, got {_type_name(item)}"))
+    for key in ("containers", "initContainers"):
+        items = spec.get(key)
+        if key == "initContainers":
+            items = [c for _, c in _items(spec, key, MAX_CONTAINERS, path, problems)]
+        for i, container in enumerate(items if isinstance(items, list) else []):
+            if not isinstance(container, dict):
+                continue
+            for fields, kind in CONTAINER_SHAPES:
+                value: Any = container
+                for step in fields:
+                    value = value.get(step) if isinstance(value, dict) else None
+                if value is not None and not isinstance(value, kind):
+                    problems.append((f"{path}.{key}[{i}].{'.'.join(fields)}",
+                                     f"must be {_kind_name(kind)}, got {_type_name(value)}"))
+    return problems
+
+
+def _kind_name(kind: type) -> str:
+    return "an object" if kind is dict else "a list"
+
+
+# --- kubetrain's own labels and annotations ------------------------------------
+#
+# The operator finds a job's pods by these labels, the job's NetworkPolicy admits its pods by
+# them, and the Services select by them. A template that set `kubetrain.dev/job-name: victim`
+# once had its pods filed under another job of the namespace (counted as its replicas, let
+# through its NetworkPolicy). Such keys are refused in a template, and the renderer applies
+# kubetrain's own last (core/children.merge_pod_template).
+
+MAX_METADATA_KEYS = 256
+"""Labels, and annotations, a template may set: the CRD's rule walks every key, and the API server
+refuses a rule over a map without a bound (its cost would be unbounded). Far above real pods (a few
+labels and annotations); the API server and `kubetrain validate` refuse more with the bound."""
+RESERVED_KEY_DOMAIN = "kubetrain.dev"
+RESERVED_KEYS: tuple[str, ...] = ("app.kubernetes.io/managed-by",)
+
+
+def reserved_key(key: str) -> bool:
+    """Whether a label or annotation key is kubetrain's: prefixed kubetrain.dev/ (or a subdomain of it),
+    or app.kubernetes.io/managed-by."""
+    prefix, slash, _ = key.rpartition("/")
+    return key in RESERVED_KEYS or bool(slash) and (prefix == RESERVED_KEY_DOMAIN
+                                                   or prefix.endswith("." + RESERVED_KEY_DOMAIN))
+
+
+RESERVED_KEY_REASON = (f"is kubetrain's own (it reserves every key prefixed {RESERVED_KEY_DOMAIN}/ and "
+                       f"{', '.join(RESERVED_KEYS)}): choose another key")
+
+
+def reserved_key_message(key: str) -> str:
+    return f"'{key}' {RESERVED_KEY_REASON}"
+
+
+def _metadata_problems(meta: Any) -> list[tuple[str, str]]:
+    if meta is None:
+        return []
+    if not isinstance(meta, dict):
+        return [("podTemplate.metadata", f"must be an object, got {_type_name(meta)}")]
+    problems = []
+    for key, check in (("labels", labels_problems), ("annotations", annotations_problems)):
+        path = f"podTemplate.metadata.{key}"
+        found = check(meta.get(key), path)
+        problems += [(p.path, p.message) for p in found]
+        if not found and isinstance(meta.get(key), dict):
+            if len(meta[key]) > MAX_METADATA_KEYS:
+                problems.append((path, f"must have at most {MAX_METADATA_KEYS} keys, got {len(meta[key])}"))
+            problems += [(path, reserved_key_message(k)) for k in meta[key] if reserved_key(k)]
+    return problems
+
+
+# --- nulls -----------------------------------------------------------------------
+#
+# A null in the template used to remove kubetrain's value: the merge copied `runAsNonRoot: null`
+# over kubetrain's `true`, and the checks (which ask "is it true?", "is it 0?") passed it. A
+# null is refused wherever it is in podTemplate.spec, naming the field; the renderer also treats
+# a null as absent when it applies kubetrain's own security fields (core/children._harden).
+
+NULL_MESSAGE = "must not be null: leave the field out (a null would remove kubetrain's own value)"
+
+
+def null_paths(value: Any, path: str) -> list[str]:
+    """The path of every null inside `value`, found without recursion (the walk keeps its own stack)."""
+    found = []
+    stack = [(path, value)]
+    while stack:
+        where, node = stack.pop()
+        if node is None:
+            found.append(where)
+        elif isinstance(node, dict):
+            stack += [(f"{where}.{k}", v) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(node)]
+    return sorted(found)
 
 
 def _container_problems(container: dict[str, Any], path: str) -> list[tuple[str, str]]:
@@ -207,84 +326,211 @@ def _string(item: dict[str, Any], key: str, path: str, problems: list[tuple[str,
     return value
 
 
-# --- Pod security: what a template may not ask of the node -------------------
+# --- Pod security: what a pod may not ask of the node ----------------------------
 #
-# kubetrain's own pods satisfy Pod Security `restricted` (core/children.py).
-# A template could undo that: a privileged sidecar, the node's PID namespace,
-# a hostPath volume of `/`, root, or a ServiceAccount with rights in the
-# cluster, all in the hands of whoever may create a TrainingJob. So these are
-# refused unless the cluster's kubetrain installation allows them (the chart's
-# `podSecurity.allow`, one name per allowance below). Three places refuse, with
-# one table and the same messages: `kubetrain validate` (`--allow`), the API
-# server (the chart's ValidatingAdmissionPolicy, generated in crd.py from
-# SECURITY_CHECKS) and the operator at reconcile time, from its own flag, so a
-# cluster without the policy (a CRD applied by hand) is safe too.
+# kubetrain's own pods satisfy Pod Security `restricted` (core/children.py). A template could undo
+# that: a privileged sidecar, the node's PID namespace, a hostPath volume of `/`, root, another
+# job's token Secret, a toleration of every taint, all in the hands of whoever may create a
+# TrainingJob. So Kubernetes' Pod Security "baseline" and "restricted" rules, and the fields that
+# choose where and how a pod runs (nodeName, tolerations of every taint, priorityClassName,
+# runtimeClassName), are refused unless the cluster's kubetrain installation allows them (the
+# chart's `podSecurity.allow`, one name per allowance below). One table, SECURITY_CHECKS, serves
+# three places with the same messages:
+#
+# - `kubetrain validate` (`--allow`) and the operator (`--pod-security-allow`) judge the pods the
+#   job would create, as rendered (core/podsecurity.py): the template merged into kubetrain's pod
+#   and kubetrain's own security fields applied after it, so that no way of writing the template
+#   (a null, an empty list replacing kubetrain's) escapes the check;
+# - the API server, through the chart's ValidatingAdmissionPolicy (generated in crd.py from the
+#   same table), judges the template itself: it cannot render the pod, so the checks marked
+#   `rendered_only` (what kubetrain's own fields guarantee) are not in it.
 
 ALLOWANCES: dict[str, str] = {
-    "privileged": "privileged containers and privilege escalation (securityContext.privileged, "
-                  "securityContext.allowPrivilegeEscalation)",
+    "privileged": "privileged containers, privilege escalation and Windows HostProcess containers "
+                  "(securityContext.privileged, .allowPrivilegeEscalation, .windowsOptions.hostProcess)",
     "hostNamespaces": "the node's namespaces (hostPID, hostIPC, hostNetwork)",
     "hostPath": "hostPath volumes",
+    "hostPorts": "ports of the node (ports[].hostPort)",
     "capabilities": "added capabilities (securityContext.capabilities.add)",
     "root": "running as root (securityContext.runAsUser 0, securityContext.runAsNonRoot false), "
             "in the pod or a container",
+    "seccomp": "the Unconfined seccomp profile (securityContext.seccompProfile.type)",
+    "appArmor": "the Unconfined AppArmor profile (securityContext.appArmorProfile.type, and the "
+                "container.apparmor.security.beta.kubernetes.io/* annotations)",
+    "seLinux": "SELinux options past the container types (securityContext.seLinuxOptions: a type other "
+               "than container_t, container_init_t, container_kvm_t, container_engine_t; a user; a role)",
+    "procMount": "an unmasked /proc (securityContext.procMount other than Default)",
+    "sysctls": "sysctls outside Kubernetes' safe set (securityContext.sysctls)",
+    "volumeTypes": "volume types outside Pod Security restricted's (nfs, gitRepo, iscsi, ...; restricted "
+                   "allows configMap, csi, downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, "
+                   "secret)",
+    "secrets": "the namespace's Secrets (secret volumes, secrets in projected volumes, env valueFrom.secretKeyRef, "
+               "envFrom secretRef)",
+    "claims": "the namespace's PersistentVolumeClaims besides the job's own (volumes[].persistentVolumeClaim)",
     "serviceAccount": "another ServiceAccount than the namespace's default, and a ServiceAccount token "
-                      "(serviceAccountName, serviceAccount, automountServiceAccountToken)",
+                      "(serviceAccountName, serviceAccount, automountServiceAccountToken, a projected "
+                      "serviceAccountToken)",
+    "nodeName": "choosing the node (nodeName: the scheduler, its taints and its checks are bypassed)",
+    "tolerations": "tolerating every taint (a toleration with operator Exists and no key)",
+    "priorityClass": "a PriorityClass (priorityClassName: the job's pods may preempt other pods)",
+    "runtimeClass": "another container runtime (runtimeClassName)",
 }
 # What "another ServiceAccount" is not: the pods' own (no name is the namespace's default).
 DEFAULT_SERVICE_ACCOUNTS: tuple[str, ...] = ("", "default")
 # The default's label in a path: the merge sends a container without a name to
 # the trainer; a volume or init container without one is refused by Kubernetes.
 UNNAMED = ""
+EACH = "[]"
+"""A step of a check's field into every item of a list: ("env", EACH, "valueFrom", "secretKeyRef")."""
+
+# Pod Security's own lists (k8s.io/pod-security-admission, policy/check_*.go).
+SAFE_SYSCTLS: tuple[str, ...] = (
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
+)
+SELINUX_TYPES: tuple[str, ...] = ("", "container_t", "container_init_t", "container_kvm_t", "container_engine_t")
+RESTRICTED_VOLUME_TYPES: tuple[str, ...] = (
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+)
+APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
+
+Refusal = Literal[
+    # refused when the value is there and ...
+    "true", "false", "zero", "nonzero", "nonempty", "present", "named", "string", "in", "not_in",
+    "other_keys", "tolerates_all", "apparmor_annotations",
+    # refused unless the value is there and ... (rendered pods only: kubetrain's own fields guarantee them)
+    "not_true", "not_false", "required_in", "lacks",
+]
+REQUIRED: frozenset[str] = frozenset({"not_true", "not_false", "required_in", "lacks"})
 
 
 @dataclass(frozen=True)
 class SecurityCheck:
-    """One field a template may not set to a value that reaches past the pod.
+    """One field a pod may not set to a value that reaches past the pod, or must set.
 
     `scope`: where the field is: the pod spec, each container (containers and
-    initContainers) or each volume. `refused`: which values are refused:
-    `true`, `false`, `zero` (a number equal to 0), `nonempty` (anything but an
-    empty list), `present` (the key at all), `named` (a ServiceAccount other
-    than DEFAULT_SERVICE_ACCOUNTS). Anything else, a wrong type included, is
-    left to Kubernetes, which refuses to create such a pod.
+    initContainers), each volume, or the pod's metadata. `field`: the path from
+    there, EACH stepping into every item of a list (an empty path: the item
+    itself). `refused`: which values are refused (the Refusal kinds; `values`
+    lists the names some of them compare with): `true`, `false`, `zero` and
+    `nonzero` (a number), `nonempty` (anything but an empty list), `present`
+    (the key at all), `named` (a ServiceAccount other than
+    DEFAULT_SERVICE_ACCOUNTS), `string` (a non-empty string), `in` and `not_in`
+    (a string in or outside `values`), `other_keys` (an object with a key
+    outside `values`), `tolerates_all` (a toleration of every taint),
+    `apparmor_annotations` (an AppArmor annotation neither runtime/default nor
+    localhost/*); and, on rendered pods only, what must be there: `not_true`,
+    `not_false`, `required_in` (refused unless one of `values`), `lacks`
+    (refused unless a list holding values[0]). Anything else, a wrong type
+    included, is left to Kubernetes, which refuses to create such a pod.
     """
 
     allowance: str
-    scope: Literal["pod", "container", "volume"]
+    scope: Literal["pod", "container", "volume", "metadata"]
     field: tuple[str, ...]
-    refused: Literal["true", "false", "zero", "nonempty", "present", "named"]
+    refused: Refusal
     what: str
     """What is refused, the subject of "... not allowed"."""
+    values: tuple[str, ...] = ()
+
+    @property
+    def rendered_only(self) -> bool:
+        """Judged on rendered pods only: a template need not repeat what kubetrain sets."""
+        return self.refused in REQUIRED
 
     @property
     def message(self) -> str:
         return (f"{self.what} not allowed (the cluster's kubetrain installation allows this with "
                 f"podSecurity.allow: [{self.allowance}])")
 
+    @property
+    def path(self) -> str:
+        """The field as a path: ("env", EACH, "valueFrom") is env[].valueFrom."""
+        out = ""
+        for step in self.field:
+            out += step if step == EACH else (f".{step}" if out else step)
+        return out
 
-SECURITY_CHECKS: tuple[SecurityCheck, ...] = (
-    SecurityCheck("privileged", "container", ("securityContext", "privileged"), "true", "privileged containers are"),
-    SecurityCheck("privileged", "container", ("securityContext", "allowPrivilegeEscalation"), "true",
-                  "privilege escalation is"),
-    SecurityCheck("capabilities", "container", ("securityContext", "capabilities", "add"), "nonempty",
-                  "added capabilities are"),
-    SecurityCheck("root", "container", ("securityContext", "runAsUser"), "zero", "running as root (uid 0) is"),
-    SecurityCheck("root", "container", ("securityContext", "runAsNonRoot"), "false",
-                  "runAsNonRoot: false (running as root) is"),
-    SecurityCheck("root", "pod", ("securityContext", "runAsUser"), "zero", "running as root (uid 0) is"),
-    SecurityCheck("root", "pod", ("securityContext", "runAsNonRoot"), "false", "runAsNonRoot: false (running as root) is"),
-    SecurityCheck("hostNamespaces", "pod", ("hostPID",), "true", "the node's process namespace (hostPID) is"),
-    SecurityCheck("hostNamespaces", "pod", ("hostIPC",), "true", "the node's IPC namespace (hostIPC) is"),
-    SecurityCheck("hostNamespaces", "pod", ("hostNetwork",), "true", "the node's network namespace (hostNetwork) is"),
-    SecurityCheck("hostPath", "volume", ("hostPath",), "present", "hostPath volumes are"),
-    SecurityCheck("serviceAccount", "pod", ("serviceAccountName",), "named",
-                  "another ServiceAccount than the namespace's default is"),
-    SecurityCheck("serviceAccount", "pod", ("serviceAccount",), "named",
-                  "another ServiceAccount than the namespace's default is"),
-    SecurityCheck("serviceAccount", "pod", ("automountServiceAccountToken",), "true",
-                  "a ServiceAccount token in the pods is"),
-)
+
+def _checks() -> tuple[SecurityCheck, ...]:
+    C = SecurityCheck
+    ctx = "securityContext"
+    out = [
+        C("privileged", "container", (ctx, "privileged"), "true", "privileged containers are"),
+        C("privileged", "container", (ctx, "allowPrivilegeEscalation"), "true", "privilege escalation is"),
+        C("privileged", "container", (ctx, "windowsOptions", "hostProcess"), "true",
+          "Windows HostProcess containers are"),
+        C("privileged", "pod", (ctx, "windowsOptions", "hostProcess"), "true", "Windows HostProcess containers are"),
+        C("capabilities", "container", (ctx, "capabilities", "add"), "nonempty", "added capabilities are"),
+        C("root", "container", (ctx, "runAsUser"), "zero", "running as root (uid 0) is"),
+        C("root", "container", (ctx, "runAsNonRoot"), "false", "runAsNonRoot: false (running as root) is"),
+        C("root", "pod", (ctx, "runAsUser"), "zero", "running as root (uid 0) is"),
+        C("root", "pod", (ctx, "runAsNonRoot"), "false", "runAsNonRoot: false (running as root) is"),
+        C("hostNamespaces", "pod", ("hostPID",), "true", "the node's process namespace (hostPID) is"),
+        C("hostNamespaces", "pod", ("hostIPC",), "true", "the node's IPC namespace (hostIPC) is"),
+        C("hostNamespaces", "pod", ("hostNetwork",), "true", "the node's network namespace (hostNetwork) is"),
+        C("hostPath", "volume", ("hostPath",), "present", "hostPath volumes are"),
+        C("hostPorts", "container", ("ports", EACH, "hostPort"), "nonzero", "ports of the node (hostPort) are"),
+        C("procMount", "container", (ctx, "procMount"), "not_in", "an unmasked /proc (procMount other than "
+          "Default) is", ("Default",)),
+        C("sysctls", "pod", (ctx, "sysctls", EACH, "name"), "not_in", "sysctls outside Kubernetes' safe set are",
+          SAFE_SYSCTLS),
+        C("volumeTypes", "volume", (), "other_keys", "volume types outside Pod Security restricted's ("
+          + ", ".join(RESTRICTED_VOLUME_TYPES) + ") are", ("name", *RESTRICTED_VOLUME_TYPES, "hostPath")),
+        C("secrets", "volume", ("secret",), "present", "Secret volumes are"),
+        C("secrets", "volume", ("projected", "sources", EACH, "secret"), "present", "Secrets in projected volumes are"),
+        C("secrets", "container", ("env", EACH, "valueFrom", "secretKeyRef"), "present",
+          "variables from Secrets (valueFrom.secretKeyRef) are"),
+        C("secrets", "container", ("envFrom", EACH, "secretRef"), "present",
+          "variables from Secrets (envFrom secretRef) are"),
+        C("claims", "volume", ("persistentVolumeClaim",), "present",
+          "PersistentVolumeClaims besides the job's own are"),
+        C("serviceAccount", "pod", ("serviceAccountName",), "named",
+          "another ServiceAccount than the namespace's default is"),
+        C("serviceAccount", "pod", ("serviceAccount",), "named",
+          "another ServiceAccount than the namespace's default is"),
+        C("serviceAccount", "pod", ("automountServiceAccountToken",), "true", "a ServiceAccount token in the pods is"),
+        C("serviceAccount", "volume", ("projected", "sources", EACH, "serviceAccountToken"), "present",
+          "ServiceAccount tokens in projected volumes are"),
+        C("nodeName", "pod", ("nodeName",), "string", "choosing the node (nodeName, past the scheduler) is"),
+        C("tolerations", "pod", ("tolerations", EACH), "tolerates_all",
+          "a toleration of every taint (operator Exists without a key) is"),
+        C("priorityClass", "pod", ("priorityClassName",), "string",
+          "a PriorityClass (priorityClassName: its pods may preempt others) is"),
+        C("runtimeClass", "pod", ("runtimeClassName",), "string", "another container runtime (runtimeClassName) is"),
+        C("appArmor", "metadata", ("annotations",), "apparmor_annotations",
+          "an AppArmor profile other than runtime/default or localhost/* is", (APPARMOR_ANNOTATION,)),
+    ]
+    for scope in ("pod", "container"):
+        out += [
+            C("seccomp", scope, (ctx, "seccompProfile", "type"), "in", "the Unconfined seccomp profile is",
+              ("Unconfined",)),
+            C("appArmor", scope, (ctx, "appArmorProfile", "type"), "in", "the Unconfined AppArmor profile is",
+              ("Unconfined",)),
+            C("seLinux", scope, (ctx, "seLinuxOptions", "type"), "not_in",
+              "an SELinux type other than " + ", ".join(t for t in SELINUX_TYPES if t) + " is", SELINUX_TYPES),
+            C("seLinux", scope, (ctx, "seLinuxOptions", "user"), "string", "an SELinux user is"),
+            C("seLinux", scope, (ctx, "seLinuxOptions", "role"), "string", "an SELinux role is"),
+        ]
+    # Pod Security `restricted`'s requirements: kubetrain's own fields (core/children._harden, applied
+    # after the template) meet them, so only a rendered pod is judged by them.
+    out += [
+        C("privileged", "container", (ctx, "allowPrivilegeEscalation"), "not_false",
+          "a container without allowPrivilegeEscalation: false is"),
+        C("capabilities", "container", (ctx, "capabilities", "drop"), "lacks",
+          "a container that keeps its capabilities (capabilities.drop without ALL) is", ("ALL",)),
+        C("root", "pod", (ctx, "runAsNonRoot"), "not_true", "a pod without runAsNonRoot: true is"),
+        C("seccomp", "pod", (ctx, "seccompProfile", "type"), "required_in",
+          "a pod without the RuntimeDefault or a Localhost seccomp profile is", ("RuntimeDefault", "Localhost")),
+        C("serviceAccount", "pod", ("automountServiceAccountToken",), "not_false",
+          "a pod without automountServiceAccountToken: false is"),
+    ]
+    return tuple(out)
+
+
+SECURITY_CHECKS: tuple[SecurityCheck, ...] = _checks()
 # The lists each scope walks, and the label of an item without a name.
 SCOPE_LISTS: dict[str, tuple[tuple[str, str], ...]] = {
     "container": (("containers", CONTAINER), ("initContainers", UNNAMED)),
@@ -302,13 +548,15 @@ def parse_allowances(values: Any) -> frozenset[str]:
     return frozenset(names)
 
 
-def _refused(check: SecurityCheck, parent: dict[str, Any]) -> bool:
-    value: Any = parent
-    for key in check.field:
-        if not isinstance(value, dict) or key not in value:
-            return False
-        value = value[key]
-    kind = check.refused
+_ABSENT = object()
+
+
+def _refuses(check: SecurityCheck, value: Any) -> bool:
+    """Whether `value` (_ABSENT when the field is not there, or null) is refused by `check`."""
+    kind, values = check.refused, check.values
+    if value is _ABSENT:
+        return kind in REQUIRED
+    number = type(value) in (int, float)
     if kind == "present":
         return True
     if kind == "true":
@@ -316,48 +564,117 @@ def _refused(check: SecurityCheck, parent: dict[str, Any]) -> bool:
     if kind == "false":
         return value is False
     if kind == "zero":
-        return type(value) in (int, float) and value == 0
+        return number and value == 0
+    if kind == "nonzero":
+        return number and value != 0
     if kind == "nonempty":
-        return value is not None and value != []
+        return value != []
     if kind == "named":
-        return value is not None and value not in DEFAULT_SERVICE_ACCOUNTS
+        return value not in DEFAULT_SERVICE_ACCOUNTS
+    if kind == "string":
+        return isinstance(value, str) and value != ""
+    if kind == "in":
+        return isinstance(value, str) and value in values
+    if kind == "not_in":
+        return isinstance(value, str) and value not in values
+    if kind == "other_keys":
+        return isinstance(value, dict) and any(k not in values for k in value)
+    if kind == "tolerates_all":
+        return isinstance(value, dict) and value.get("operator") == "Exists" and not value.get("key")
+    if kind == "apparmor_annotations":
+        return isinstance(value, dict) and any(
+            isinstance(k, str) and k.startswith(values[0]) and isinstance(v, str)
+            and v != "runtime/default" and not v.startswith("localhost/") for k, v in value.items())
+    if kind == "not_true":
+        return value is not True
+    if kind == "not_false":
+        return value is not False
+    if kind == "required_in":
+        return value not in values
+    if kind == "lacks":
+        return not (isinstance(value, list) and values[0] in value)
     raise ValueError(f"no refusal {kind!r}")
 
 
-def pod_security_violations(template: Any, allowed: Any = ()) -> list[tuple[SecurityCheck, str]]:
-    """(check, path) of every field of `spec.podTemplate` that reaches past the pod and is not allowed.
+def _found(check: SecurityCheck, node: Any, own: Any, steps: tuple[str, ...]) -> bool:
+    """Whether the check refuses what `node` holds at `steps`. List items equal to one of `own`'s
+    (kubetrain's own, at the same place of the pod rendered without a template) are not judged.
+    Malformed shapes refuse nothing here (Kubernetes refuses such a pod); the recursion follows
+    the table's path, a few steps, never the input's depth."""
+    if not steps:
+        return _refuses(check, _ABSENT if node is None else node)
+    step, rest = steps[0], steps[1:]
+    if step == EACH:
+        if not isinstance(node, list):
+            return False
+        mine = own if isinstance(own, list) else []
+        return any(_found(check, item, None, rest) for item in node if item not in mine)
+    if not isinstance(node, dict):
+        return False
+    value = node.get(step)
+    if value is None:  # absent (or a null, which pod_template_problems refuses)
+        return EACH not in rest and _refuses(check, _ABSENT)
+    return _found(check, value, own.get(step) if isinstance(own, dict) else None, rest)
 
-    Paths name list items by name, as the API server's policy does
+
+def _places(check: SecurityCheck, pod: dict[str, Any], own: dict[str, Any], base: str):
+    """(path, item, kubetrain's own counterpart) of every place `check` looks at in `pod`."""
+    spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+    own_spec = own.get("spec") if isinstance(own.get("spec"), dict) else {}
+    if check.scope == "pod":
+        yield f"{base}.spec", spec, own_spec
+        return
+    if check.scope == "metadata":
+        meta = pod.get("metadata")
+        yield f"{base}.metadata", meta if isinstance(meta, dict) else {}, own.get("metadata")
+        return
+    for key, unnamed in SCOPE_LISTS[check.scope]:
+        items = spec.get(key)
+        theirs = [i for i in own_spec.get(key) or [] if isinstance(i, dict)]
+        for item in items if isinstance(items, list) else []:
+            if not isinstance(item, dict) or item in theirs:
+                continue  # kubetrain's own volume, as it renders it
+            counterpart = next((i for i in theirs if i.get("name") == item.get("name", unnamed)), None)
+            yield f"{base}.spec.{key}[{item.get('name', unnamed)}]", item, counterpart
+
+
+def pod_security_violations(pod: Any, allowed: Any = (), own: Any = None) -> list[tuple[SecurityCheck, str]]:
+    """(check, path) of every field of a pod (`{"metadata": ..., "spec": ...}`) that reaches past it
+    and is not allowed.
+
+    `own`: None judges a template as the API server's policy does (what kubetrain would add
+    is not there yet, so the rendered-only checks are left out). A rendered pod is judged
+    with `own`, the same pod rendered without a template, whose list items are kubetrain's
+    own and not judged (its config volume projects the job's own Secret). Paths name list
+    items by name, as the API server's policy does
     (`spec.podTemplate.spec.containers[trainer].securityContext.privileged`).
-    Malformed shapes are pod_template_problems' to report; here they refuse nothing.
     """
-    spec = template.get("spec") if isinstance(template, dict) else None
-    if not isinstance(spec, dict):
+    if not isinstance(pod, dict):
         return []
+    rendered = own is not None
     out: list[tuple[SecurityCheck, str]] = []
-    base = "spec.podTemplate.spec"
     for check in SECURITY_CHECKS:
-        if check.allowance in allowed:
+        if check.allowance in allowed or (check.rendered_only and not rendered):
             continue
-        field = ".".join(check.field)
-        if check.scope == "pod":
-            if _refused(check, spec):
-                out.append((check, f"{base}.{field}"))
-            continue
-        for key, unnamed in SCOPE_LISTS[check.scope]:
-            items = spec.get(key)
-            for item in items if isinstance(items, list) else []:
-                if isinstance(item, dict) and _refused(check, item):
-                    out.append((check, f"{base}.{key}[{item.get('name', unnamed)}].{field}"))
+        for where, item, theirs in _places(check, pod, own or {}, "spec.podTemplate"):
+            if _found(check, item, theirs, check.field):
+                out.append((check, f"{where}.{check.path}" if check.field else where))
     return out
 
 
 def pod_security_problems(spec: Any, allowed: Any = ()) -> list[str]:
-    """"<path>: <message>" for every pod-security refusal of a job's spec (a Spec, or its podTemplate dict).
-
-    For the operator at reconcile time, with its allowances (`--pod-security-allow`), and
-    for `kubetrain validate`; an empty list means the template stays within bounds.
-    """
+    """"<path>: <message>" for every pod-security refusal of a job's template (a Spec, or its
+    podTemplate dict), as the API server's policy judges it. The operator and `kubetrain
+    validate` judge the rendered pods instead (core/podsecurity.py), with `rendered_pod_problems`."""
     template = getattr(spec, "pod_template", spec)
-    return [f"{path}: {check.message}" for check, path in sorted(pod_security_violations(template, allowed),
-                                                                   key=lambda v: v[1])]
+    return _problems(pod_security_violations(template, allowed))
+
+
+def rendered_pod_problems(pod: dict[str, Any], own: dict[str, Any], allowed: Any = ()) -> list[str]:
+    """"<path>: <message>" for every pod-security refusal of a rendered pod (or a StatefulSet's
+    pod template), `own` being the same pod rendered without the job's podTemplate."""
+    return _problems(pod_security_violations(pod, allowed, own))
+
+
+def _problems(violations: list[tuple[SecurityCheck, str]]) -> list[str]:
+    return sorted({f"{path}: {check.message}" for check, path in violations})

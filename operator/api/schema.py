@@ -144,6 +144,11 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
+MAX_SHOWN_PROBLEMS = 50
+"""Problems shown of one file or job (printed by `kubetrain validate`, written to a job's status): a
+manifest of 140,000 empty documents once printed 700,000 lines. The rest are counted."""
+
+
 class InvalidSpec(Exception):
     """Raised with every problem found in a document, each with its field path."""
 
@@ -151,7 +156,14 @@ class InvalidSpec(Exception):
         self.problems = problems
         self.source = source
         where = f"{source}: " if source else ""
-        super().__init__(where + "; ".join(str(p) for p in problems))
+        super().__init__(where + "; ".join(self.shown()))
+
+    def shown(self, limit: int = MAX_SHOWN_PROBLEMS) -> list[str]:
+        """The first `limit` problems as "path: message", and a last line counting the rest."""
+        lines = [str(p) for p in self.problems[:limit]]
+        if len(self.problems) > limit:
+            lines.append(f"... and {len(self.problems) - limit} more problems")
+        return lines
 
 
 # --- names -------------------------------------------------------------------

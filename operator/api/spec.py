@@ -251,8 +251,15 @@ class DDP:
     nodes: int = field("Nodes (pods) in the group.", 2, minimum=1, maximum=1024, immutable=True)
     procs_per_node: int = field("Ranks per node.", 1, minimum=1, maximum=64, immutable=True)
     backend: Literal["gloo", "nccl"] = field("gloo on CPUs, nccl on GPUs.", "gloo")
+    strategy: Literal["DDP", "FSDP"] = field(
+        "How the built-in loop spreads the model over the ranks: DDP (a whole replica on every rank, gradients "
+        "averaged) or FSDP (FSDP2: every layer, then the model, sharded across the ranks, gradients "
+        "reduce-scattered; checkpoints sharded, every rank writing its own shards, so a job of several nodes "
+        "needs checkpoint.storage.accessMode ReadWriteMany). Script jobs shard their own model.",
+        "DDP", immutable=True,
+    )
     comm_hook: Literal["None", "FP16", "PowerSGD"] = field(
-        "DDP communication hook: None, FP16 or PowerSGD (torch's built-in hooks).", "None"
+        "DDP communication hook: None, FP16 or PowerSGD (torch's built-in hooks); strategy DDP only.", "None"
     )
     power_sgd_rank: int = field(
         "PowerSGD hook: matrix approximation rank.", 2, minimum=1, maximum=64, name="powerSGDRank"
@@ -553,11 +560,16 @@ class Spec:
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
         "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
-        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse. What reaches past the pod "
-        "is refused unless the cluster's kubetrain installation allows it (the chart's podSecurity.allow): "
-        "privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, hostNetwork, hostPath volumes, "
-        "added capabilities, runAsUser 0 or runAsNonRoot false, another serviceAccountName and "
-        "automountServiceAccountToken.",
+        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse; labels and annotations "
+        "kubetrain.dev/* and app.kubernetes.io/managed-by; and null anywhere in spec. kubetrain's own "
+        "security fields are applied after the template. What reaches past the pod is refused unless the "
+        "cluster's kubetrain installation allows it (the chart's podSecurity.allow): Pod Security "
+        "baseline and restricted (privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, "
+        "hostNetwork, hostPath volumes, hostPort, added capabilities, runAsUser 0 or runAsNonRoot false, "
+        "Unconfined seccomp or AppArmor profiles, SELinux options, procMount, unsafe sysctls, volume "
+        "types outside restricted's), the namespace's Secrets and other claims, another ServiceAccount "
+        "or its token, nodeName, a toleration of every taint, priorityClassName and runtimeClassName "
+        "(docs/security.md).",
         default_factory=dict,
     )
 
@@ -582,6 +594,7 @@ class Spec:
                         "ReadWriteMany; or leave existingClaim empty so each node gets its own volume",
                     )
                 )
+            problems += self._strategy_problems(ddp)
             problems += self._fault_tolerance_problems(ddp)
         problems += pod_template_problems(self.pod_template)
         if self.run_policy.scheduling_policy is not None:
@@ -604,11 +617,33 @@ class Spec:
         if ddp.comm_hook != "None":
             problems.append(("ddp.commHook", f"faultTolerance averages gradients through torchft's Manager, "
                                              f"not DDP's communication hooks: use None, got {ddp.comm_hook}"))
-        strategy = getattr(ddp, "strategy", "DDP")
+        strategy = ddp.strategy
         if strategy != "DDP":
             problems.append(("ddp.strategy", f"faultTolerance replicates the whole model in every replica group: "
                                              f"use DDP, got {strategy} (sharding within a group is not combined "
                                              "with fault tolerance across groups yet)"))
+        if self.checkpoint.storage.access_mode == "ReadWriteMany":
+            problems.append(("checkpoint.storage.accessMode",
+                             "with faultTolerance every replica group writes its own checkpoints on its own "
+                             "volume: use ReadWriteOnce, got ReadWriteMany"))
+        return problems
+
+    def _strategy_problems(self, ddp: "DDP") -> list[tuple[str, str]]:
+        """FSDP: sharded checkpoints need one volume every node reads; no DDP communication hook."""
+        if ddp.strategy != "FSDP":
+            return []
+        problems = []
+        if self.script is not None:
+            problems.append(("ddp.strategy", "FSDP shards the built-in loop's model; a script job shards its own "
+                                             "(fully_shard) and keeps strategy DDP"))
+        if ddp.comm_hook != "None":
+            problems.append(("ddp.commHook", f"{ddp.comm_hook} is a hook of DDP's gradient all-reduce; FSDP "
+                                             "reduce-scatters its gradients: use None with strategy FSDP"))
+        if ddp.node_range[1] > 1 and self.checkpoint.storage.access_mode != "ReadWriteMany":
+            problems.append(("checkpoint.storage.accessMode",
+                             f"strategy FSDP writes sharded checkpoints, each rank its own shards, into one "
+                             f"directory every rank reads: a job of up to {ddp.node_range[1]} nodes needs "
+                             f"ReadWriteMany (one claim every node mounts), got {self.checkpoint.storage.access_mode}"))
         return problems
 
     def _size_problems(self) -> list[tuple[str, str]]:

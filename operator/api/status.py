@@ -60,6 +60,9 @@ class Progress:
     metrics: dict[str, float] | None = field(
         "What a script reported with kubetrain.report(step, name=value), by name.", None
     )
+    eta_seconds: int | None = field(
+        "Seconds until totalSteps at the recent steps per second (a moving average over about a minute); "
+        "0 once the job succeeded.", None)
     update_time: str | None = field("When this was read (RFC 3339).", None)
 
 
@@ -99,6 +102,8 @@ class JobMemory:
         "When a ParameterServer job last took a new size, live (unix seconds): workers above the size still "
         "running RELEASE_GRACE_SECONDS (120 s) after it are stopped.", None
     )
+    steps_per_second: float | None = field(
+        "Recent training steps per second (core/eta.py: a moving average), the ETA's rate.", None)
     unschedulable_since: float | None = field(
         "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None
     )

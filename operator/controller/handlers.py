@@ -8,6 +8,9 @@ workers reconciles the jobs that changed.
   events arrived (`workqueue.WorkQueue`); WORKERS threads take jobs from it, and a job is
   never reconciled by two workers at once. A running job is queued again when the engine
   asks (at most every 10 s); a finished one costs nothing until its TTL deletes it.
+- A running job's progress comes from its chief's /metrics, read by a pool of its own
+  (scrapes.py): a round takes the latest result and never waits for a tenant's answer.
+- A pod is a job's when the job (its uid) or its StatefulSet owns it, not by its labels alone.
 - Every API call has a timeout (kube.API_TIMEOUT). A failed round is retried with an
   exponential backoff; after REPORT_AFTER_FAILURES failures in a row the problem (422
   invalid, 429 throttled, 5xx and others) is shown on the job: a condition and an Event.
@@ -29,15 +32,15 @@ from typing import Any
 import kopf
 
 from ..api import GROUP, PLURAL, VERSION, InvalidSpec, from_spec_dict
-from ..api.podtemplate import pod_security_problems
-from ..core import kueue
+from ..api.podtemplate import SECURITY_CHECKS
+from ..core import kueue, podsecurity
 from ..core.children import LABEL_JOB, Settings
 from ..core.engine import WAITING_REASONS, ReplicaObservation
 from ..core.gang import gang_problem
 from ..core.plan import chief
 from ..core.reconcile import reconcile
 from ..core.status import TERMINAL, Observed, conditions
-from . import kube, metrics, observe
+from . import kube, metrics, observe, scrapes
 from .workqueue import WorkQueue
 
 log = logging.getLogger("kubetrain.operator")
@@ -48,6 +51,9 @@ FINALIZER = f"{DOMAIN}/finalizer"
 WORKERS = 8
 """Reconcile workers. A round is a few API calls at most (milliseconds each), so 8 keep up with
 thousands of jobs; more would only multiply concurrent calls against the API server."""
+MAX_WORKERS = 64
+"""The most `--workers` takes: the rounds share one interpreter (the GIL), and each worker holds an
+API connection of its own; beyond this they only contend."""
 RESYNC_SECONDS = 300.0
 """A running job's pods are listed afresh this often, in case the watch missed an event."""
 EXPECTATION_SECONDS = 30.0
@@ -83,6 +89,7 @@ class JobState:
     last_resync: float = field(default_factory=time.monotonic)
     problem: str | None = None  # the API problem reason shown on the job, if any
     placements: tuple[str, dict[str, Any]] | None = None  # (the Workload's admission as JSON, role -> Placement)
+    pod_security: tuple[tuple[str, int], list[str]] | None = None  # ((uid, generation), its refusals)
 
 
 Key = tuple[str, str]  # (namespace, job name)
@@ -94,7 +101,7 @@ class Index:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.jobs: dict[Key, dict[str, Any]] = {}
-        self.pods: dict[Key, dict[str, ReplicaObservation]] = {}  # job -> pod name -> observation
+        self.pods: dict[Key, dict[str, tuple[observe.Owner, ReplicaObservation]]] = {}  # job -> pod name -> (its owner, observation)
         self.claims: dict[Key, dict[str, str]] = {}  # job -> claim name -> phase
         self.workloads: dict[Key, dict[str, dict[str, Any]]] = {}  # job -> Kueue Workload name -> object
 
@@ -102,11 +109,15 @@ class Index:
         with self.lock:
             return self.jobs.get(key)
 
-    def replicas(self, key: Key) -> dict[str, ReplicaObservation]:
+    def replicas(self, key: Key, uid: str) -> dict[str, ReplicaObservation]:
+        """The replicas of the job `key` whose uid is `uid`: pods labelled with its name and owned by it
+        (or by its StatefulSet). A label is anyone's to set; a pod another job's template (or another
+        tenant) labelled as this job's replica once made the job Succeeded, or restarted."""
         with self.lock:
-            return {o.replica: o for o in (self.pods.get(key) or {}).values()}
+            return {o.replica: o for owner, o in (self.pods.get(key) or {}).values()
+                    if observe.owned_by(owner, key[1], uid)}
 
-    def set_pod(self, key: Key, name: str, seen: ReplicaObservation | None) -> None:
+    def set_pod(self, key: Key, name: str, seen: tuple[observe.Owner, ReplicaObservation] | None) -> None:
         with self.lock:
             pods = self.pods.setdefault(key, {})
             if seen is None:
@@ -116,7 +127,7 @@ class Index:
             else:
                 pods[name] = seen
 
-    def replace_pods(self, key: Key, pods: dict[str, ReplicaObservation]) -> None:
+    def replace_pods(self, key: Key, pods: dict[str, tuple[observe.Owner, ReplicaObservation]]) -> None:
         with self.lock:
             if pods:
                 self.pods[key] = pods
@@ -126,6 +137,13 @@ class Index:
     def pending_claims(self, key: Key) -> list[str]:
         with self.lock:
             return sorted(n for n, phase in (self.claims.get(key) or {}).items() if phase == "Pending")
+
+    def claim_holder(self, namespace: str, claim: str) -> str | None:
+        """The job whose checkpoint claim `claim` is (by its label), in `namespace`; None for a claim
+        kubetrain did not make (or has not seen)."""
+        with self.lock:
+            return next((job for (ns, job), claims in self.claims.items() if ns == namespace and claim in claims),
+                        None)
 
     def set_claim(self, key: Key, name: str, phase: str | None) -> None:
         with self.lock:
@@ -155,7 +173,10 @@ class Index:
 
 
 INDEX = Index()
-QUEUE = WorkQueue()
+QUEUE = WorkQueue(on_wait=lambda lane, seconds: metrics.WORKQUEUE_WAIT_SECONDS.labels(lane).observe(seconds))
+for _lane in ("urgent", "routine"):
+    metrics.WORKQUEUE_DEPTH.labels(_lane).set_function(lambda lane=_lane: QUEUE.depth()[lane])
+SCRAPES = scrapes.Scrapes(on_change=QUEUE.add)
 JOBS: dict[Key, JobState] = {}
 JOBS_LOCK = threading.Lock()
 _WORKERS: list[threading.Thread] = []
@@ -166,12 +187,22 @@ def job_state(namespace: str, name: str) -> JobState:
         return JOBS.setdefault((namespace, name), JobState())
 
 
+class EssenceFreeDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base without the object's essence. kopf builds, for every event of every job, the
+    "essence" its change handlers compare, with `copy.deepcopy` of the whole object: a job whose spec
+    nested a few hundred levels (the API server stores up to 10,000) raised RecursionError there, in
+    every event of that job, before any handler of ours could refuse it. kubetrain has no change
+    handlers (events only feed the index and the work queue, and the engine reads the spec itself),
+    so no essence is ever compared or stored: it is empty, and costs nothing."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return {}
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=DOMAIN)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=DOMAIN, key="last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = EssenceFreeDiffBaseStorage(prefix=DOMAIN, key="last-handled-configuration")
     settings.persistence.finalizer = FINALIZER  # jobs of the daemon era carry it: kopf removes it
     settings.posting.level = logging.WARNING
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # not a line per watch event
@@ -191,9 +222,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     start_workers(CONFIG.workers)
 
 
+URGENT_WORKERS = 1
+"""Workers that take urgent keys only (a replica to replace), beside the WORKERS that take both: a
+replacement never waits for a worker busy with a long routine round (a large job's creation)."""
+
+
 def start_workers(count: int) -> None:
-    for n in range(count - len(_WORKERS)):
-        worker = threading.Thread(target=_work, name=f"reconcile-{n}", daemon=True)
+    for n in range(URGENT_WORKERS + count - len(_WORKERS)):
+        urgent_only = len(_WORKERS) < URGENT_WORKERS
+        worker = threading.Thread(target=_work, args=(urgent_only,), daemon=True,
+                                  name=f"reconcile-urgent-{n}" if urgent_only else f"reconcile-{n}")
         worker.start()
         _WORKERS.append(worker)
 
@@ -201,6 +239,7 @@ def start_workers(count: int) -> None:
 @kopf.on.cleanup()
 def stop_workers(**_: Any) -> None:
     QUEUE.close()
+    SCRAPES.close()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -211,6 +250,7 @@ def job_event(event: dict[str, Any], **_: Any) -> None:
     if event.get("type") == "DELETED":
         INDEX.forget(key)
         QUEUE.discard(key)
+        SCRAPES.forget(key)
         with JOBS_LOCK:
             JOBS.pop(key, None)
         _update_state_gauge()
@@ -222,9 +262,11 @@ def job_event(event: dict[str, Any], **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 def pod_event(event: dict[str, Any], **_: Any) -> None:
-    key = _index_pod(event.get("type"), event.get("object") or {})
+    raw = event.get("object") or {}
+    key = _index_pod(event.get("type"), raw)
     if key is not None:
-        QUEUE.add(key)
+        # A pod that died or went is handled ahead of routine rounds (a creation burst, status to follow).
+        QUEUE.add(key, urgent=observe.urgent(event.get("type"), raw))
 
 
 @kopf.on.event("", "v1", "persistentvolumeclaims", labels={LABEL_JOB: kopf.PRESENT})
@@ -275,8 +317,13 @@ def _index_pod(kind: str | None, raw: dict[str, Any]) -> Key | None:
     if found is None:
         return None
     key, name = found
-    INDEX.set_pod(key, name, None if kind == "DELETED" else observe.pod_observation(raw))
+    INDEX.set_pod(key, name, None if kind == "DELETED" else _observed_pod(raw))
     return key
+
+
+def _observed_pod(raw: dict[str, Any]) -> tuple[observe.Owner, ReplicaObservation] | None:
+    seen = observe.pod_observation(raw)
+    return None if seen is None else (observe.owner_of(raw), seen)
 
 
 def _index_claim(kind: str | None, raw: dict[str, Any]) -> Key | None:
@@ -288,9 +335,9 @@ def _index_claim(kind: str | None, raw: dict[str, Any]) -> Key | None:
     return key
 
 
-def _work() -> None:
+def _work(urgent_only: bool = False) -> None:
     while True:
-        key = QUEUE.get()
+        key = QUEUE.get(urgent_only=urgent_only)
         if key is None:
             return
         try:
@@ -390,7 +437,7 @@ def _now() -> float:
     return time.time()
 
 
-def observed_replicas(key: Key, state: JobState) -> dict[str, ReplicaObservation]:
+def observed_replicas(key: Key, uid: str, state: JobState) -> dict[str, ReplicaObservation]:
     """The job's replicas from the index, with the pods this operator just created and the watch
     has not shown yet taken as Pending."""
     now = time.monotonic()
@@ -399,11 +446,11 @@ def observed_replicas(key: Key, state: JobState) -> dict[str, ReplicaObservation
         state.last_resync = now
         fresh = {}
         for raw in kube.list_pods(*key):
-            seen = observe.pod_observation(raw)
+            seen = _observed_pod(raw)
             if seen is not None:
                 fresh[raw["metadata"]["name"]] = seen
         INDEX.replace_pods(key, fresh)
-    replicas = INDEX.replicas(key)
+    replicas = INDEX.replicas(key, uid)
     for replica, created in list(state.expected.items()):
         if replica in replicas or now - created > EXPECTATION_SECONDS:
             del state.expected[replica]
@@ -420,13 +467,13 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         job = from_spec_dict(name, dict(body["spec"]), ns)
     except InvalidSpec as err:
         # The CRD's schema catches nearly all of this; what is left is reported, not retried.
-        message = "; ".join(str(p) for p in err.problems)
+        message = "; ".join(err.shown())
         _write_condition(body, state, old_status, Observed("Failed", "InvalidSpec", message), state="Failed")
         return None
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = uid
     job.metadata.labels = dict(meta.get("labels") or {})
-    refused = pod_security_problems(job.spec, CONFIG.settings.pod_security_allow)
+    refused = _pod_security(job, state) + _claim_problems(job)
     if refused and old_status.get("state") not in TERMINAL:
         # The chart's admission policy refuses these at the API; a cluster without it still gets no such pod.
         _write_condition(body, state, old_status, Observed("Failed", "PodSecurity", "; ".join(refused)), state="Failed",
@@ -444,12 +491,13 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     if not state.counted_created:
         state.counted_created = True
         if not old_status:
+            metrics.start_counting(ns, job.spec.mode)
             metrics.JOBS_CREATED.labels(ns, job.spec.mode).inc()
     if old_status.get("state") in TERMINAL:
-        pods: dict[str, ReplicaObservation] = INDEX.replicas((ns, name))
+        pods: dict[str, ReplicaObservation] = INDEX.replicas((ns, name), uid)
         progress = None
     else:
-        pods = observed_replicas((ns, name), state)
+        pods = observed_replicas((ns, name), uid, state)
         progress = _progress(job, pods)
     pvc_pending = INDEX.pending_claims((ns, name)) if old_status.get("state") in (None, "Created") and pods else None
     workload, admission, placements = _queue(job, uid, state, old_status, pods)
@@ -502,6 +550,34 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     if act.delete_job:
         kube.delete_job(ns, name)
     return act.requeue_after
+
+
+def _pod_security(job, state: JobState) -> list[str]:
+    """The pod-security refusals of the pods the job would create (core/podsecurity.py), judged once
+    per generation of its spec: rendering every pod of a large job each round would cost more than
+    the rest of the round."""
+    key = (job.metadata.uid, job.metadata.generation)
+    if state.pod_security is None or state.pod_security[0] != key:
+        state.pod_security = (key, podsecurity.problems(job, CONFIG.settings))
+    return state.pod_security[1]
+
+
+def _claim_problems(job) -> list[str]:
+    """checkpoint.storage.existingClaim naming another job's checkpoint claim (the pods would mount its
+    checkpoints, to read them or to write over them) is refused unless the installation allows claims:
+    the same allowance as a claim in the template (api/podtemplate.py), judged here because only the
+    operator sees which job a claim belongs to."""
+    claim = job.spec.checkpoint.storage.existing_claim
+    if not claim or "claims" in CONFIG.settings.pod_security_allow:
+        return []
+    holder = INDEX.claim_holder(job.metadata.namespace, claim)
+    if holder is None or holder == job.name:
+        return []
+    return [f"spec.checkpoint.storage.existingClaim: {claim!r} is job {holder}'s checkpoint claim; "
+            f"{CLAIMS_CHECK.message}"]
+
+
+CLAIMS_CHECK = next(c for c in SECURITY_CHECKS if c.allowance == "claims")
 
 
 def _queue(job, uid: str, state: JobState, old_status: dict[str, Any], pods: dict[str, ReplicaObservation]):
@@ -610,28 +686,40 @@ def _iso_now() -> str:
 
 
 def _progress(job, pods):
-    """Progress from the chief's metrics (and, for a PS job, ps-0, which counts the global step)."""
+    """Progress from the chief's metrics (and, for a PS job, ps-0, which counts the global step), as
+    the job's latest scrape read them: scrapes run in a pool of their own (scrapes.py), so a round
+    never waits for a tenant's /metrics."""
     if not CONFIG.scrape:
         return None
     port = job.spec.metrics.port
     if not port:
         return None
+    replicas = [chief(job)] + (["ps-0"] if job.spec.mode == "ParameterServer" else [])
+    if job.spec.fault_tolerant:
+        replicas += sorted(name for name in pods if name.startswith("ddp-") and name != replicas[0])
+    ips = {}
+    for replica in replicas:
+        p = pods.get(replica)
+        if p is not None and p.phase == "Running" and observe.scrape_allowed(p.ip, CONFIG.scrape_networks):
+            ips[replica] = p.ip
+    if not ips:
+        return None
 
     def samples(replica: str) -> dict[str, float] | None:
-        p = pods.get(replica)
-        if p is None or p.phase != "Running" or not observe.scrape_allowed(p.ip, CONFIG.scrape_networks):
-            return None
-        text = kube.scrape(p.ip, port)
+        text = kube.scrape(ips[replica], port) if replica in ips else None
         return observe.parse_metrics(text) if text is not None else None
 
-    head = samples(chief(job))
-    if head is None and job.spec.fault_tolerant:
-        # The chief's group is lost and the others train on: any live group speaks for the job.
-        head = next((found for name in sorted(pods) if name.startswith("ddp-") and (found := samples(name))), None)
-    shard = samples("ps-0") if job.spec.mode == "ParameterServer" else None
-    if head is None and shard is None:
-        return None
-    return observe.progress_from(head or {}, shard)
+    def read():
+        head = samples(replicas[0])
+        if head is None and job.spec.fault_tolerant:
+            # The chief's group is lost and the others train on: any live group speaks for the job.
+            head = next((found for name in replicas[1:] if name in ips and (found := samples(name))), None)
+        shard = samples("ps-0") if job.spec.mode == "ParameterServer" else None
+        if head is None and shard is None:
+            return None
+        return observe.progress_from(head or {}, shard)
+
+    return SCRAPES.latest((job.metadata.namespace, job.name), read)
 
 
 @kopf.on.probe(id="jobs")

@@ -6,9 +6,9 @@ classes cost more CPU than the rest of a reconciliation together.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
+import socket
 import threading
 import time
 from datetime import datetime, timezone
@@ -20,6 +20,7 @@ from kubernetes.client.rest import ApiException
 from ..api import GROUP, PLURAL, VERSION
 from ..core.children import LABEL_JOB
 from ..core.kueue import GROUP as KUEUE_GROUP, VERSION as KUEUE_VERSION
+from . import metrics
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,41 @@ def load_config() -> None:
         config.load_kube_config()
 
 
+class CountingApiClient(client.ApiClient):
+    """The client's ApiClient, every request counted by verb and resource (kubetrain_operator_api_requests_total)."""
+
+    def call_api(self, resource_path, method, path_params=None, *args, **kwargs):  # noqa: ANN001 - the client's own
+        metrics.API_REQUESTS.labels(method, resource_of(resource_path, path_params or {})).inc()
+        return super().call_api(resource_path, method, path_params, *args, **kwargs)
+
+
+def resource_of(path: str, params: dict[str, Any]) -> str:
+    """`pods`, `pods/status`, `trainingjobs/status`, ... of a request's path template: bounded, whatever the names.
+
+    '/api/v1/namespaces/{namespace}/pods/{name}/status' -> 'pods/status';
+    '/apis/{group}/{version}/namespaces/{namespace}/{plural}/{name}' -> the plural asked for.
+    """
+    parts = path.strip("/").split("/")
+    parts = parts[2:] if parts[:1] == ["api"] else parts[3:]  # api/v1 or apis/<group>/<version>
+    out: list[str] = []
+    skip = False
+    for part in parts:
+        if skip:
+            skip = False
+        elif part == "namespaces" and len(parts) > 1 and out == [] and part != parts[-1]:
+            skip = True  # the namespace's name follows
+        elif part == "{plural}":
+            out.append(str(params.get("plural", "?")))
+        elif not part.startswith("{"):
+            out.append(part)
+    return "/".join(out) or "?"
+
+
 def _api() -> client.ApiClient:
     # One ApiClient per thread: kopf runs sync handlers on a thread pool.
     api = getattr(_local, "api", None)
     if api is None:
-        api = _local.api = client.ApiClient()
+        api = _local.api = CountingApiClient()
     return api
 
 
@@ -420,44 +451,105 @@ def record_event(job: dict[str, Any], type_: str, reason: str, message: str) -> 
 # to 852 MiB against its 512 Mi limit).
 MAX_SCRAPE_BYTES = 1 << 20
 SCRAPE_READ_BYTES = 64 << 10
+MAX_SCRAPE_HEAD_BYTES = 16 << 10
+"""The status line and headers of a /metrics answer: prometheus-client sends about 150 bytes. More
+is refused (None), as is a head that has not ended within the deadline."""
+SCRAPE_SECONDS = 2.0
+"""The deadline of one scrape, the whole exchange: a trainer answers in milliseconds; 2 s leaves room
+for a loaded node, and bounds what a stalling chief costs one scrape worker (scrapes.SCRAPE_WORKERS)."""
 
 
-def scrape(ip: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_SCRAPE_BYTES) -> str | None:
+class _Expired(Exception):
+    """The scrape's deadline passed."""
+
+
+def scrape(ip: str, port: int, timeout: float = SCRAPE_SECONDS, max_bytes: int = MAX_SCRAPE_BYTES) -> str | None:
     """The text of a pod's /metrics, or None when it does not answer (yet) or answers badly.
 
-    The pod is a tenant's: `timeout` bounds the whole exchange (a body dripped
-    a byte a second is cut off), the body is read to at most `max_bytes`, and
-    only a 200 counts (a redirect is not followed: it could point anywhere).
+    The pod is a tenant's: `timeout` is one absolute deadline over the whole
+    exchange, the connect, the status line, the headers and the body: every
+    read waits only for what is left of it, so a peer dripping a byte at a
+    time (a header byte every 0.5 s once held a 1 s scrape for 8 s, through
+    http.client's per-read timeout) is cut off at the deadline wherever it
+    drips. The head is read to at most MAX_SCRAPE_HEAD_BYTES, the body to at
+    most `max_bytes`, and only a 200 counts (a redirect is not followed: it
+    could point anywhere). HTTP/1.0 and `Connection: close`: the answer ends
+    with the connection (or at its Content-Length), never in chunks.
     """
     deadline = time.monotonic() + timeout
-    conn = http.client.HTTPConnection(ip, port, timeout=timeout)
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _Expired
+        return remaining
+
     try:
-        conn.request("GET", "/metrics", headers={"Accept": "text/plain"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            log.debug("scrape %s:%s: HTTP %s", ip, port, resp.status)
-            return None
-        length = resp.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) > max_bytes:
-            log.warning("scrape %s:%s: %s bytes announced, more than %d; not read", ip, port, length, max_bytes)
-            return None
-        body = bytearray()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                log.warning("scrape %s:%s: no whole answer within %.1fs", ip, port, timeout)
-                return None
-            if conn.sock is not None:
-                conn.sock.settimeout(remaining)
-            chunk = resp.read1(SCRAPE_READ_BYTES)
-            if not chunk:
-                return body.decode(errors="replace")
-            body += chunk
-            if len(body) > max_bytes:
-                log.warning("scrape %s:%s: more than %d bytes; not read further", ip, port, max_bytes)
-                return None
-    except (OSError, http.client.HTTPException) as err:
+        with socket.create_connection((ip, port), timeout=left()) as sock:
+            sock.settimeout(left())
+            sock.sendall(f"GET /metrics HTTP/1.0\r\nHost: {ip}:{port}\r\nAccept: text/plain\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            return _read_answer(sock, left, max_bytes, f"{ip}:{port}")
+    except (_Expired, TimeoutError):  # TimeoutError: a read that waited for all that was left
+        log.warning("scrape %s:%s: no whole answer within %.1fs", ip, port, timeout)
+    except OSError as err:  # refused, reset
         log.debug("scrape %s:%s failed: %s", ip, port, err)
+    return None
+
+
+def _read_answer(sock: socket.socket, left, max_bytes: int, where: str) -> str | None:
+    buf = bytearray()
+    start = length = None  # where the body starts; its announced length
+    while True:
+        sock.settimeout(left())
+        chunk = sock.recv(SCRAPE_READ_BYTES)
+        if not chunk:
+            break
+        buf += chunk
+        if start is None:
+            end = buf.find(b"\r\n\r\n", 0, MAX_SCRAPE_HEAD_BYTES + 4)
+            if end < 0:
+                if len(buf) > MAX_SCRAPE_HEAD_BYTES:
+                    log.warning("scrape %s: a head of more than %d bytes; not read further", where, MAX_SCRAPE_HEAD_BYTES)
+                    return None
+                continue
+            start = end + 4
+            status, headers = _head(bytes(buf[:end]))
+            if status != 200:
+                log.debug("scrape %s: HTTP %s", where, status)
+                return None
+            if "chunked" in headers.get("transfer-encoding", ""):
+                log.warning("scrape %s: a chunked answer to an HTTP/1.0 request; not read", where)
+                return None
+            announced = headers.get("content-length", "")
+            length = int(announced) if announced.isdigit() and len(announced) <= 12 else None
+            if announced and length is None or length is not None and length > max_bytes:
+                log.warning("scrape %s: %s bytes announced, more than %d; not read", where, announced, max_bytes)
+                return None
+        if len(buf) - start > max_bytes:
+            log.warning("scrape %s: more than %d bytes; not read further", where, max_bytes)
+            return None
+        if length is not None and len(buf) - start >= length:
+            break
+    if start is None:
+        log.debug("scrape %s: the connection ended within the head", where)
         return None
-    finally:
-        conn.close()
+    body = bytes(buf[start:start + length] if length is not None else buf[start:])
+    if length is not None and len(body) < length:
+        log.debug("scrape %s: %d of %d bytes before the connection ended", where, len(body), length)
+        return None
+    return body.decode(errors="replace")
+
+
+def _head(raw: bytes) -> tuple[int | None, dict[str, str]]:
+    """(the status code, lower-cased header names -> values) of an HTTP answer's head."""
+    lines = raw.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    status = int(parts[1]) if len(parts) >= 2 and parts[0].startswith("HTTP/") and parts[1].isdigit() \
+        and len(parts[1]) == 3 else None
+    headers = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()
+    return status, headers

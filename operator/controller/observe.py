@@ -6,8 +6,12 @@ import ipaddress
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
+from ..api import KIND
+
+from ..api.schema import INT64_MAX, INT64_MIN
 from ..api.spec import MAX_REPORTED_METRICS
 
 from ..core.children import CONTAINER, LABEL_REPLICA
@@ -22,6 +26,34 @@ evicts it once its toleration of the node's not-ready/unreachable taint ran out 
 taint reads the same: a node being taken away), and the pod garbage collector deletes a pod whose
 Node object is gone. What the operator sees of a lost node from the pod alone: it has no grant to read
 Nodes (a namespace-scoped installation cannot have one)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A pod's controller, as its ownerReferences name it."""
+
+    kind: str = ""
+    name: str = ""
+    uid: str = ""
+
+
+def owner_of(pod: dict[str, Any]) -> Owner:
+    """The controller among a pod's ownerReferences (the operator's pods are owned by their job, a DDP
+    job's by its StatefulSet); an empty Owner when none is marked controller."""
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if isinstance(ref, dict) and ref.get("controller") is True:
+            return Owner(str(ref.get("kind") or ""), str(ref.get("name") or ""), str(ref.get("uid") or ""))
+    return Owner()
+
+
+def owned_by(owner: Owner, job: str, uid: str) -> bool:
+    """Whether a pod with this controller is one of job `job`'s (uid `uid`): made by the job itself,
+    or by its StatefulSet, whose name is the job's (`<job>-ddp`) and which the operator creates for
+    that job alone (a StatefulSet of that name owned by anyone else is never adopted: ChildConflict).
+    The pod's labels say which job it claims to be; this says whether the claim holds."""
+    if owner.kind == KIND:
+        return bool(uid) and owner.uid == uid
+    return owner.kind == "StatefulSet" and owner.name == f"{job}-ddp"
 
 
 def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
@@ -89,14 +121,39 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
 
 
 def termination_results(message: str | None) -> dict[str, Any] | None:
-    """The final results a trainer wrote as its termination message (a JSON object), else None."""
+    """The final results a trainer wrote as its termination message (a JSON object), else None.
+
+    The message is the pod's (a tenant's code writes it), so only what the status can hold is
+    kept: strings, booleans, finite numbers within int64, and one level of objects of those (the
+    reported metrics). A 400-digit integer once raised OverflowError in every round of its job;
+    deep nesting raises RecursionError in the JSON decoder (the kubelet keeps 4 KiB of message,
+    room for 2,000 levels): both are dropped, never raised.
+    """
     if not message:
         return None
     try:
         found = json.loads(message)
-    except ValueError:
-        return None  # the log's tail (FallbackToLogsOnError), not ours
-    return found if isinstance(found, dict) else None
+    except (ValueError, RecursionError):
+        return None  # the log's tail (FallbackToLogsOnError), not ours; or nested past the decoder
+    if not isinstance(found, dict):
+        return None
+    kept = {}
+    for key, value in found.items():
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if _status_value(v)}
+        elif not _status_value(value):
+            continue
+        kept[key] = value
+    return kept
+
+
+def _status_value(value: Any) -> bool:
+    """A scalar a status can hold: a string, a boolean, a finite float, an integer within int64."""
+    if isinstance(value, (str, bool)):
+        return True
+    if isinstance(value, int):
+        return INT64_MIN <= value <= INT64_MAX
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -163,3 +220,20 @@ def scrape_allowed(ip: str, networks: list[str]) -> bool:
         return True
     addr = ipaddress.ip_address(ip)
     return any(addr in ipaddress.ip_network(n, strict=False) for n in networks)
+
+
+def urgent(kind: str | None, pod: dict[str, Any]) -> bool:
+    """Whether a pod event may need a replacement made (the work queue's urgent lane): the pod went
+    (DELETED, or being deleted), failed, or its trainer container ended with a non-zero code (a DDP
+    pod's container restarts in place). A pod that starts, runs or succeeds is routine."""
+    if kind == "DELETED" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return True
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") == CONTAINER:
+            ended = (cs.get("state") or {}).get("terminated")
+            if ended and ended.get("exitCode") not in (0, None):
+                return True
+    return False

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -66,6 +67,19 @@ def _healthz_while_standing_by(port: int, elector: leader.LeaderElector) -> Iter
         server.server_close()
 
 
+API_MAX_DEPTH = 10_000
+"""How deep the API server lets an object nest (apimachinery's JSON decoder refuses deeper): a
+TrainingJob's podTemplate, whose schema keeps unknown fields, may nest that deep."""
+RECURSION_LIMIT = API_MAX_DEPTH + 1_000
+"""Python's JSON decoder counts each level of nesting against the recursion limit (1,000 by default),
+and kopf decodes every watched TrainingJob with it: one job nested 3,000 levels, created by any
+tenant, broke the operator's watch of every job in its scope (the list and each watch failed on it).
+The limit is raised so that anything the API server stores can be read (and then refused: the
+operator checks a spec's depth without recursion, api/load.depth_problem, before anything walks it;
+kopf's own deep copy of each object is gone, handlers.EssenceFreeDiffBaseStorage). 1,000 more for
+the frames of the event loop and kopf below the decoder."""
+
+
 def run(
     namespaces: list[str],
     metrics_port: int,
@@ -82,8 +96,10 @@ def run(
     metrics_from: tuple[dict[str, Any], ...] = (),
     kueue: bool = False,
     gang_schedulers: tuple[tuple[str, str], ...] = (),
+    workers: int = handlers.WORKERS,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
     handlers.CONFIG.settings = Settings(image=trainer_image, pull_policy=pull_policy,
                                         pod_security_allow=pod_security_allow,
                                         network_policy=network_policy, metrics_from=metrics_from,
@@ -91,6 +107,7 @@ def run(
     handlers.CONFIG.scrape_networks = scrape_networks
     handlers.CONFIG.scrape = scrape
     handlers.CONFIG.namespaces = list(namespaces)
+    handlers.CONFIG.workers = workers
     if kueue:
         handlers.enable_kueue()
     metrics.serve(metrics_port)

@@ -10,6 +10,15 @@
 
 The queue holds at most one entry per job, so its size is bounded by the number
 of jobs the operator watches; the worker count bounds the concurrency.
+
+Two lanes. A key added `urgent` (a job one of whose pods died or went: a
+replacement to make) is handed out before every routine key (a status to
+follow, a creation burst's next job), so a lost pod is not replaced behind a
+thousand jobs that have just started; an urgent add of a key already waiting in
+the routine lane moves it. Routine keys are not starved: after URGENT_STREAK
+urgent keys in a row while routine ones wait, one routine key goes. A worker may
+take urgent keys only (`get(urgent_only=True)`): the operator keeps one such, so
+that a replacement never waits for a worker busy with a long routine round.
 """
 
 from __future__ import annotations
@@ -22,14 +31,23 @@ from collections.abc import Hashable
 
 ERROR_BACKOFF_BASE_SECONDS = 0.5
 ERROR_BACKOFF_CAP_SECONDS = 60.0
+URGENT_STREAK = 20
+"""Urgent keys handed out in a row while routine keys wait, before one routine key goes: a storm of
+failures (a node lost with hundreds of pods) still lets other jobs' rounds through, at 1 in 21."""
 
 
 class WorkQueue:
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, on_wait=None):
+        """`on_wait(lane, seconds)`: told, as each key is handed out, how long it waited ready in its lane."""
         self._clock = clock
+        self._on_wait = on_wait
         self._cond = threading.Condition()
         self._queue: deque[Hashable] = deque()
+        self._urgent: deque[Hashable] = deque()
         self._dirty: set[Hashable] = set()  # queued, or to queue again once processed
+        self._dirty_urgent: set[Hashable] = set()  # of those, the urgent ones
+        self._since: dict[Hashable, float] = {}  # when each queued key became ready
+        self._streak = 0
         self._processing: set[Hashable] = set()
         self._delayed: list[tuple[float, int, Hashable]] = []  # (due, seq, key)
         self._due: dict[Hashable, float] = {}  # each key's earliest pending due time
@@ -37,17 +55,28 @@ class WorkQueue:
         self._failures: dict[Hashable, int] = {}
         self._closed = False
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: Hashable, urgent: bool = False) -> None:
         with self._cond:
-            self._add(key)
+            self._add(key, urgent)
 
-    def _add(self, key: Hashable) -> None:
-        if self._closed or key in self._dirty:
+    def _add(self, key: Hashable, urgent: bool = False) -> None:
+        if self._closed:
+            return
+        if key in self._dirty:
+            if urgent and key not in self._dirty_urgent:  # waiting routine: move it up
+                self._dirty_urgent.add(key)
+                if key not in self._processing:
+                    self._queue.remove(key)  # O(queue length), only on this rare move
+                    self._urgent.append(key)
+                    self._cond.notify_all()
             return
         self._dirty.add(key)
+        if urgent:
+            self._dirty_urgent.add(key)
         if key not in self._processing:
-            self._queue.append(key)
-            self._cond.notify()
+            self._since[key] = self._clock()
+            (self._urgent if urgent else self._queue).append(key)
+            self._cond.notify_all()  # an urgent-only worker may be among the waiters
 
     def add_after(self, key: Hashable, seconds: float) -> None:
         if seconds <= 0:
@@ -62,16 +91,21 @@ class WorkQueue:
             heapq.heappush(self._delayed, (due, self._seq, key))
             self._cond.notify()
 
-    def get(self, timeout: float | None = None) -> Hashable | None:
-        """The next key to process (mark it done with `done`); None when closed or on timeout."""
+    def get(self, timeout: float | None = None, urgent_only: bool = False) -> Hashable | None:
+        """The next key to process (mark it done with `done`), urgent ones first; None when closed or on
+        timeout. `urgent_only`: wait for an urgent key, leave routine ones to the other workers."""
         end = None if timeout is None else self._clock() + timeout
         with self._cond:
             while True:
                 self._promote()
-                if self._queue:
-                    key = self._queue.popleft()
+                key, lane = self._next(urgent_only)
+                if key is not None:
                     self._dirty.discard(key)
+                    self._dirty_urgent.discard(key)
                     self._processing.add(key)
+                    waited = self._clock() - self._since.pop(key, self._clock())
+                    if self._on_wait is not None:
+                        self._on_wait(lane, waited)
                     return key
                 if self._closed:
                     return None
@@ -82,6 +116,20 @@ class WorkQueue:
                         return None
                     wait = left if wait is None else min(wait, left)
                 self._cond.wait(wait)
+
+    def _next(self, urgent_only: bool) -> tuple[Hashable | None, str]:
+        if self._urgent and (urgent_only or not self._queue or self._streak < URGENT_STREAK):
+            self._streak = self._streak + 1 if self._queue else 0
+            return self._urgent.popleft(), "urgent"
+        if self._queue and not urgent_only:
+            self._streak = 0
+            return self._queue.popleft(), "routine"
+        return None, ""
+
+    def depth(self) -> dict[str, int]:
+        """Keys ready and waiting for a worker, by lane (delayed ones not counted)."""
+        with self._cond:
+            return {"urgent": len(self._urgent), "routine": len(self._queue)}
 
     def _promote(self) -> None:
         now = self._clock()
@@ -95,8 +143,9 @@ class WorkQueue:
         with self._cond:
             self._processing.discard(key)
             if key in self._dirty:
-                self._queue.append(key)
-                self._cond.notify()
+                self._since[key] = self._clock()
+                (self._urgent if key in self._dirty_urgent else self._queue).append(key)
+                self._cond.notify_all()
 
     def backoff(self, key: Hashable) -> float:
         """Seconds to wait before retrying `key` after its n-th error in a row: 0.5 s, 1 s, 2 s, ... 60 s."""
@@ -121,7 +170,7 @@ class WorkQueue:
 
     def __len__(self) -> int:
         with self._cond:
-            return len(self._queue) + len(self._due)
+            return len(self._queue) + len(self._urgent) + len(self._due)
 
     def close(self) -> None:
         with self._cond:

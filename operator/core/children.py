@@ -26,10 +26,11 @@ from ..api.podtemplate import (
     DATA_VOLUME,
     TMP_MOUNT,
     TMP_VOLUME,
+    reserved_key,
 )
 from ..api.tls import FILES as TLS_FILES, MOUNT as TLS_MOUNT, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
 from . import gang
-from .plan import DATA_PORT, GRPC_PORT, Replica, plan_replicas
+from .plan import DATA_PORT, GRPC_PORT, Replica, plan_replicas, shared_checkpoints
 from .tls import ps_hosts_of, secret_certificates, uses_tls
 
 LABEL_JOB = "kubetrain.dev/job-name"
@@ -303,7 +304,10 @@ def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
 
     One ReadWriteOnce volume per shard works on any default StorageClass;
     workers keep nothing (their cursors live in ps-0's checkpoints). DDP's
-    volumes come from the StatefulSet's claim template.
+    volumes come from the StatefulSet's claim template, a volume per node,
+    except with accessMode ReadWriteMany: then one claim, `<job>-ckpt-ddp`,
+    that every node mounts (sharded checkpoints need every rank to read every
+    shard; plan.shared_checkpoints).
 
     With `whenDeleted: Retain` a claim has no owner, so the garbage collector
     leaves it when the job is deleted; its labels stay, so `kubectl get pvc -l
@@ -313,9 +317,14 @@ def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     resumes from them. They stay unowned, even if the new job says Delete.
     """
     storage = job.spec.checkpoint.storage
-    if storage.existing_claim or job.spec.mode == "DDP":
+    if storage.existing_claim or (job.spec.mode == "DDP" and not shared_checkpoints(job)):
         return []
-    replicas = ["single-0"] if job.spec.mode == "Single" else [f"ps-{i}" for i in range(job.spec.parameter_server.replicas)]
+    if job.spec.mode == "DDP":
+        replicas = ["ddp"]
+    elif job.spec.mode == "Single":
+        replicas = ["single-0"]
+    else:
+        replicas = [f"ps-{i}" for i in range(job.spec.parameter_server.replicas)]
     owned = storage.when_deleted == "Delete"
     return [
         {
@@ -440,12 +449,62 @@ def merge_pod_template(pod: dict[str, Any], template: dict[str, Any]) -> dict[st
     item by item; other lists (initContainers, tolerations, ...) are replaced.
     """
     pod = copy.deepcopy(pod)
-    meta = template.get("metadata", {})
+    meta = template.get("metadata") or {}
     for key in ("labels", "annotations"):
         if meta.get(key):
-            pod["metadata"].setdefault(key, {}).update(meta[key])
-    _merge(pod["spec"], template.get("spec", {}))
+            # kubetrain's own keys are kubetrain's alone: the operator, the Services and the NetworkPolicy
+            # find a job's pods by them. The validator and the CRD refuse them in a template
+            # (api/podtemplate.reserved_key); one that got here anyway is dropped, never merged.
+            pod["metadata"].setdefault(key, {}).update({k: v for k, v in meta[key].items() if not reserved_key(k)})
+    _merge(pod["spec"], template.get("spec") or {})
+    _harden(pod["spec"])
     return pod
+
+
+def _harden(spec: dict[str, Any]) -> None:
+    """kubetrain's own security fields, applied after the template (Pod Security `restricted`): in the
+    pod, runAsNonRoot, the RuntimeDefault seccomp profile and no ServiceAccount token; in every
+    container, the trainer's, a sidecar's or an init container's, no privilege escalation and every
+    capability dropped (those a container adds stay added).
+
+    A value the template set stays (a null counts as none), so that the pod-security check, which
+    judges this rendered pod (core/podsecurity.py), sees what the template asked for: it refuses
+    `runAsNonRoot: false` unless the installation allows root, and passes `runAsUser: 2000` or a
+    Localhost seccomp profile. What a template cannot do is leave one of these out: a null once
+    copied over kubetrain's value, and `capabilities: {drop: []}` replaced its drop of ALL.
+    """
+    pod_ctx = spec.get("securityContext")
+    if pod_ctx is None:
+        pod_ctx = spec["securityContext"] = {}
+    containers = [c for key in ("containers", "initContainers") for c in spec.get(key) or [] if isinstance(c, dict)]
+    if isinstance(pod_ctx, dict):
+        # Not when a uid 0 is asked for (allowed by podSecurity.allow: root): the kubelet would refuse to start it.
+        root = [ctx for ctx in [pod_ctx] + [c.get("securityContext") for c in containers]
+                if isinstance(ctx, dict) and ctx.get("runAsUser") == 0]
+        if pod_ctx.get("runAsNonRoot") is None and not root:
+            pod_ctx["runAsNonRoot"] = True
+        if pod_ctx.get("seccompProfile") is None:
+            pod_ctx["seccompProfile"] = {"type": "RuntimeDefault"}
+    if spec.get("automountServiceAccountToken") is None:
+        spec["automountServiceAccountToken"] = False
+    for container in containers:
+        ctx = container.get("securityContext")
+        if ctx is None:
+            ctx = container["securityContext"] = {}
+        if not isinstance(ctx, dict):
+            continue  # Kubernetes refuses the pod
+        # A privileged container (podSecurity.allow: privileged) may not also say false here.
+        if ctx.get("allowPrivilegeEscalation") is None and ctx.get("privileged") is not True:
+            ctx["allowPrivilegeEscalation"] = False
+        caps = ctx.get("capabilities")
+        if caps is None:
+            caps = ctx["capabilities"] = {}
+        if isinstance(caps, dict):
+            drop = caps.get("drop")
+            if drop is None:
+                caps["drop"] = ["ALL"]
+            elif isinstance(drop, list) and "ALL" not in drop:
+                caps["drop"] = [*drop, "ALL"]
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> None:
@@ -540,9 +599,11 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
     storage = job.spec.checkpoint.storage
     # Without existingClaim the StatefulSet adds each pod's `data` volume from
-    # its claim template; with one, every node mounts that claim.
-    shared = {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": storage.existing_claim}}
-    pod_spec = _pod_spec(job, template_replica, settings, shared if storage.existing_claim else None)
+    # its claim template; with one, or with the job's own ReadWriteMany claim,
+    # every node mounts that claim.
+    shared_claim = storage.existing_claim or (claim_name(job, "ddp") if shared_checkpoints(job) else "")
+    shared = {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": shared_claim}}
+    pod_spec = _pod_spec(job, template_replica, settings, shared if shared_claim else None)
     pod_spec["restartPolicy"] = "Always"  # the only policy a StatefulSet allows; the operator counts restarts
     container = pod_spec["containers"][0]
     container["env"][:0] = [
@@ -582,7 +643,7 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": storage.when_deleted, "whenScaled": "Retain"},
         },
     }
-    if not storage.existing_claim:
+    if not shared_claim:
         sts["spec"]["volumeClaimTemplates"] = [
             {"metadata": {"name": DATA_VOLUME, "labels": {LABEL_JOB: job.name}}, "spec": _claim_spec(job)}
         ]
@@ -633,18 +694,25 @@ def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settin
         objs += ps_services(job, uid)
     objs += claims(job, uid)
     if job.spec.mode == "DDP":
-        nodes = [r for r in replicas if r.role == "ddp"]
-        workload = [statefulset(job, uid, nodes, settings)]
         objs.append(ddp_service(job, uid))
         if job.spec.fault_tolerant:
-            # The Lighthouse: a pod of its own beside the StatefulSet (one per job, replaced under the
-            # job's restart policy), before the groups that connect to it.
             objs.append(lighthouse_service(job, uid))
-            workload[:0] = [pod(job, uid, r, settings) for r in replicas if r.role == "lighthouse"]
-    else:
-        workload = [pod(job, uid, r, settings) for r in replicas]
+    workload = workloads(job, uid, settings, replicas)
     objs += _gang(job, uid, settings, workload)
     return objs + workload
+
+
+def workloads(job: TrainingJob, uid: str, settings: Settings, replicas: list[Replica] | None = None) -> list[dict[str, Any]]:
+    """The job's pods, or (DDP) its StatefulSet: what runs its code."""
+    if replicas is None:
+        replicas = plan_replicas(job, ClusterEndpoints(job))
+    if job.spec.mode == "DDP":
+        # A fault-tolerant job's Lighthouse: a pod of its own beside the StatefulSet (one per job,
+        # replaced under the job's restart policy), before the groups that connect to it.
+        nodes = [r for r in replicas if r.role == "ddp"]
+        return ([pod(job, uid, r, settings) for r in replicas if r.role == "lighthouse"]
+                + [statefulset(job, uid, nodes, settings)])
+    return [pod(job, uid, r, settings) for r in replicas]
 
 
 def _gang(job: TrainingJob, uid: str, settings: Settings, workload: list[dict[str, Any]]) -> list[dict[str, Any]]:

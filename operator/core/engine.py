@@ -52,7 +52,7 @@ from ..api.status import (
     read_object,
     read_status,
 )
-from . import policy
+from . import eta, policy
 from .plan import chief, replica_names
 from .status import TERMINAL, Observed, conditions
 
@@ -233,6 +233,13 @@ class _Round:
     def _fold_progress(self, progress: ProgressReading | None) -> None:
         if progress is None:
             return
+        memory = self.memory
+        if memory.last_step is None or progress.step > memory.last_step:
+            if memory.last_step is not None and memory.last_step_time is not None:
+                memory.steps_per_second = eta.steps_per_second(
+                    memory.steps_per_second, progress.step - memory.last_step, self.now - memory.last_step_time)
+            memory.last_step = progress.step
+            memory.last_step_time = self.now
         reading = Progress(
             step=progress.step,
             total_steps=progress.total_steps,
@@ -242,13 +249,14 @@ class _Round:
             metrics=dict(progress.metrics) if progress.metrics else None,
         )
         old = self.status.progress
+        if self.before in TERMINAL:
+            reading.eta_seconds = old.eta_seconds if old is not None else None  # _finish's, kept
+        else:
+            reading.eta_seconds = eta.eta_seconds(progress.step, progress.total_steps, memory.steps_per_second)
         if old is None or dataclasses.replace(old, update_time=None) != reading:
             # Written when it changes: a job that stands still costs no status write.
             reading.update_time = iso(self.now)
             self.status.progress = reading
-        if self.memory.last_step is None or progress.step > self.memory.last_step:
-            self.memory.last_step = progress.step
-            self.memory.last_step_time = self.now
         if progress.checkpoint_step:
             self.status.last_checkpoint = LastCheckpoint(
                 progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
@@ -275,6 +283,8 @@ class _Round:
         self.observed = Observed(state, reason, message)
         self.status.state = state
         self.status.completion_time = self.status.completion_time or iso(self.now)
+        if self.status.progress is not None:  # nothing is left to estimate
+            self.status.progress.eta_seconds = 0 if state == "Succeeded" else None
         self._pause_clock()
         self.memory.pending_restarts = {}
         clean = self.spec.run_policy.clean_pod_policy
@@ -738,6 +748,7 @@ class _Round:
             progress.metrics = dict(list(merged.items())[:MAX_REPORTED_METRICS])
         if isinstance(step, int):
             progress.total_steps = progress.total_steps if progress.total_steps is not None else step
+            progress.eta_seconds = 0
             progress.update_time = now
             self.status.progress = progress
         # The newest checkpoint: the chief's own (Single, DDP) or the first shard's (ParameterServer).

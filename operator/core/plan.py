@@ -192,6 +192,14 @@ def fault_tolerance_env(job: TrainingJob, endpoints: Endpoints, index: int, stor
     }
 
 
+def shared_checkpoints(job: TrainingJob) -> bool:
+    """Whether a DDP job's nodes share one checkpoint directory: one ReadWriteMany claim that every pod
+    mounts (locally, one directory), not a volume per node. Sharded checkpoints (every rank writes its own
+    shards, every rank reads them all) need it; a plain one works either way (rank 0 writes, the group
+    takes the newest any node holds)."""
+    return job.spec.mode == "DDP" and job.spec.checkpoint.storage.access_mode == "ReadWriteMany"
+
+
 def entry_role(job: TrainingJob, role: str) -> str:
     """What `python -m kubetrain_trainer` runs for a replica: its role, or `script` for the user's command
     (never for a Lighthouse: it is kubetrain's own)."""

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
@@ -27,7 +27,7 @@ from ..api.launch import LIGHTHOUSE
 from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
-from ..core.plan import Replica, plan_replicas, replica_names
+from ..core.plan import Replica, plan_replicas, replica_names, shared_checkpoints
 from ..core.status import TERMINAL
 from ..core.tls import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
@@ -36,6 +36,10 @@ from .summary import build_summary, format_summary
 
 POLL_SECONDS = 0.2
 GRACE_SECONDS = 30.0
+PROGRESS_SAVE_SECONDS = 1.0
+"""state.json is rewritten for a change of progress alone at most this often: the client's `get` and `wait`
+read the progress there. Every round (POLL_SECONDS) would fsync five times a second; a reader sees
+progress at most this old (a cluster's status is up to the scrape interval, 5 s, old)."""
 
 
 MAX_PORT_TRIES = 256
@@ -104,6 +108,8 @@ class LocalEndpoints:
     ports: dict[str, int]
     metrics_enabled: bool
     code: Path | None = None
+    shared_checkpoints: bool = False
+    """Every DDP node uses one checkpoint directory (accessMode ReadWriteMany), as pods share one claim."""
 
     def ps_address(self, index: int) -> str:
         return f"127.0.0.1:{self.ps_port(index)}"
@@ -143,7 +149,11 @@ class LocalEndpoints:
 
     def checkpoint_dir(self, replica: str) -> str:
         # Each DDP node has its own directory, as each pod has its own volume;
-        # the group resumes from the newest checkpoint any node holds.
+        # the group resumes from the newest checkpoint any node holds. With
+        # accessMode ReadWriteMany every node shares one (node 0's), as the
+        # pods share one claim: what sharded checkpoints need.
+        if self.shared_checkpoints:
+            return str(self.run.checkpoint_dir("ddp-0"))
         return str(self.run.checkpoint_dir(replica))
 
     def local_addr(self) -> str | None:
@@ -171,7 +181,7 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
         width = {k: port_width(job, k.partition("/")[0], k.partition("/")[2]) for k in keys}
         kept_ports = frozenset(p + i for k, p in ports.items() for i in range(width[k]))  # free until they start again
         ports.update(zip(missing, free_blocks([width[k] for k in missing], avoid=kept_ports)))
-    return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir)
+    return LocalEndpoints(run, ports, job.spec.metrics.port != 0, code_dir, shared_checkpoints(job))
 
 
 def port_width(job: TrainingJob, replica: str, name: str) -> int:
@@ -210,11 +220,6 @@ def save_certificates(folder: Path, files: dict[str, str]) -> Path:
     return folder
 
 
-def fault_variable(fault: int | str) -> str:
-    """KUBETRAIN_FAULT for a parsed `--fault`: a step (killed after it), or the text of another kind."""
-    return fault if isinstance(fault, str) else f"kill@step={fault}"
-
-
 @dataclass
 class Proc:
     replica: Replica
@@ -236,14 +241,15 @@ class Proc:
 
 
 class LogTail:
-    """New complete lines of a replica's log, for echoing with a prefix."""
+    """New complete lines of a replica's log, for echoing with a prefix (and for the client's `logs`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, from_start: bool = False):
         self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
+        self.offset = path.stat().st_size if path.exists() and not from_start else 0
         self.partial = ""
 
-    def read(self) -> list[str]:
+    def read(self, final: bool = False) -> list[str]:
+        """The lines appended since the last read; a partial last line waits for its newline unless `final`."""
         try:
             with open(self.path, errors="replace") as f:
                 f.seek(self.offset)
@@ -253,6 +259,9 @@ class LogTail:
             return []
         lines = (self.partial + data).split("\n")
         self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = ""
         return lines
 
 
@@ -261,7 +270,7 @@ class LocalBackend:
         self,
         job: TrainingJob,
         run: RunDir,
-        faults: dict[str, int | str] | None = None,
+        faults: dict[str, str] | None = None,
         out: TextIO = sys.stderr,
         echo_logs: bool = True,
         python: str = sys.executable,
@@ -286,6 +295,7 @@ class LocalBackend:
         self.token = secrets.token_hex(16)
         self.tls_dir: Path | None = None  # the run's certificates (write_certificates), as a pod's Secret
         self.endpoints: LocalEndpoints | None = None  # the ports of the plan (_plan, _plan_live)
+        self._saved_at = 0.0  # when state.json was last written (monotonic)
 
     # -- entry ----------------------------------------------------------------
 
@@ -309,6 +319,7 @@ class LocalBackend:
             self.display.message(f"{self.job.name}: spec.runPolicy.suspend is true; set it to false to run the job")
             return 0
         resumed = self.state.invocations > 0
+        self.run.write_pid()
         self.state.invocations += 1
         self.state.state = "Running"
         self.state.restart_log = self.state.restart_log or []
@@ -331,8 +342,9 @@ class LocalBackend:
             signal.signal(signal.SIGTERM, old_handler)
             self._stop_all()
             self._read_events()
-            self.display.update(self.progress, force=True)
+            self.display.update(self.progress, force=True, eta=self._eta())
             self.display.close()
+            self.run.clear_pid()
         self.state.wall_seconds = previous_wall + (time.monotonic() - started)
         if outcome == "Interrupted":
             # Every replica was stopped from outside: a suspended job, which the next run resumes.
@@ -428,10 +440,15 @@ class LocalBackend:
         if job.spec.size != self.job.spec.size:
             self.job = job
 
+    def _eta(self) -> int | None:
+        """The engine's ETA (status.progress.etaSeconds), for the progress line."""
+        return self.status.progress.eta_seconds if self.status.progress is not None else None
+
     def _on_sigterm(self, signum, frame):  # noqa: ARG002
         raise KeyboardInterrupt
 
     def _save(self) -> None:
+        self._saved_at = time.monotonic()
         self.state.status = to_dict(self.status)
         self.state.restarts = self.status.restarts
         self.state.restarts_without_progress = self.status.restarts_without_progress
@@ -440,10 +457,11 @@ class LocalBackend:
     # -- the loop: observe, let the engine decide, act ------------------------
 
     def _supervise(self) -> tuple[str, str, str]:
+        saved_at, saved_progress = self._saved_at, to_dict(self.status).get("progress")
         while True:
             self._read_events()
             self._echo_logs()
-            self.display.update(self.progress)
+            self.display.update(self.progress, eta=self._eta())
             for p in self.procs.values():
                 if p.phase == "Running" and p.popen is not None:
                     code = p.popen.poll()
@@ -461,6 +479,10 @@ class LocalBackend:
             after = to_dict(self.status)
             if {k: v for k, v in after.items() if k != "progress"} != {k: v for k, v in before.items() if k != "progress"}:
                 self._save()
+            elif after.get("progress") != saved_progress and time.monotonic() - saved_at >= PROGRESS_SAVE_SECONDS:
+                self._save()  # progress alone: for readers of state.json (the client), at most once a PROGRESS_SAVE_SECONDS
+            if self._saved_at > saved_at:
+                saved_at, saved_progress = self._saved_at, to_dict(self.status).get("progress")
             time.sleep(POLL_SECONDS)
 
     def decide(self, now: float) -> engine.Round:
@@ -470,7 +492,8 @@ class LocalBackend:
 
     def _act(self, actions: engine.Actions) -> tuple[str, str, str] | None:
         """Carry out a round's actions; the job's end (state, reason, message) when it ended."""
-        for _, reason, message in actions.events:
+        for kind, reason, message in actions.events:
+            self.run.append_event(time.time(), kind, reason, message)
             if reason not in ("Completed",):
                 self.display.message(f"{self.job.name}: {message}")
         for r in actions.restarted:
@@ -541,14 +564,14 @@ class LocalBackend:
             # learns which rank must fail, on the group's first start only.
             target = next((r for r in self.faults if r.startswith("ddp-")), None)
             if target is not None and p.attempts == 0:
-                env["KUBETRAIN_FAULT"] = fault_variable(self.faults[target])
+                env["KUBETRAIN_FAULT"] = self.faults[target]
                 env["KUBETRAIN_FAULT_REPLICA"] = target
                 if all(q.attempts > 0 or q is p for q in self.procs.values()):
                     del self.faults[target]
         else:
             fault = self.faults.pop(replica.name, None)
             if fault is not None:  # first attempt only: a restarted replica runs clean
-                env["KUBETRAIN_FAULT"] = fault_variable(fault)
+                env["KUBETRAIN_FAULT"] = fault
         command = [self.python if replica.command[0] == "python" else replica.command[0], *replica.command[1:]]
         log_path = self.run.log_file(replica.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """One progress display for a local job: a bar on a terminal, plain periodic lines elsewhere.
 
 It reads the replicas' JSONL event files incrementally (the same events the
-trainers write in a cluster) and shows step, loss, samples/s and ETA.
+trainers write in a cluster) and shows step, loss, samples/s and the ETA the
+job engine computed (`core/eta.py`, the status's `progress.etaSeconds`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from ..core.eta import format_eta
 
 
 class JsonlTail:
@@ -89,14 +92,6 @@ class JobProgress:
         return sum(self.samples_per_second.values())
 
 
-def _eta(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "--:--"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
 class ProgressDisplay:
     """Renders JobProgress: redraws one line on a terminal, prints a line every `every` s elsewhere."""
 
@@ -105,24 +100,17 @@ class ProgressDisplay:
         self.name = name
         self.tty = out.isatty() if tty is None else tty
         self.every = every
-        self.started = time.monotonic()
-        self.start_step: int | None = None
         self.last_print = 0.0
         self.last_line = ""
         self.drawn = False
 
-    def line(self, p: JobProgress) -> str:
-        if self.start_step is None and p.step:
-            self.start_step = p.step
+    def line(self, p: JobProgress, eta: float | None = None) -> str:
+        """The line for `p`; `eta`: the engine's seconds to the end (status.progress.etaSeconds)."""
         total = p.total_steps
-        elapsed = time.monotonic() - self.started
-        done = p.step - (self.start_step or 0)
-        rate = done / elapsed if elapsed > 0 and done > 0 else None
-        eta = (total - p.step) / rate if (total and rate) else None
         loss = f"{p.loss:.4f}" if p.loss is not None else "-"
         speed = (f"{p.steps_per_second:,.1f} steps/s" if not p.throughput and p.steps_per_second
                  else f"{p.throughput:,.0f} samples/s")
-        parts = [f"step {p.step}/{total if total else '?'}", f"loss {loss}", speed, f"ETA {_eta(eta)}"]
+        parts = [f"step {p.step}/{total if total else '?'}", f"loss {loss}", speed, f"ETA {format_eta(eta)}"]
         if p.eval_accuracy is not None:
             parts.insert(2, f"acc {p.eval_accuracy:.3f}")
         if self.tty and total:
@@ -132,16 +120,16 @@ class ProgressDisplay:
             return f"{self.name} [{bar}] " + "  ".join(parts)
         return f"{self.name}: " + ", ".join(parts)
 
-    def update(self, p: JobProgress, force: bool = False) -> None:
+    def update(self, p: JobProgress, force: bool = False, eta: float | None = None) -> None:
         if not p.step and not force:
             return  # nothing to show before the first step
         now = time.monotonic()
         if self.tty:
-            self.out.write("\r\x1b[2K" + self.line(p))
+            self.out.write("\r\x1b[2K" + self.line(p, eta))
             self.out.flush()
             self.drawn = True
         elif force or now - self.last_print >= self.every:
-            line = self.line(p)
+            line = self.line(p, eta)
             if line != self.last_line:
                 self.out.write(line + "\n")
                 self.out.flush()

@@ -3,8 +3,10 @@
 Layout (DESIGN.md): job.yaml (the spec with defaults), plan.json (each
 replica's command and environment, as the operator would give its pod),
 summary.json (only once the job has ended), metrics/<replica>.jsonl, logs/<replica>.log,
-checkpoints/<replica>/, results/<replica>.json, and state.json (what the
-supervisor must remember across invocations: restarts, accumulated wall time).
+checkpoints/<replica>/, results/<replica>.json, state.json (what the
+supervisor must remember across invocations: restarts, accumulated wall time;
+the job's status, progress included), events.jsonl (the engine's events) and,
+while a `kubetrain run` supervises the run, run.pid.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ..api import TrainingJob, dump_manifest, to_manifest
+from ..api import TrainingJob, dump_manifest, from_object, to_manifest
 
 
 def sizeless(spec: Any) -> Any:
@@ -50,6 +52,25 @@ def atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def scale_run(run_dir: Path, replicas: int) -> TrainingJob:
+    """Set a run's size (spec.replicas of its job.yaml), as `kubectl scale` sets a TrainingJob's: a `kubetrain
+    run` in progress resizes the job within a second, otherwise the next run starts at that size. RunDirError
+    names a directory without a run; InvalidSpec a size the job cannot take (spec.replicas)."""
+    job_file = Path(run_dir) / "job.yaml"
+    if not job_file.is_file():
+        raise RunDirError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")
+    try:
+        doc = yaml.safe_load(job_file.read_text())
+    except yaml.YAMLError as err:
+        raise RunDirError(f"{job_file}: not YAML ({err})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
+        raise RunDirError(f"{job_file}: not a TrainingJob manifest")
+    doc["spec"]["replicas"] = replicas
+    job = from_object(doc, str(job_file))
+    atomic_write(job_file, dump_manifest(job))
+    return job
 
 
 @dataclass
@@ -172,6 +193,35 @@ class RunDir:
                 for r in replicas]
         atomic_write(self.plan_file, json.dumps(plan, indent=2) + "\n")
 
+    @property
+    def pid_file(self) -> Path:
+        return self.path / "run.pid"
+
+    def write_pid(self) -> None:
+        """This process supervises the run (`kubetrain run`): the client tells a live run by it."""
+        atomic_write(self.pid_file, f"{os.getpid()}\n")
+
+    def clear_pid(self) -> None:
+        self.pid_file.unlink(missing_ok=True)
+
+    def supervisor(self) -> int | None:
+        """The pid of the `kubetrain run` that supervises this run now, or None when none does (it ended,
+        or was killed and left its pid file behind)."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if process_alive(pid) else None
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / "events.jsonl"
+
+    def append_event(self, time: float, kind: str, reason: str, message: str) -> None:
+        """One event the engine decided (what a cluster records as a Kubernetes Event of the job)."""
+        with open(self.events_file, "a") as f:
+            f.write(json.dumps({"time": time, "type": kind, "reason": reason, "message": message}) + "\n")
+
     def read_summary(self) -> dict[str, Any] | None:
         if not self.summary_file.exists():
             return None
@@ -191,6 +241,16 @@ class RunDir:
 
     def events(self, replica: str) -> list[dict[str, Any]]:
         return read_jsonl(self.metrics_file(replica))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

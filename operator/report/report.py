@@ -64,15 +64,17 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def build_report(run_dirs: list[Path], out: Path) -> Path:
-    """Write `out/report.md` and its PNG plots comparing `run_dirs` (ratios to the first); returns the report's path.
+def build_report(run_dirs: list[Path | RunData], out: Path) -> Path:
+    """Write `out/report.md` and its PNG plots comparing the runs (ratios to the first); returns the report's path.
 
-    Raises ReportError naming the directory when one is not a finished run.
+    A run is a local run directory, or a RunData read already (a cluster job: cluster.cluster_run). Raises
+    ReportError naming the directory when one is not a finished run.
     """
     if not run_dirs:
         raise ReportError("no run directory given")
-    paths = [Path(p) for p in run_dirs]
-    runs = [load_run(p, label) for p, label in zip(paths, _labels(paths))]
+    paths = [r.path if isinstance(r, RunData) else Path(r) for r in run_dirs]
+    runs = [r if isinstance(r, RunData) else load_run(p, label)
+            for r, p, label in zip(run_dirs, paths, _labels(paths))]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     first = runs[0]

@@ -31,9 +31,10 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 PT = "spec.podTemplate.spec"
 
 
-def manifest(pod_spec: dict, name: str = "t") -> dict:
+def manifest(pod_spec: dict, name: str = "t", metadata: dict | None = None) -> dict:
+    template = {"spec": pod_spec, **({"metadata": metadata} if metadata else {})}
     return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"mode": "Single", "podTemplate": {"spec": pod_spec}}}
+            "spec": {"mode": "Single", "podTemplate": template}}
 
 
 def message(allowance: str, what: str) -> str:
@@ -48,10 +49,14 @@ class Case:
     allowance: str
     path: str
     what: str  # the start of the check's `what`, to find its message
+    metadata: dict | None = None  # the template's metadata
 
     @property
     def problem(self) -> str:
         return f"{self.path}: {message(self.allowance, self.what)}"
+
+    def manifest(self, name: str = "t") -> dict:
+        return manifest(self.pod_spec, name, self.metadata)
 
 
 def sidecar(name: str = "side", **ctx) -> dict:
@@ -92,6 +97,64 @@ CASES = [
          "serviceAccount", f"{PT}.serviceAccount", "another ServiceAccount"),
     Case("service account token", {"automountServiceAccountToken": True},
          "serviceAccount", f"{PT}.automountServiceAccountToken", "a ServiceAccount token"),
+    # Issue 31: Pod Security baseline and restricted, the namespace's Secrets and claims, the scheduling fields.
+    Case("Windows HostProcess container", {"containers": [sidecar(windowsOptions={"hostProcess": True})]},
+         "privileged", f"{PT}.containers[side].securityContext.windowsOptions.hostProcess", "Windows HostProcess"),
+    Case("Windows HostProcess pod", {"securityContext": {"windowsOptions": {"hostProcess": True}}},
+         "privileged", f"{PT}.securityContext.windowsOptions.hostProcess", "Windows HostProcess"),
+    Case("hostPort", {"containers": [{"name": "trainer", "ports": [{"name": "web", "containerPort": 8080,
+                                                                    "hostPort": 8080}]}]},
+         "hostPorts", f"{PT}.containers[trainer].ports[].hostPort", "ports of the node"),
+    Case("procMount Unmasked", {"containers": [sidecar(procMount="Unmasked")]},
+         "procMount", f"{PT}.containers[side].securityContext.procMount", "an unmasked /proc"),
+    Case("unsafe sysctl", {"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "65536"}]}},
+         "sysctls", f"{PT}.securityContext.sysctls[].name", "sysctls outside"),
+    Case("nfs volume", {"volumes": [{"name": "share", "nfs": {"server": "10.0.0.1", "path": "/"}}]},
+         "volumeTypes", f"{PT}.volumes[share]", "volume types outside"),
+    Case("gitRepo volume", {"volumes": [{"name": "repo", "gitRepo": {"repository": "https://example.com/r"}}]},
+         "volumeTypes", f"{PT}.volumes[repo]", "volume types outside"),
+    Case("another job's token Secret", {"volumes": [{"name": "tok", "secret": {"secretName": "victim-token-0a1b2c3d"}}]},
+         "secrets", f"{PT}.volumes[tok].secret", "Secret volumes"),
+    Case("a Secret in a projected volume", {"volumes": [{"name": "tls", "projected": {"sources": [
+        {"configMap": {"name": "x"}}, {"secret": {"name": "victim-token-0a1b2c3d"}}]}}]},
+         "secrets", f"{PT}.volumes[tls].projected.sources[].secret", "Secrets in projected"),
+    Case("a variable from a Secret", {"containers": [{"name": "trainer", "env": [
+        {"name": "STOLEN", "valueFrom": {"secretKeyRef": {"name": "victim-token-0a1b2c3d", "key": "token"}}}]}]},
+         "secrets", f"{PT}.containers[trainer].env[].valueFrom.secretKeyRef", "variables from Secrets (valueFrom"),
+    Case("envFrom a Secret", {"initContainers": [{"name": "fetch", "image": "busybox",
+                                                  "envFrom": [{"secretRef": {"name": "victim"}}]}]},
+         "secrets", f"{PT}.initContainers[fetch].envFrom[].secretRef", "variables from Secrets (envFrom"),
+    Case("another job's claim", {"volumes": [{"name": "theirs", "persistentVolumeClaim": {
+        "claimName": "victim-ckpt-single-0"}}]},
+         "claims", f"{PT}.volumes[theirs].persistentVolumeClaim", "PersistentVolumeClaims"),
+    Case("a projected ServiceAccount token", {"volumes": [{"name": "sa", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "audience": "api"}}]}}]},
+         "serviceAccount", f"{PT}.volumes[sa].projected.sources[].serviceAccountToken", "ServiceAccount tokens"),
+    Case("nodeName", {"nodeName": "control-plane-0"}, "nodeName", f"{PT}.nodeName", "choosing the node"),
+    Case("a toleration of every taint", {"tolerations": [{"key": "gpu", "operator": "Exists"}, {"operator": "Exists"}]},
+         "tolerations", f"{PT}.tolerations[]", "a toleration of every taint"),
+    Case("priorityClassName", {"priorityClassName": "system-node-critical"},
+         "priorityClass", f"{PT}.priorityClassName", "a PriorityClass"),
+    Case("runtimeClassName", {"runtimeClassName": "runc-unconfined"},
+         "runtimeClass", f"{PT}.runtimeClassName", "another container runtime"),
+    Case("AppArmor unconfined annotation", {}, "appArmor", "spec.podTemplate.metadata.annotations",
+         "an AppArmor profile other", metadata={"annotations": {
+             "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+    *[case for scope, path, wrap in (
+        ("pod", f"{PT}.securityContext", lambda ctx: {"securityContext": ctx}),
+        ("container", f"{PT}.containers[side].securityContext", lambda ctx: {"containers": [sidecar(**ctx)]}))
+      for case in (
+        Case(f"{scope} seccomp Unconfined", wrap({"seccompProfile": {"type": "Unconfined"}}), "seccomp",
+             f"{path}.seccompProfile.type", "the Unconfined seccomp"),
+        Case(f"{scope} AppArmor Unconfined", wrap({"appArmorProfile": {"type": "Unconfined"}}), "appArmor",
+             f"{path}.appArmorProfile.type", "the Unconfined AppArmor"),
+        Case(f"{scope} SELinux type spc_t", wrap({"seLinuxOptions": {"type": "spc_t"}}), "seLinux",
+             f"{path}.seLinuxOptions.type", "an SELinux type"),
+        Case(f"{scope} SELinux user", wrap({"seLinuxOptions": {"user": "system_u"}}), "seLinux",
+             f"{path}.seLinuxOptions.user", "an SELinux user"),
+        Case(f"{scope} SELinux role", wrap({"seLinuxOptions": {"role": "system_r"}}), "seLinux",
+             f"{path}.seLinuxOptions.role", "an SELinux role"),
+    )],
 ]
 IDS = [c.name for c in CASES]
 
@@ -106,9 +169,24 @@ WITHIN_BOUNDS = {
     "initContainers": [sidecar("fetch", allowPrivilegeEscalation=False)],
     "hostPID": False, "hostIPC": False, "hostNetwork": False,
     "serviceAccountName": "default", "automountServiceAccountToken": False,
-    "securityContext": {"runAsUser": 1000, "runAsNonRoot": True, "runAsGroup": 0},
-    "volumes": [{"name": "dataset", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "x"}}],
+    "securityContext": {"runAsUser": 1000, "runAsNonRoot": True, "runAsGroup": 0,
+                        "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/train.json"},
+                        "appArmorProfile": {"type": "RuntimeDefault"}, "seLinuxOptions": {"type": "container_t"},
+                        "sysctls": [{"name": "net.ipv4.tcp_keepalive_time", "value": "60"}]},
+    "volumes": [{"name": "dataset", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "x"}},
+                {"name": "info", "projected": {"sources": [{"downwardAPI": {"items": [
+                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}, {"configMap": {"name": "x"}}]}},
+                {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
+                    "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}}}],
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": "team", "operator": "Equal", "value": "ml"}],
+    "nodeName": "", "priorityClassName": "", "runtimeClassName": "",
 }
+WITHIN_BOUNDS["containers"][0].update(
+    ports=[{"name": "web", "containerPort": 8080}, {"name": "debug", "containerPort": 8081, "hostPort": 0}],
+    env=[{"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "mode"}}}],
+    envFrom=[{"configMapRef": {"name": "x"}}])
+WITHIN_BOUNDS["containers"][1]["securityContext"].update(procMount="Default", seccompProfile={"type": "RuntimeDefault"})
 
 
 def write(tmp_path: Path, doc: dict) -> Path:
@@ -122,13 +200,14 @@ def write(tmp_path: Path, doc: dict) -> Path:
 def test_every_check_has_a_case():
     covered = {(c.allowance, c.what) for c in SECURITY_CHECKS
                for case in CASES if case.allowance == c.allowance and c.what.startswith(case.what)
-               and case.path.endswith("." + ".".join(c.field))}
-    assert covered == {(c.allowance, c.what) for c in SECURITY_CHECKS}
+               and case.path.endswith(f".{c.path}" if c.path else "]")}
+    assert covered == {(c.allowance, c.what) for c in SECURITY_CHECKS if not c.rendered_only}
+    assert {c.allowance for c in SECURITY_CHECKS if not c.rendered_only} == set(ALLOWANCES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_validate_refuses_what_reaches_past_the_pod_naming_the_field(case, tmp_path, capsys):
-    path = write(tmp_path, manifest(case.pod_spec))
+    path = write(tmp_path, case.manifest())
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}: {case.problem}" in err.splitlines(), err
@@ -139,7 +218,7 @@ def test_validate_refuses_what_reaches_past_the_pod_naming_the_field(case, tmp_p
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_validate_accepts_it_when_allowed(case, tmp_path, capsys):
-    path = write(tmp_path, manifest(case.pod_spec))
+    path = write(tmp_path, case.manifest())
     assert main(["validate", "--allow", case.allowance, str(path)]) == 0, capsys.readouterr().err
     others = ",".join(a for a in ALLOWANCES if a != case.allowance)
     assert main(["validate", "--allow", others, str(path)]) == 2  # only its own allowance lifts it
@@ -296,10 +375,10 @@ def test_the_chart_renders_the_policy_of_the_table_less_what_it_allows(cluster, 
 @pytest.mark.cluster
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_the_api_server_refuses_it_with_the_validators_message(cluster, policies, case):
-    done = apply(cluster, policies["strict"], manifest(case.pod_spec))
+    done = apply(cluster, policies["strict"], case.manifest())
     assert done.returncode != 0, f"{case.name}: accepted"
     assert case.problem in done.stderr, done.stderr
-    lenient = apply(cluster, policies["lenient"], manifest(case.pod_spec))
+    lenient = apply(cluster, policies["lenient"], case.manifest())
     if case.allowance in ("privileged", "hostPath", "root"):
         assert lenient.returncode == 0, lenient.stderr
     else:
@@ -400,3 +479,113 @@ def test_the_restricted_namespace_does_refuse_what_the_policy_refuses(cluster, r
            "spec": {"containers": [{"name": "c", "image": "busybox", "securityContext": {"privileged": True}}]}}
     done = create_dry_run(cluster, restricted_ns, pod)
     assert done.returncode != 0 and 'violates PodSecurity "restricted' in done.stderr, done.stderr
+
+
+# --- the rendered pod is judged, and kubetrain's own security fields come after the template (issue 31) ---
+
+def rendered(pod_spec: dict, mode: str = "Single", validate: bool = True) -> list[dict]:
+    """The pods (or the StatefulSet's template) the job would create; `validate` False renders a
+    template the validator would refuse, as a caller that skipped it would."""
+    from kubetrain_operator.core.children import children
+
+    doc = manifest(pod_spec if validate else {})
+    doc["spec"]["mode"] = mode
+    job = from_object(doc)
+    job.spec.pod_template = {"spec": pod_spec}
+    objs = [o for o in children(job, "uid", "token") if o["kind"] in ("Pod", "StatefulSet")]
+    return [o["spec"]["template"] if o["kind"] == "StatefulSet" else o for o in objs]
+
+
+def test_kubetrains_security_fields_are_applied_after_the_template():
+    # An empty drop list once replaced kubetrain's drop of ALL; a sidecar once had none of it.
+    pod_spec = {"containers": [{"name": "trainer", "securityContext": {"capabilities": {"drop": []}}},
+                               {"name": "side", "image": "busybox"}],
+                "initContainers": [{"name": "fetch", "image": "busybox",
+                                    "securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}]}
+    for mode in ("Single", "DDP"):
+        (pod,) = rendered(pod_spec, mode)
+        for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
+            assert "ALL" in c["securityContext"]["capabilities"]["drop"], (mode, c["name"])
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, (mode, c["name"])
+        assert pod["spec"]["initContainers"][0]["securityContext"]["capabilities"]["drop"] == ["NET_RAW", "ALL"]
+
+
+def test_nulls_left_by_a_caller_that_skipped_validation_still_render_kubetrains_values():
+    # The validator refuses these nulls (tests/api/test_validate.py); the renderer does not rely on it.
+    pod_spec = {"securityContext": {"runAsNonRoot": None, "seccompProfile": None}, "automountServiceAccountToken": None,
+                "containers": [{"name": "trainer", "securityContext": {"allowPrivilegeEscalation": None,
+                                                                       "capabilities": None}}]}
+    (pod,) = rendered(pod_spec, validate=False)
+    spec = pod["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert spec["automountServiceAccountToken"] is False
+    trainer = spec["containers"][0]["securityContext"]
+    assert trainer["allowPrivilegeEscalation"] is False and trainer["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_validate_refuses_a_null_that_would_remove_kubetrains_value(tmp_path, capsys):
+    for field, pod_spec in [
+        ("securityContext.runAsNonRoot", {"securityContext": {"runAsNonRoot": None}}),
+        ("securityContext.runAsUser", {"securityContext": {"runAsUser": None}}),
+        ("automountServiceAccountToken", {"automountServiceAccountToken": None}),
+        ("containers[0].securityContext.allowPrivilegeEscalation",
+         {"containers": [{"name": "trainer", "securityContext": {"allowPrivilegeEscalation": None}}]}),
+    ]:
+        path = write(tmp_path, manifest(pod_spec))
+        assert main(["validate", str(path)]) == 2, field
+        assert f"{path}: {PT}.{field}: must not be null" in capsys.readouterr().err
+
+
+def test_the_check_judges_the_rendered_pod():
+    """What the rendered pod lacks is refused, whatever the template said: the checks marked
+    rendered_only see a pod whose merge lost kubetrain's values (a null, before nulls were refused)."""
+    from kubetrain_operator.core import podsecurity
+    from kubetrain_operator.core.children import Settings
+
+    (own,) = rendered({})
+    assert podtemplate.rendered_pod_problems(own, own) == []
+    broken = json.loads(json.dumps(own))
+    broken["spec"]["securityContext"]["runAsNonRoot"] = None
+    broken["spec"]["automountServiceAccountToken"] = None
+    broken["spec"]["containers"].append({"name": "side", "securityContext": {"capabilities": {"drop": []}}})
+    assert podtemplate.rendered_pod_problems(broken, own) == [
+        f"{PT}.automountServiceAccountToken: {message('serviceAccount', 'a pod without')}",
+        f"{PT}.containers[side].securityContext.allowPrivilegeEscalation: {message('privileged', 'a container without')}",
+        f"{PT}.containers[side].securityContext.capabilities.drop: {message('capabilities', 'a container that keeps')}",
+        f"{PT}.securityContext.runAsNonRoot: {message('root', 'a pod without')}",
+    ]
+    # The template judge (the API server's view) sees nothing wrong in such a template.
+    assert pod_security_problems({"spec": {"securityContext": {"runAsNonRoot": None}, "automountServiceAccountToken": None,
+                                           "containers": [{"name": "side", "securityContext": {
+                                               "capabilities": {"drop": []}}}]}}) == []
+    # A job's own Secret (its token variable, its certificates' projected volume) is kubetrain's, not judged.
+    ps = from_object({**manifest({}), "spec": {"mode": "ParameterServer"}})
+    assert podsecurity.problems(ps, Settings()) == []
+    ps.spec.pod_template = {"spec": {"volumes": [{"name": "theirs", "secret": {"secretName": "victim-token"}}]}}
+    assert podsecurity.problems(ps, Settings()) == [
+        f"{PT}.volumes[theirs].secret: {message('secrets', 'Secret volumes')}"]
+    assert podsecurity.problems(ps, Settings(pod_security_allow=frozenset({"secrets"}))) == []
+
+
+def test_every_allowance_is_documented_where_an_operator_looks():
+    """The chart's values, the operating guide's table and the security page name every allowance."""
+    values = (CHART / "values.yaml").read_text()
+    operating = (ROOT / "docs" / "operating.md").read_text()
+    security = (ROOT / "docs" / "security.md").read_text()
+    for name in ALLOWANCES:
+        assert name in values, f"charts/kubetrain/values.yaml: {name}"
+        assert f"| `{name}` |" in operating, f"docs/operating.md's table: {name}"
+    assert "## What a job creator can reach inside the namespace" in security
+    assert "## What remains" in security
+
+
+def test_a_flood_of_refusals_prints_a_bounded_number_of_lines(tmp_path, capsys):
+    from kubetrain_operator.api.schema import MAX_SHOWN_PROBLEMS
+
+    volumes = [{"name": f"v{i}", "hostPath": {"path": f"/{i}"}} for i in range(MAX_SHOWN_PROBLEMS + 30)]
+    path = write(tmp_path, manifest({"volumes": volumes}))
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == MAX_SHOWN_PROBLEMS + 2  # the problems shown, the count of the rest, the --allow hint
+    assert lines[-2] == f"{path}: ... and 30 more problems"

@@ -71,6 +71,16 @@ CASES = [
     Case("ddp backend", with_spec(mode="DDP", ddp={"backend": "mpi"}), "spec.ddp.backend", "gloo, nccl"),
     Case("nccl on cpu", with_spec(mode="DDP", ddp={"backend": "nccl"}, training={"device": "cpu"}), "spec.ddp.backend", "nccl needs GPUs"),
     Case("ddp shared claim", with_spec(mode="DDP", checkpoint={"storage": {"existingClaim": "ckpt"}}), "spec.checkpoint.storage.accessMode", "ReadWriteMany"),
+    Case("fsdp needs one volume every node reads", with_spec(mode="DDP", ddp={"strategy": "FSDP"}),
+         "spec.checkpoint.storage.accessMode", "strategy FSDP writes sharded checkpoints"),
+    Case("fsdp of an elastic job up to 2 nodes", with_spec(mode="DDP", ddp={"strategy": "FSDP", "nodes": 1, "maxNodes": 2}),
+         "spec.checkpoint.storage.accessMode", "up to 2 nodes needs ReadWriteMany"),
+    Case("fsdp has no ddp comm hook", with_spec(mode="DDP", ddp={"strategy": "FSDP", "nodes": 1, "commHook": "FP16"}),
+         "spec.ddp.commHook", "use None with strategy FSDP"),
+    Case("fsdp shards the built-in loop only", with_spec(mode="DDP", ddp={"strategy": "FSDP", "nodes": 1},
+                                                         script={"command": ["python", "t.py"]}),
+         "spec.ddp.strategy", "a script job shards its own"),
+    Case("unknown strategy", with_spec(mode="DDP", ddp={"strategy": "ZeRO"}), "spec.ddp.strategy", "DDP, FSDP"),
     Case("restart policy", with_spec(restartPolicy={"policy": "Always"}), "spec.restartPolicy.policy", "OnFailure, ExitCode, Never"),
     Case("backoff negative", with_spec(restartPolicy={"backoffLimit": -1}), "spec.restartPolicy.backoffLimit", "at least 0"),
     Case("suspend string", with_spec(runPolicy={"suspend": "yes"}), "spec.runPolicy.suspend", "true or false"),
@@ -135,6 +145,32 @@ CASES += [
     Case("too many standby workers", with_spec("ParameterServer", parameterServer={"standbyWorkers": 9}),
          "spec.parameterServer.standbyWorkers", "at most 8"),
     Case("podTemplate env name not a string", with_trainer(env=[{"name": 5}]), f"{PT}.containers[0].env[0].name", "must be a string"),
+    # Issue 31: kubetrain's own labels and annotations (the operator, the Services and the NetworkPolicy
+    # find a job's pods by them), and nulls, which removed kubetrain's own values in the merge.
+    Case("podTemplate label kubetrain.dev/job-name", with_spec(podTemplate={"metadata": {"labels": {
+        "kubetrain.dev/job-name": "victim", "kubetrain.dev/replica": "single-0"}}}),
+         "spec.podTemplate.metadata.labels", "'kubetrain.dev/job-name' is kubetrain's own"),
+    Case("podTemplate label managed-by", with_spec(podTemplate={"metadata": {"labels": {
+        "app.kubernetes.io/managed-by": "me"}}}), "spec.podTemplate.metadata.labels",
+         "'app.kubernetes.io/managed-by' is kubetrain's own"),
+    Case("podTemplate annotation kubetrain.dev/size", with_spec(podTemplate={"metadata": {"annotations": {
+        "kubetrain.dev/size": "1"}}}), "spec.podTemplate.metadata.annotations", "'kubetrain.dev/size' is kubetrain's own"),
+    Case("podTemplate label of a kubetrain.dev subdomain", with_spec(podTemplate={"metadata": {"labels": {
+        "x.kubetrain.dev/job-name": "victim"}}}), "spec.podTemplate.metadata.labels", "is kubetrain's own"),
+    Case("podTemplate too many labels", with_spec(podTemplate={"metadata": {"labels": {
+        f"l{i}": "x" for i in range(257)}}}), "spec.podTemplate.metadata.labels", "at most 256 keys, got 257"),
+    Case("podTemplate labels a list", with_spec(podTemplate={"metadata": {"labels": ["a"]}}),
+         "spec.podTemplate.metadata.labels", "must be a map of strings to strings, got list"),
+    Case("podTemplate null runAsNonRoot", with_pod({"securityContext": {"runAsNonRoot": None}}),
+         f"{PT}.securityContext.runAsNonRoot", "must not be null"),
+    Case("podTemplate null runAsUser", with_trainer(securityContext={"runAsUser": None}),
+         f"{PT}.containers[0].securityContext.runAsUser", "must not be null"),
+    Case("podTemplate null allowPrivilegeEscalation", with_trainer(securityContext={"allowPrivilegeEscalation": None}),
+         f"{PT}.containers[0].securityContext.allowPrivilegeEscalation", "must not be null"),
+    Case("podTemplate null automountServiceAccountToken", with_pod({"automountServiceAccountToken": None}),
+         f"{PT}.automountServiceAccountToken", "must not be null: leave the field out"),
+    Case("podTemplate null capabilities", with_trainer(securityContext={"capabilities": None}),
+         f"{PT}.containers[0].securityContext.capabilities", "must not be null"),
 ]
 
 

@@ -134,6 +134,15 @@ COLLISIONS = [
      f"{PT}.containers[0].ports", podtemplate.port_message("metrics")),
     ("too many volumes", pod_template({"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(podtemplate.MAX_VOLUMES + 1)]}),
      f"{PT}.volumes", "Too many"),
+    # Issue 31: a job's template may not file its pods under another job of the namespace.
+    ("label kubetrain.dev/job-name", base(podTemplate={"metadata": {"labels": {"kubetrain.dev/job-name": "victim"}}}),
+     "spec.podTemplate.metadata.labels", podtemplate.reserved_key_message("kubetrain.dev/job-name")),
+    ("label managed-by", base(podTemplate={"metadata": {"labels": {"team": "a", "app.kubernetes.io/managed-by": "x"}}}),
+     "spec.podTemplate.metadata.labels", podtemplate.reserved_key_message("app.kubernetes.io/managed-by")),
+    ("annotation kubetrain.dev/size", base(podTemplate={"metadata": {"annotations": {"kubetrain.dev/size": "9"}}}),
+     "spec.podTemplate.metadata.annotations", podtemplate.reserved_key_message("kubetrain.dev/size")),
+    ("label value not a string", base(podTemplate={"metadata": {"labels": {"team": 1}}}),
+     "spec.podTemplate.metadata.labels.team", "expected string"),
 ]
 
 

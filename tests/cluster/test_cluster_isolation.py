@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.process import run
+
 pytestmark = pytest.mark.cluster
 
 COMPONENTS = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
@@ -60,9 +62,14 @@ def test_components_are_the_cached_binaries_listening_on_loopback_only(cluster):
 
 
 def test_kwokctl_downloaded_nothing(cluster):
-    downloads = cluster.directory.parent.parent / "cache"  # kwokctl's download cache in KWOK_WORKDIR
-
-    assert not downloads.exists() or not any(downloads.iterdir()), sorted(downloads.rglob("*"))
+    # Where kwokctl itself says it would put what it downloads (its config's cacheDir), for this cluster.
+    workdir = cluster.directory.parent.parent  # KWOK_WORKDIR: clusters/<name> lives under it
+    view = run(str(cluster.bin_dir / "kwokctl"), "--name", cluster.name, "config", "view",
+               env={**cluster.env, "KWOK_WORKDIR": str(workdir)}, timeout=60).stdout
+    [cache] = [Path(line.split(":", 1)[1].strip()) for line in view.splitlines() if line.strip().startswith("cacheDir:")]
+    # The path is the cluster's own KWOK_WORKDIR's (a wrong guess of it would make the check below vacuous).
+    assert cache.parent == workdir and (workdir / "clusters" / cluster.name).is_dir(), (cache, workdir)
+    assert not cache.exists() or not any(cache.iterdir()), sorted(cache.rglob("*"))
 
 
 def test_second_up_is_refused_while_the_cluster_runs(cluster):

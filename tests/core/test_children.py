@@ -80,6 +80,31 @@ def test_ddp_is_a_statefulset_with_a_headless_service():
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
 
 
+def test_a_ddp_job_on_read_write_many_gets_one_claim_that_every_node_mounts():
+    # Sharded checkpoints: every rank writes its shards, every rank reads them all.
+    objs = children(job("DDP", ddp={"nodes": 3, "strategy": "FSDP"},
+                        checkpoint={"storage": {"accessMode": "ReadWriteMany", "size": "5Gi"}}), "u", "t")
+    claims = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    assert [c["metadata"]["name"] for c in claims] == ["j-ckpt-ddp"]
+    assert claims[0]["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "5Gi"}}}
+    assert claims[0]["metadata"]["ownerReferences"][0]["uid"] == "u"  # whenDeleted Delete: the job's
+    sts = objs[-1]
+    assert "volumeClaimTemplates" not in sts["spec"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "j-ckpt-ddp"}}
+    assert checkpoint_dirs(objs) == {"j-ddp": ("/kubetrain/data/checkpoints", "/kubetrain/data/run")}
+    # Created before the StatefulSet that mounts it.
+    assert kinds(objs).index(("PersistentVolumeClaim", "j-ckpt-ddp")) < kinds(objs).index(("StatefulSet", "j-ddp"))
+
+
+def test_locally_the_nodes_of_a_read_write_many_job_share_node_0s_directory(tmp_path):
+    rwx = job("DDP", ddp={"nodes": 2}, checkpoint={"storage": {"accessMode": "ReadWriteMany"}})
+    rwo = job("DDP", ddp={"nodes": 2})
+    for j, expected in ((rwx, ["ddp-0", "ddp-0"]), (rwo, ["ddp-0", "ddp-1"])):
+        replicas = plan_replicas(j, local_endpoints(j, RunDir(tmp_path / j.spec.checkpoint.storage.access_mode)))
+        assert [Path(r.env["KUBETRAIN_CHECKPOINT_DIR"]).name for r in replicas] == expected
+
+
 def test_single_uses_existing_claim():
     objs = children(job("Single", checkpoint={"storage": {"existingClaim": "mine"}}), "u", "t")
     assert "PersistentVolumeClaim" not in [o["kind"] for o in objs]
@@ -173,8 +198,8 @@ def test_pod_template_lists_merge_with_kubetrains_by_name(mode, storage):
     assert trainer["volumeMounts"] == before["volumeMounts"] + [{"name": "dataset", "mountPath": "/dataset", "readOnly": True}]
     assert trainer["env"] == before["env"] + [{"name": "DATASET_DIR", "value": "/dataset"}]
     assert trainer["ports"] == before["ports"] + [{"name": "profiler", "containerPort": 6006}]
-    # The init container that fills the user's volume comes whole.
-    assert spec["initContainers"] == DATASET_TEMPLATE["spec"]["initContainers"]
+    # The init container that fills the user's volume comes whole, with kubetrain's security fields.
+    assert spec["initContainers"] == [hardened(c) for c in DATASET_TEMPLATE["spec"]["initContainers"]]
     assert [c["name"] for c in spec["containers"]] == ["trainer"]
 
 
@@ -203,7 +228,12 @@ def test_a_sidecar_is_appended_and_may_mount_kubetrains_volumes():
     j = job("Single", podTemplate=template)  # valid: only the trainer's names are kubetrain's
     spec = children(j, "u", "t")[-1]["spec"]
     assert [c["name"] for c in spec["containers"]] == ["trainer", "uploader"]
-    assert spec["containers"][1] == template["spec"]["containers"][0]
+    assert spec["containers"][1] == hardened(template["spec"]["containers"][0])
+
+
+def hardened(container: dict) -> dict:
+    """A template's container as the pod holds it: kubetrain's own security fields applied after it."""
+    return {**container, "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
 
 
 def test_one_volume_mounted_at_two_paths_keeps_both_mounts():
@@ -511,3 +541,25 @@ def test_the_policy_copies_the_peers_it_is_given():
     policy = policy_of(children(job("Single"), "u", "t", ISOLATED))
     policy["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]["x"] = "y"
     assert "x" not in OPERATOR_PEER["podSelector"]["matchLabels"]
+
+
+# --- kubetrain's own labels after the template's (issue 31) -------------------------------------
+
+@pytest.mark.parametrize("mode", ["Single", "DDP"])
+def test_kubetrains_own_labels_come_after_the_templates(mode):
+    """A template that named another job (the validator and the CRD refuse it: tests/api/test_validate.py)
+    still renders pods that are this job's: the operator, the Services and the NetworkPolicy select by them."""
+    j = job(mode)
+    j.spec.pod_template = {"metadata": {
+        "labels": {"kubetrain.dev/job-name": "victim", "kubetrain.dev/replica": "single-0", "kubetrain.dev/role": "x",
+                   "app.kubernetes.io/managed-by": "me", "team": "vision"},
+        "annotations": {"prometheus.io/port": "1", "note": "mine"}}}
+    obj = children(j, "u", "t")[-1]
+    meta = obj["spec"]["template"]["metadata"] if mode == "DDP" else obj["metadata"]
+    own = {"kubetrain.dev/job-name": "j", "app.kubernetes.io/managed-by": "kubetrain",
+           "kubetrain.dev/role": "ddp" if mode == "DDP" else "single"}
+    if mode == "Single":
+        own["kubetrain.dev/replica"] = "single-0"
+    assert meta["labels"] == {**own, "team": "vision"}
+    # Other annotations are the template's to set, as before.
+    assert meta["annotations"]["prometheus.io/port"] == "1" and meta["annotations"]["note"] == "mine"

@@ -15,7 +15,7 @@ from kubetrain_operator.core import engine
 from kubetrain_operator.core.plan import plan_replicas, replica_names
 from kubetrain_operator.core.reconcile import Progress, iso, reconcile
 
-from core.test_reconcile import T0, Pod, created_pods, running
+from core.test_reconcile import T0, Pod, created_pods
 
 GROUPS = ("ddp-0", "ddp-1", "ddp-2")
 EXISTING = {("ConfigMap", "j-config"), ("Secret", "j-token"), ("StatefulSet", "j-ddp"), ("Service", "j-ddp"),

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
-from kubetrain_operator.controller.observe import parse_metrics, pod_observation, progress_from, termination_results
+import pytest
+
+from kubetrain_operator.controller import observe
+from kubetrain_operator.controller.observe import (owned_by, owner_of, parse_metrics, pod_observation, progress_from,
+                                                   termination_results)
 
 
 def pod(container_status: dict, labels: dict | None = None, phase: str = "Running") -> dict:
@@ -93,3 +97,83 @@ def test_a_dead_trainer_under_restart_policy_never_has_failed_before_the_kubelet
     rank = pod({"state": {"terminated": {"exitCode": 137}}})
     rank["spec"]["restartPolicy"] = "Always"
     assert pod_observation(rank).phase == "Running"
+
+
+# --- a tenant's termination message and a pod's owner (issue 31) ------------------------------------
+
+def test_a_termination_message_keeps_only_what_a_status_can_hold():
+    huge = int("9" * 400)
+    message = json.dumps({"steps": huge, "global_step": 12, "final_train_loss": 0.5, "eval_accuracy": 1e308,
+                          "checkpoint_step": -(2**63) - 1, "metrics": {"acc": 0.9, "big": huge, "deep": {"x": 1}},
+                          "note": "ok", "list": [1, 2]})
+    assert termination_results(message) == {"global_step": 12, "final_train_loss": 0.5, "eval_accuracy": 1e308,
+                                            "metrics": {"acc": 0.9}, "note": "ok"}
+    # Nested past the JSON decoder's recursion (4 KiB of message is room for 2,000 levels): no result, no raise.
+    assert termination_results("[" * 2048 + "]" * 2048) is None
+    assert termination_results('{"a": ' + "[" * 4000 + "]" * 4000 + "}") is None
+
+
+def test_a_huge_number_in_the_final_results_costs_the_round_nothing():
+    """A 400-digit step in the chief's termination message once raised OverflowError in every round of
+    its job (math.isfinite of an int too large for a float): the job ends as if it had not been there."""
+    from kubetrain_operator.api import from_object
+    from kubetrain_operator.core.reconcile import reconcile
+
+    job = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                       "metadata": {"name": "j", "namespace": "ns"}, "spec": {"mode": "Single"}})
+    message = json.dumps({"global_step": int("1" + "0" * 400), "steps": 7, "final_train_loss": 0.25})
+    ended = pod_observation({"metadata": {"name": "j-single-0", "uid": "p", "labels": {"kubetrain.dev/replica": "single-0"}},
+                             "spec": {}, "status": {"phase": "Succeeded", "containerStatuses": [
+                                 {"name": "trainer", "state": {"terminated": {"exitCode": 0, "message": message}}}]}})
+    act = reconcile(job, "u", "t", {"single-0": ended}, {"state": "Running"}, 1000.0, None)
+    assert act.status["state"] == "Succeeded"
+    assert act.status["progress"]["step"] == 7 and act.status["progress"]["loss"] == 0.25
+
+
+def test_a_pod_belongs_to_the_job_that_owns_it_not_to_the_one_its_labels_name():
+    def owned(kind, name, uid, controller=True):
+        return {"metadata": {"ownerReferences": [{"kind": kind, "name": name, "uid": uid, "controller": controller}]}}
+
+    assert owned_by(owner_of(owned("TrainingJob", "victim", "u-victim")), "victim", "u-victim")
+    assert not owned_by(owner_of(owned("TrainingJob", "victim", "u-old")), "victim", "u-victim")  # a job gone
+    assert not owned_by(owner_of(owned("TrainingJob", "attacker", "u-attacker")), "victim", "u-victim")
+    assert owned_by(owner_of(owned("StatefulSet", "victim-ddp", "s")), "victim", "u-victim")
+    assert not owned_by(owner_of(owned("StatefulSet", "attacker-ddp", "s")), "victim", "u-victim")
+    assert not owned_by(owner_of(owned("TrainingJob", "victim", "u-victim", controller=False)), "victim", "u-victim")
+    assert not owned_by(owner_of({"metadata": {}}), "victim", "u-victim")  # a bare pod, labelled by anyone
+
+
+def test_the_operators_index_files_a_pod_under_its_owner():
+    from kubetrain_operator.controller import handlers
+
+    index = handlers.Index()
+    key = ("ns", "victim")
+    labels = {"kubetrain.dev/job-name": "victim", "kubetrain.dev/replica": "single-0"}
+
+    def raw(name, owner_uid, phase):
+        return {"metadata": {"name": name, "namespace": "ns", "uid": name, "labels": labels,
+                             "ownerReferences": [{"kind": "TrainingJob", "name": "x", "uid": owner_uid, "controller": True}]},
+                "spec": {}, "status": {"phase": phase}}
+
+    index.set_pod(key, "victim-single-0", handlers._observed_pod(raw("victim-single-0", "u-victim", "Running")))
+    # Another job's pod labelled as the victim's replica, seen later (it used to win the replica).
+    index.set_pod(key, "forged", handlers._observed_pod(raw("forged", "u-attacker", "Succeeded")))
+    seen = index.replicas(key, "u-victim")
+    assert list(seen) == ["single-0"] and seen["single-0"].phase == "Running" and seen["single-0"].uid == "victim-single-0"
+
+
+@pytest.mark.parametrize("kind, pod, expected", [
+    ("DELETED", {"status": {"phase": "Running"}}, True),
+    ("MODIFIED", {"metadata": {"deletionTimestamp": "2026-12-02T00:00:00Z"}, "status": {"phase": "Running"}}, True),
+    ("MODIFIED", {"status": {"phase": "Failed"}}, True),
+    ("MODIFIED", {"status": {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 137}}}]}}, True),
+    ("MODIFIED", {"status": {"phase": "Running", "containerStatuses": [
+        {"name": "sidecar", "state": {"terminated": {"exitCode": 1}}}]}}, False),
+    ("MODIFIED", {"status": {"phase": "Succeeded", "containerStatuses": [
+        {"name": "trainer", "state": {"terminated": {"exitCode": 0}}}]}}, False),
+    ("ADDED", {"status": {"phase": "Pending"}}, False),
+    ("MODIFIED", {"status": {"phase": "Running"}}, False),
+], ids=["deleted", "being deleted", "failed", "trainer ended badly", "a sidecar's end", "succeeded", "new", "running"])
+def test_a_pod_that_died_or_went_is_urgent_and_one_that_starts_or_succeeds_is_routine(kind, pod, expected):
+    assert observe.urgent(kind, pod) is expected

@@ -284,7 +284,7 @@ def test_success_without_termination_messages_keeps_the_last_progress_read():
     pods = {n: Pod(n, "Succeeded", exit_code=0) for n in ("single-0",)}
     old = {"state": "Running", "startTime": iso(T0), "progress": {"step": 200, "totalSteps": 230}}
     act = reconcile(job("Single"), "u", "t", pods, old, T0 + 1)
-    assert act.status["state"] == "Succeeded" and act.status["progress"] == {"step": 200, "totalSteps": 230}
+    assert act.status["state"] == "Succeeded" and act.status["progress"] == {"step": 200, "totalSteps": 230, "etaSeconds": 0}
 
 
 def test_a_scripts_reported_values_become_status_progress_metrics():

@@ -1,5 +1,7 @@
 """Elastic jobs in real pods: `kubectl scale trainingjob` through the scale subresource while the job
-trains. A ParameterServer job goes 2 -> 3 -> 1 workers and a DDP job 2 -> 1 -> 2 nodes; each finishes
+trains. A ParameterServer job goes 2 -> 3 -> 1 workers, a DDP job 2 -> 1 -> 2 nodes, and the same DDP
+job with strategy FSDP on one ReadWriteMany claim 2 -> 1 -> 2 nodes (each restart loads the newest
+sharded checkpoint, resharded to the new world size); each finishes
 within 2 points of accuracy of the same manifest run at a fixed size (locally: the same code and data,
 as test_e2e_local_vs_cluster shows), with no restart counted."""
 
@@ -11,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
-from e2elib import apply, example, figure, job_status, succeeded, watch_metrics
+from e2elib import apply, example, figure, job_status, read_files, succeeded, watch_metrics
+
+from helpers.jsonl import json_objects
 
 from support import kubetrain
 
@@ -75,6 +79,7 @@ CASES = {
     # name: (manifest, resizes: (to size, the pods of the new set))
     "elastic-ps": ("quickstart.yaml", [(3, ["ps-0", "worker-0", "worker-1", "worker-2"]), (1, ["ps-0", "worker-0"])]),
     "elastic-ddp": ("ddp.yaml", [(1, ["ddp-0"]), (2, ["ddp-0", "ddp-1"])]),
+    "elastic-fsdp": ("ddp.yaml", [(1, ["ddp-0"]), (2, ["ddp-0", "ddp-1"])]),
 }
 EPOCHS = 40  # 920 steps at 2 replicas (digits, batch 32): hundreds left at every resize
 
@@ -104,6 +109,14 @@ def scaled_twice(e2e, name: str) -> str:
         live = f", kubectl scale to ps-0's cut {cuts[0]:.1f} s / {cuts[1]:.1f} s"
     else:
         live = ""
+    if name == "elastic-fsdp":
+        # Every start after the first loaded the sharded checkpoint the resize's stop had just written.
+        events = json_objects(read_files(e2e, f"{name}-ckpt-ddp", ["run/metrics/ddp-0.jsonl"])["run/metrics/ddp-0.jsonl"])
+        stops = [e["step"] for e in events if e["event"] == "stop"]
+        resumes = [e for e in events if e["event"] == "resume"]
+        assert len(stops) == 2 and [e["step"] for e in resumes] == stops, (stops, resumes)
+        assert all(e.get("sharded") for e in resumes), resumes
+        live = f", resumed from sharded checkpoints at steps {stops}"
     return (f"sizes 2 -> {sizes[0][0]} -> {sizes[1][0]}, each resize (kubectl scale to the new set Running) "
             f"{took[0]:.1f} s / {took[1]:.1f} s{live}")
 
@@ -115,8 +128,12 @@ def test_jobs_scaled_twice_in_real_pods_finish_within_two_points_of_a_fixed_size
     for name, (manifest, _) in CASES.items():
         doc = example(manifest, EPOCHS)
         doc["metadata"]["name"] = name
-        if name == "elastic-ddp":
+        if name in ("elastic-ddp", "elastic-fsdp"):
             doc["spec"]["ddp"].update(minNodes=1, maxNodes=2)
+        if name == "elastic-fsdp":
+            doc["spec"]["ddp"]["strategy"] = "FSDP"
+            doc["spec"]["checkpoint"]["storage"] = {"accessMode": "ReadWriteMany",
+                                                    "storageClassName": "local-path-shared"}
         docs[name] = doc
         apply(e2e, doc)
     with ThreadPoolExecutor(max_workers=len(CASES)) as pool:

@@ -38,3 +38,19 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30, group: bool = Fals
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         proc.wait()
+
+
+def require_program(name: str, install: str) -> str:
+    """The path of program `name`; without it the test fails under CI (CI set: `.ci/run`, where every part
+    must be there and a skip would hide a missing one) and is skipped elsewhere (a developer's machine)."""
+    import shutil
+
+    import pytest
+
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed: {install}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: a missing part fails the run)", pytrace=False)
+        pytest.skip(message)
+    return path

@@ -23,10 +23,11 @@ RUN_TIMEOUT_SECONDS = 480
 
 
 def manifest(tmp_path: Path, name: str, mode: str, epochs: int, **extra) -> Path:
+    checkpoint = {"intervalSteps": 50, **extra.pop("checkpoint", {})}
     doc = job_doc(name, mode, model={"name": "mlp", "args": {"hidden": 64}}, dataset={"name": "digits"},
                   training={"epochs": epochs, "batchSize": 32, "seed": 0,
                             "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
-                  checkpoint={"intervalSteps": 50}, **extra)
+                  checkpoint=checkpoint, **extra)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -81,7 +82,9 @@ def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int]) -> tup
 @pytest.mark.parametrize("mode, spec, chief, sizes, unit", [
     ("ParameterServer", {"parameterServer": {"workers": 2}}, "worker-0", [3, 1], "workers"),
     ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2}}, "ddp-0", [1, 2], "nodes"),
-], ids=["ps-2-3-1", "ddp-2-1-2"])
+    ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2, "strategy": "FSDP"},
+             "checkpoint": {"storage": {"accessMode": "ReadWriteMany"}}}, "ddp-0", [1, 2], "nodes"),
+], ids=["ps-2-3-1", "ddp-2-1-2", "fsdp-2-1-2"])
 def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, sizes, unit):
     # 575 steps at 2 replicas (digits, batch 32) in 25 epochs: the resizes land mid-run. A live resize
     # (ParameterServer) costs no restart: the job runs on at a hundred steps a second and more (its tensors
@@ -125,6 +128,16 @@ def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_p
         assert f"Resizing from {start} to {first} {unit}" in out and f"Resized from {first} to {last} {unit}" in out, out
         log = (run / "logs" / "ddp-0.log").read_text()
         assert "resized from 2 to 1 ranks" in log and "resized from 1 to 2 ranks" in log
+        events = read_jsonl(run / "metrics" / "ddp-0.jsonl")
+        stops = [e["step"] for e in events if e.get("event") == "stop"]
+        starts = [e["step"] for e in events if e.get("event") == "start"]
+        # Each resize stopped the group after a checkpoint of its last step, and the new size started
+        # there: no step lost.
+        assert len(stops) == 2 and starts[1:] == stops, (starts, stops)
+        if spec["ddp"].get("strategy") == "FSDP":
+            # Every restart loaded the sharded checkpoint, resharded 2 -> 1 -> 2 ranks.
+            resumes = [e for e in events if e.get("event") == "resume"]
+            assert [e["step"] for e in resumes] == stops and all(e.get("sharded") for e in resumes), resumes
 
 
 def test_scale_refuses_a_size_the_job_cannot_take_naming_the_field(tmp_path):

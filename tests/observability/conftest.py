@@ -10,15 +10,10 @@ backend picks at start need no guessing.
 from __future__ import annotations
 
 import contextlib
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from helpers.metrics import try_scrape
-from helpers.net import free_port
-from helpers.process import stop_process
+from helpers.process import require_program
 from helpers.prometheus import start_prometheus
 from helpers.wait import wait_for
 from live import FT, PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_run
@@ -26,8 +21,7 @@ from live import FT, PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, sta
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory) -> Observed:
-    if shutil.which("prometheus") is None:
-        pytest.skip("Debian's prometheus is not installed: apt-get install -y --no-install-recommends prometheus")
+    require_program("prometheus", "apt-get install -y --no-install-recommends prometheus (hack/deps)")
     root = tmp_path_factory.mktemp("observed")
     docs = jobs()
     run_dirs = {name: root / "runs" / name for name in docs}
@@ -35,15 +29,7 @@ def observed(tmp_path_factory) -> Observed:
         path.mkdir(parents=True)  # file_sd watches these directories from the start
     # Every part is stopped, last started first, even when stopping another one failed.
     with contextlib.ExitStack() as stack:
-        operator_port = free_port()
-        operator_log = root / "operator-metrics.log"
-        with open(operator_log, "w") as out:
-            operator = subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("operator_metrics.py")), str(operator_port)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
-        stack.callback(stop_process, operator)
-        config = prometheus_config(root, run_dirs, f"127.0.0.1:{operator_port}")
+        config = prometheus_config(root, run_dirs)
         prom = start_prometheus("prometheus", config, root)
         stack.callback(prom.stop)
         runs: dict[str, LiveRun] = {}
@@ -66,7 +52,7 @@ def observed(tmp_path_factory) -> Observed:
             return have >= {(job, r) for job, rs in replicas.items() for r in rs}
 
         wait_for("every replica to be scraped while training", all_training, timeout=120)
-        observed = Observed(prom, runs, f"127.0.0.1:{operator_port}")
+        observed = Observed(prom, runs)
         for run in runs.values():
             for target in run.targets():
                 replica = target["labels"]["replica"]

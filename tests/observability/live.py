@@ -110,7 +110,6 @@ class Observed:
 
     prometheus: Prometheus
     runs: dict[str, LiveRun]
-    operator_target: str
     expositions: dict[str, str] = field(default_factory=dict)  # replica ("obs-ps/worker-0") -> text
 
 
@@ -166,7 +165,7 @@ def run_scrape_config(name: str, run_dir: Path) -> dict:
     }
 
 
-def prometheus_config(root: Path, runs: dict[str, Path], operator_target: str) -> Path:
+def prometheus_config(root: Path, runs: dict[str, Path]) -> Path:
     rules = root / "alerts.yaml"
     rules.write_text(yaml.safe_dump(scaled_rules(yaml.safe_load(ALERTS.read_text())), sort_keys=False))
     config = {
@@ -175,9 +174,6 @@ def prometheus_config(root: Path, runs: dict[str, Path], operator_target: str) -
         "rule_files": [str(rules)],
         "scrape_configs": [
             *(run_scrape_config(name, run_dir) for name, run_dir in runs.items()),
-            # honor_labels: the operator's `namespace` label is the job's, not the scrape target's.
-            {"job_name": "kubetrain-operator", "honor_labels": True,
-             "static_configs": [{"targets": [operator_target]}]},
         ],
     }
     path = root / "prometheus.yml"

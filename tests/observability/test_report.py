@@ -37,7 +37,7 @@ def compared(tmp_path_factory):
     report = compare(manifest, ["Single", "ParameterServer"], None, root / "out")
     faulted = root / "faulted"
     job = from_object(small_job("cmp-faulted"))
-    assert LocalBackend(job, RunDir(faulted), {"single-0": 30}, echo_logs=False).run_job() == 0
+    assert LocalBackend(job, RunDir(faulted), {"single-0": "kill@step=30"}, echo_logs=False).run_job() == 0
     runs = sorted((root / "out" / "runs").iterdir()) + [faulted]
     full = build_report(runs, root / "full")
     return report, full, runs

@@ -67,7 +67,7 @@ def test_parameter_server_job_gets_its_children_and_a_status(operator):
     assert condition(status, "Running")["observedGeneration"] == 1
     line = operator.kubectl("get", "tj", name)
     header, row = line.splitlines()[:2]
-    assert header.split() == ["NAME", "MODE", "WORKERS", "STEP", "RESTARTS", "STATE", "AGE"]
+    assert header.split() == ["NAME", "MODE", "WORKERS", "STEP", "ETA", "RESTARTS", "STATE", "AGE"]
     assert row.split()[1:3] == ["ParameterServer", "2"] and "Running" in row
 
 

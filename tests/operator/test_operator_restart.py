@@ -21,9 +21,15 @@ import pytest
 import yaml
 
 from helpers.net import free_port
+from helpers.wait import wait_for
 from test_lifecycle import manifest, pods_of, running_pods
 
 pytestmark = pytest.mark.cluster
+
+STALLED_BEFORE_RESTART = 8
+"""Seconds the job's step has stood still when the operator is killed: well inside the 30 s progress
+deadline, so that a hang found `deadline` after the restart (a clock that restarted) is told apart from
+one found `deadline` after the stall began."""
 
 
 @pytest.fixture
@@ -132,7 +138,8 @@ def test_a_restart_during_a_hang_countdown_keeps_the_clock(fresh):
         op.set_pod_status(f"{name}-single-0", "Running", pod_ip="127.0.0.1")
         op.wait("the step read", lambda: memory(op, name).get("lastStep") == 40)
         stalled_since = memory(op, name)["lastStepTime"]
-        time.sleep(8)
+        # The operator goes down with the stall STALLED_BEFORE_RESTART seconds old by the job's own clock.
+        wait_for("the stall to age", lambda: time.time() - stalled_since >= STALLED_BEFORE_RESTART, timeout=60)
         fresh.kill()
         fresh.start()
         restarted = time.time()

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from helpers.net import free_port
-from kubetrain_operator.controller import kube
+from helpers.wait import wait_for
+from kubetrain_operator.controller import kube, scrapes
 from kubetrain_operator.controller.observe import parse_metrics, progress_from
 
 GOOD = b"kubetrain_training_step{job=\"j\"} 7.0\nkubetrain_loss{job=\"j\"} +Inf\n"
@@ -106,3 +107,135 @@ def test_a_dripped_answer_is_cut_off_at_the_timeout(serve):
 def test_a_silent_or_absent_server_is_none(serve):
     assert kube.scrape("127.0.0.1", serve(lambda c: time.sleep(5)), timeout=0.5) is None
     assert kube.scrape("127.0.0.1", free_port()) is None  # nothing listens there
+
+
+# --- one deadline over the whole exchange (issue 31) ---------------------------------------------
+#
+# http.client read the status line and the headers with a per-read timeout: a chief that sent one
+# header byte every 0.5 s held `scrape(timeout=1.0)` for as long as it dripped. Each hostile peer
+# below would hold the scrape for DRIP_SECONDS; the scrape must return while it still drips.
+
+DRIP_SECONDS = 30.0
+DRIP_EVERY = 0.25
+
+
+class Drip:
+    """Answers every connection by `send(conn)`, a byte every DRIP_EVERY s for up to DRIP_SECONDS;
+    `cut` counts connections the scraper closed while this still dripped."""
+
+    def __init__(self, head: bytes, body: bytes = b""):
+        self.head, self.body = head, body
+        self.cut = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, conn):
+        conn.sendall(self.head)
+        try:
+            for i in range(int(DRIP_SECONDS / DRIP_EVERY)):
+                conn.sendall(self.body[i:i + 1] or b"x")
+                time.sleep(DRIP_EVERY)
+        except OSError:
+            with self.lock:
+                self.cut += 1  # the scraper hung up: a send after its close fails
+
+
+STATUS_LINE = Drip(b"", b"HTTP/1.1 200 OK\r\n" + b"X" * 400)
+HEADERS = Drip(b"HTTP/1.1 200 OK\r\n", b"X-Drip: " + b"x" * 400)
+
+
+@pytest.mark.parametrize("drip", [STATUS_LINE, HEADERS], ids=["status line", "headers"])
+def test_a_dripped_head_is_cut_at_the_deadline(serve, drip):
+    port = serve(drip)
+    assert kube.scrape("127.0.0.1", port, timeout=1.0) is None
+    # Returned while the peer still drips (it would for DRIP_SECONDS): cut at the deadline.
+    wait_for("the dripping peer to see the scraper hang up", lambda: drip.cut >= 1, timeout=DRIP_SECONDS / 2)
+
+
+def test_a_silent_peer_is_cut_at_the_deadline():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        result = []
+        scraper = threading.Thread(target=lambda: result.append(kube.scrape("127.0.0.1", port, timeout=1.0)))
+        scraper.start()
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(DRIP_SECONDS)
+            assert conn.recv(4096).startswith(b"GET /metrics")
+            # Never answers: the scraper closes (the read sees its end) within its deadline.
+            assert conn.recv(4096) == b""
+            scraper.join(DRIP_SECONDS)
+            assert result == [None]
+
+
+def test_a_head_past_its_limit_is_not_read(serve):
+    head = b"HTTP/1.1 200 OK\r\n" + b"X-Big: " + b"x" * kube.MAX_SCRAPE_HEAD_BYTES + b"\r\n\r\n"
+    assert kube.scrape("127.0.0.1", serve(lambda c: c.sendall(head + GOOD))) is None
+    edge = b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * (kube.MAX_SCRAPE_HEAD_BYTES - 40) + b"\r\n\r\n"
+    assert len(edge) <= kube.MAX_SCRAPE_HEAD_BYTES
+    assert kube.scrape("127.0.0.1", serve(lambda c: c.sendall(edge + GOOD))) == GOOD.decode()
+
+
+def test_a_short_or_chunked_body_is_not_taken_for_the_metrics(serve):
+    assert kube.scrape("127.0.0.1", serve(lambda c: c.sendall(http("200 OK", GOOD)[:-5]))) is None
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    assert kube.scrape("127.0.0.1", serve(lambda c: c.sendall(chunked))) is None
+
+
+# --- scrapes apart from the reconcile workers, SCRAPE_WORKERS at once ---------------------------
+
+def test_scrapes_run_in_their_own_bounded_pool_and_never_hold_the_caller():
+    """More jobs than SCRAPE_WORKERS whose chiefs stall: `latest` returns at once every time,
+    at most SCRAPE_WORKERS scrapes run together, and every job's scrape still runs in its turn."""
+    release = threading.Event()
+    lock = threading.Lock()
+    running, peak, done = [0], [0], []
+
+    def stalled(job):
+        def read():
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            release.wait(DRIP_SECONDS)
+            with lock:
+                running[0] -= 1
+                done.append(job)
+            return f"progress of {job}"
+        return read
+
+    changed = []
+    pool = scrapes.Scrapes(on_change=changed.append, min_interval=0.0)
+    jobs = [f"job-{i}" for i in range(scrapes.SCRAPE_WORKERS + 3)]
+    try:
+        for job in jobs:
+            assert pool.latest(job, stalled(job)) is None  # no result yet, and no wait for one
+        wait_for("SCRAPE_WORKERS stalled scrapes", lambda: running[0] == scrapes.SCRAPE_WORKERS, timeout=30)
+        for job in jobs:  # asked again while theirs is queued or running: no second scrape
+            assert pool.latest(job, stalled(job)) is None
+        assert peak[0] == scrapes.SCRAPE_WORKERS and not done
+        release.set()
+        wait_for("every job's scrape", lambda: sorted(done) == sorted(jobs), timeout=30)
+        assert peak[0] == scrapes.SCRAPE_WORKERS
+        wait_for("every job queued again for its new progress", lambda: sorted(changed) == sorted(jobs), timeout=30)
+        assert pool.latest("job-0", stalled("job-0")) == "progress of job-0"
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_a_job_is_scraped_again_only_after_the_interval():
+    now = [100.0]
+    reads = []
+    pool = scrapes.Scrapes(on_change=lambda key: None, min_interval=5.0, clock=lambda: now[0])
+    try:
+        pool.latest("j", lambda: reads.append(1) or 7)
+        wait_for("the first scrape", lambda: pool.latest("j", lambda: 0) == 7, timeout=30)
+        now[0] += 4.9
+        assert pool.latest("j", lambda: reads.append(2) or 8) == 7
+        now[0] += 0.2
+        pool.latest("j", lambda: reads.append(3) or 9)
+        wait_for("the second scrape", lambda: pool.latest("j", lambda: 0) == 9, timeout=30)
+        assert reads == [1, 3]
+    finally:
+        pool.close()

@@ -24,10 +24,6 @@ pytestmark = pytest.mark.cluster
 LEASE = "kubetrain-operator"
 SLACK_SECONDS = 10
 """Beyond LEASE_SECONDS + RETRY_SECONDS: starting kubectl, a loaded 2-core machine."""
-SETTLE_SECONDS = 6
-"""How long the new leader is left to act after its first reconciliation, before the test looks:
-a wrong first round (a pod deleted or recreated, a Warning, a status rewritten) would be done by
-then, as the old leader's first round was within a second or two of the job's creation."""
 
 
 def holder(kube: Kubectl) -> str:
@@ -162,7 +158,10 @@ def test_the_standby_takes_over_from_a_killed_leader_and_changes_nothing(spawn_o
     # kopf's own liveness endpoint, on the port the standby's served while it waited.
     served = wait_for("kopf's /healthz", lambda: (h := healthz(standby)) is not None and {"body": h}, timeout=30)
     assert "leader" not in served["body"]
-    time.sleep(SETTLE_SECONDS)
+    # Two whole rounds of the new leader, the test's job among them (a running job is looked at again
+    # within 10 s): a wrong round (a pod deleted or recreated, a Warning, a status rewritten) is done by then.
+    wait_for("the new leader's second reconciliation", lambda: reconciles(standby) >= 2, timeout=60,
+             explain=lambda: logs(standby))
     after = snapshot(kube, job)
     assert after["pods"] == before["pods"], "the new leader created, deleted or changed a pod that was right"
     assert after["children"] == before["children"]

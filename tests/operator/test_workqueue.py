@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kubetrain_operator.controller.workqueue import ERROR_BACKOFF_CAP_SECONDS, WorkQueue
+from kubetrain_operator.controller.workqueue import ERROR_BACKOFF_CAP_SECONDS, URGENT_STREAK, WorkQueue
 
 
 class Clock:
@@ -117,3 +117,59 @@ def test_close_wakes_a_waiting_worker():
     q.close()
     t.join(timeout=5)
     assert got == [None] and not t.is_alive()
+
+
+def test_an_urgent_key_goes_before_every_routine_one_and_an_urgent_add_moves_a_waiting_key_up():
+    q = WorkQueue()
+    for key in ("a", "b", "c"):
+        q.add(key)
+    q.add("z", urgent=True)
+    q.add("b", urgent=True)  # waiting routine: moves up, still once
+    assert q.depth() == {"urgent": 2, "routine": 2}
+    assert [q.get(timeout=0) for _ in range(5)] == ["z", "b", "a", "c", None]
+
+
+def test_a_key_made_urgent_while_processed_comes_back_urgent():
+    q = WorkQueue()
+    q.add("a")
+    q.add("r")
+    assert q.get(timeout=0) == "a"
+    q.add("a", urgent=True)  # its pod died while a worker held it
+    q.done("a")
+    assert q.get(timeout=0) == "a" and q.get(timeout=0) == "r"
+
+
+def test_routine_keys_get_one_turn_after_urgent_streak_urgent_ones_past_the_edge():
+    q = WorkQueue()
+    q.add("routine")
+    for i in range(URGENT_STREAK + 5):
+        q.add(f"u{i}", urgent=True)
+    order = [q.get(timeout=0) for _ in range(URGENT_STREAK + 6)]
+    assert order[:URGENT_STREAK] == [f"u{i}" for i in range(URGENT_STREAK)]
+    assert order[URGENT_STREAK] == "routine"  # the streak's edge: one routine key goes
+    assert order[URGENT_STREAK + 1:] == [f"u{i}" for i in range(URGENT_STREAK, URGENT_STREAK + 5)]
+
+
+def test_an_urgent_only_worker_leaves_routine_keys_to_the_others_and_takes_an_urgent_one_at_once():
+    q = WorkQueue()
+    q.add("routine")
+    assert q.get(timeout=0, urgent_only=True) is None
+    got = []
+    worker = threading.Thread(target=lambda: got.append(q.get(timeout=5, urgent_only=True)))
+    worker.start()
+    time.sleep(0.1)  # the worker waits on the queue's condition
+    q.add("replace", urgent=True)
+    worker.join(5)
+    assert got == ["replace"] and q.get(timeout=0) == "routine"
+
+
+def test_the_wait_of_each_key_is_told_by_lane():
+    clock = Clock()
+    waits = []
+    q = WorkQueue(clock=clock, on_wait=lambda lane, seconds: waits.append((lane, seconds)))
+    q.add("a")
+    clock.now = 2.0
+    q.add("b", urgent=True)
+    clock.now = 3.0
+    assert q.get(timeout=0) == "b" and q.get(timeout=0) == "a"
+    assert waits == [("urgent", 1.0), ("routine", 3.0)]

@@ -60,7 +60,7 @@ def sample(ps, name: str, **labels: str) -> float:
 
 @contextmanager
 def serving(tmp_path, tls_dir=None, max_connections=16, hello_seconds=5.0, idle_seconds=60.0,
-            **config) -> Iterator[SimpleNamespace]:
+            max_pending_per_peer=dataplane.MAX_PENDING_PER_PEER, **config) -> Iterator[SimpleNamespace]:
     settings = dict(replica="ps-0", workers=2, aggregation="Async", sync_timeout=5.0, max_staleness=100,
                     max_steps=None, interval_steps=1000, chunk_bytes=CHUNK)
     settings.update(config)
@@ -73,7 +73,8 @@ def serving(tmp_path, tls_dir=None, max_connections=16, hello_seconds=5.0, idle_
     server.start()
     metrics = TrainerMetrics(LABELS)
     data = DataServer(shard, TOKEN, tls, max_connections=max_connections, drain_bytes=32 << 20,
-                      hello_seconds=hello_seconds, idle_seconds=idle_seconds, metrics=metrics)
+                      hello_seconds=hello_seconds, idle_seconds=idle_seconds, metrics=metrics,
+                      max_pending_per_peer=max_pending_per_peer)
     data_port = data.start("127.0.0.1", 0)
     try:
         with ticking(shard, TICK_SECONDS):
@@ -483,3 +484,95 @@ def test_a_shard_raises_its_open_files_limit_to_what_its_connections_need():
         assert now > 1024 or hard <= 1024
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# --- one deadline over the handshake and HELLO, and a cap per peer address (issue 31) --------------
+
+DRIP_EVERY = 0.25
+
+
+def drip(sock: socket.socket, data: bytes) -> bool:
+    """Send `data` a byte every DRIP_EVERY s; True when the shard closed the connection before the last
+    byte went (its end read, or a send refused), False when every byte went."""
+    import select
+
+    for i in range(len(data)):
+        if select.select([sock], [], [], 0)[0]:
+            try:
+                if sock.recv(1 << 16) == b"":
+                    return True
+            except OSError:
+                return True
+        try:
+            sock.sendall(data[i:i + 1])
+        except OSError:
+            return True
+        time.sleep(DRIP_EVERY)
+    return False
+
+
+def client_hello(tls_dir) -> bytes:
+    """The first bytes a worker's TLS client sends (its ClientHello), made without a connection."""
+    import ssl
+
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = TlsFiles.load(tls_dir).client_context().wrap_bio(incoming, outgoing, server_hostname="j-ps-0")
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def test_a_hello_dripped_a_byte_at_a_time_is_cut_at_the_deadline(tmp_path):
+    hello = MAGIC + RECORD.pack(HELLO, len(TOKEN)) + TOKEN.encode()
+    assert len(hello) * DRIP_EVERY > 4 * 1.0  # the drip would last 4 deadlines and more
+    with serving(tmp_path, hello_seconds=1.0) as ps:
+        with socket.create_connection(("127.0.0.1", ps.data_port), timeout=5) as sock:
+            assert drip(sock, hello), "the shard let a dripped HELLO (with the right token) finish"
+        wait_for("the refusal counted", lambda: ps.data.unserved == {"deadline": 1}, timeout=10)
+        assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="deadline") == 1
+
+
+def test_a_tls_handshake_dripped_a_byte_at_a_time_is_cut_at_the_deadline(tmp_path, job_dir):
+    hello = client_hello(job_dir)
+    assert len(hello) * DRIP_EVERY > 4 * 1.0
+    with serving(tmp_path, tls_dir=job_dir, hello_seconds=1.0) as ps:
+        with socket.create_connection(("127.0.0.1", ps.data_port), timeout=5) as sock:
+            assert drip(sock, hello), "the shard let a dripped TLS handshake go on past its deadline"
+
+
+def test_connections_of_one_address_before_hello_are_capped_past_the_edge(tmp_path):
+    """A peer without the token holds at most max_pending_per_peer connections, however many it opens:
+    a worker from another address is served meanwhile, and the address gets its room back as its
+    connections say HELLO."""
+    with serving(tmp_path, max_connections=8, max_pending_per_peer=2, hello_seconds=30.0) as ps:
+        silent = [socket.create_connection(("127.0.0.1", ps.data_port), timeout=5) for _ in range(2)]
+        try:
+            wait_for("two connections served", lambda: len(ps.data._conns) == 2, timeout=10)
+            with socket.create_connection(("127.0.0.1", ps.data_port), timeout=5) as third:
+                assert closed(third), "a third connection of the address was served"
+            assert ps.data.unserved == {"peer": 1}
+            assert sample(ps, "kubetrain_ps_data_refused_connections_total", reason="peer") == 1
+            # Another address (a worker's pod) is served while the first holds its two.
+            with socket.create_connection(("127.0.0.1", ps.data_port), timeout=5,
+                                          source_address=("127.0.0.2", 0)) as worker:
+                worker.sendall(MAGIC + RECORD.pack(HELLO, len(TOKEN)) + TOKEN.encode())
+                assert read_record(worker)[0] == dataplane.OK
+            # One of the address's connections says HELLO: its room comes back.
+            silent[0].sendall(MAGIC + RECORD.pack(HELLO, len(TOKEN)) + TOKEN.encode())
+            assert read_record(silent[0])[0] == dataplane.OK
+            with raw_connection(ps) as again:
+                assert read_record(again)[0] == dataplane.OK
+            assert ps.data.unserved == {"peer": 1}
+        finally:
+            for sock in silent:
+                sock.close()
+
+
+def test_a_hello_dripped_after_a_tls_handshake_is_cut_at_the_same_deadline(tmp_path, job_dir):
+    """The handshake and the HELLO share one deadline: a HELLO dripped inside TLS is cut like one in the clear."""
+    hello = MAGIC + RECORD.pack(HELLO, len(TOKEN)) + TOKEN.encode()
+    with serving(tmp_path, tls_dir=job_dir, hello_seconds=1.0) as ps:
+        raw = socket.create_connection(("127.0.0.1", ps.data_port), timeout=5)
+        with TlsFiles.load(job_dir).client_context().wrap_socket(raw, server_hostname="j-ps-0") as sock:
+            assert drip(sock, hello), "the shard let a HELLO dripped over TLS finish"
+        wait_for("the refusal counted", lambda: ps.data.unserved == {"deadline": 1}, timeout=10)

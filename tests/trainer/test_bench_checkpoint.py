@@ -33,3 +33,28 @@ def test_bench_checkpoint_measures_sync_and_background_saves_in_one_run(tmp_path
 def test_bench_checkpoint_names_a_bad_argument(capsys, args, words):
     assert main(["bench", "checkpoint", *args]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_bench_checkpoint_sharded_measures_every_ratio_in_one_run(tmp_path):
+    out = tmp_path / "sharded.json"
+    code = main(["bench", "checkpoint", "--sharded", "--gib", "0.1", "--dir", str(tmp_path), "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    # One 4096 x 4096 layer with AdamW's two moments: 192 MiB, each of the 2 ranks holding half.
+    assert result["state_gib"] == 0.188 and result["shard_gib_per_rank"] == 0.094
+    seconds = result["seconds"]
+    assert set(seconds) == {"first_blocking", "first_wait", "blocking", "wait", "sync", "restore", "plain"}
+    assert result["ratio_blocking_to_sync"] == pytest.approx(seconds["blocking"] / seconds["sync"], rel=0.02, abs=1e-3)
+    assert result["ratio_sharded_to_plain"] == pytest.approx(
+        (seconds["blocking"] + seconds["wait"]) / seconds["plain"], rel=0.02, abs=1e-3)
+    # The first save's copy takes room for this rank's shards (the staging buffers), never the whole model.
+    memory = result["peak_extra_memory_over_shard"]
+    assert set(memory) == {"first_blocking", "blocking", "sync", "restore"}
+    assert 0.5 <= memory["first_blocking"] < 2.0, memory
+    assert result["restore_2_to_1_seconds"] > 0
+    assert list(tmp_path.iterdir()) == [out], "the checkpoints go into a temporary directory that is removed"
+
+
+def test_bench_checkpoint_sharded_names_a_bad_size(capsys):
+    assert main(["bench", "checkpoint", "--sharded", "--gib", "0"]) == 2
+    assert "--gib 0.0: expected 0.1 to 64" in capsys.readouterr().err

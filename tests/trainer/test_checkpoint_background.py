@@ -226,12 +226,12 @@ KILLED_WRITER = textwrap.dedent("""
             return real_verify(path, *args)
         checkpoint._verify_written = verify
     elif stage == "before-latest":
-        real_atomic = checkpoint._write_atomic
+        real_atomic = checkpoint.atomic_write
         def atomic(path, write, verify=None):
             if armed.is_set() and path.name == checkpoint.LATEST:
                 hold()
             return real_atomic(path, write, verify)
-        checkpoint._write_atomic = atomic
+        checkpoint.atomic_write = atomic
 
     store = checkpoint.CheckpointStore(directory, keep_last=3, spec_hash="h")
     store.save(1, {"w": torch.full((1 << 20,), 1.0), "step": 1})

@@ -30,6 +30,12 @@ def test_from_env_reads_every_variable(write_job, tmp_path: Path) -> None:
     assert (ctx.namespace, ctx.job_name, ctx.spec.mode) == ("team-a", "digits", "Single")
     assert ctx.ps_addrs == ["ps-0:50051", "ps-1:50051"] and ctx.ps_port == 50051 and ctx.token == "secret"
     assert ctx.fault_step == 12 and ctx.metrics_port == 9191 and ctx.checkpoint_dir == tmp_path / "ckpt"
+    assert ctx.fault_save is None  # kill@step: right after the step, not inside a save
+
+
+def test_kill_at_save_arms_the_save_fault_not_the_step_fault(write_job) -> None:
+    ctx = ReplicaContext.from_env("single", {"KUBETRAIN_JOB_FILE": str(write_job()), "KUBETRAIN_FAULT": "kill@save=30"})
+    assert (ctx.fault_step, ctx.fault_save) == (None, 30)
 
 
 def test_from_env_defaults(write_job) -> None:
@@ -44,7 +50,7 @@ def test_from_env_defaults(write_job) -> None:
     [
         ({"KUBETRAIN_REPLICA": "worker"}, "expected '<role>-<index>' such as 'worker-1', got 'worker'"),
         ({"KUBETRAIN_METRICS_PORT": "http"}, "KUBETRAIN_METRICS_PORT: expected an integer, got 'http'"),
-        ({"KUBETRAIN_FAULT": "kill@40"}, "KUBETRAIN_FAULT: expected 'kill@step=N', got 'kill@40'"),
+        ({"KUBETRAIN_FAULT": "kill@40"}, "KUBETRAIN_FAULT: expected 'kill@step=N' or 'kill@save=N', got 'kill@40'"),
     ],
     ids=["replica without index", "port not a number", "fault without step="],
 )

@@ -37,7 +37,7 @@ BAD_RUNS = [
     BadRun("unknown model argument", {"model": {"args": {"depth": 3}}}, EXIT_CONFIG,
            "spec.model.args: mlp does not take these arguments"),
     BadRun("invalid spec", {"training": {"batchSize": 0}}, EXIT_CONFIG, "spec.training.batchSize"),
-    BadRun("bad fault variable", {}, EXIT_CONFIG, "KUBETRAIN_FAULT: expected 'kill@step=N', got 'boom'",
+    BadRun("bad fault variable", {}, EXIT_CONFIG, "KUBETRAIN_FAULT: expected 'kill@step=N' or 'kill@save=N', got 'boom'",
            {"KUBETRAIN_FAULT": "boom"}),
     BadRun("no job file", {}, EXIT_CONFIG, "KUBETRAIN_JOB_FILE: not set", {"KUBETRAIN_JOB_FILE": ""}),
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -16,8 +15,8 @@ from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
 from kubetrain_trainer.errors import EXIT_OK, EXIT_TERMINATED
 from kubetrain_trainer.single import run_single
 
-GOLDEN = Path(__file__).parent.parent / "assets" / "losses" / "single_digits_mlp.json"
-GOLDEN_STEPS = 30
+from golden import GOLDEN, GOLDEN_OVERRIDES, GOLDEN_STEPS
+
 GOLDEN_TOLERANCE = 1e-4
 RESULT_FIELDS = {
     "steps", "epochs", "final_train_loss", "eval_accuracy", "eval_loss", "samples", "samples_per_second",
@@ -54,14 +53,11 @@ def test_default_mlp_reaches_95_percent_on_digits(write_job, make_ctx, tmp_path:
 
 
 def test_loss_curve_matches_the_golden_curve(write_job, make_ctx) -> None:
-    ctx = make_ctx(write_job({"training": {"epochs": None, "maxSteps": GOLDEN_STEPS}}))
+    # The curve is written by `hack/golden` (tests/trainer/golden.py), never by a test.
+    ctx = make_ctx(write_job(GOLDEN_OVERRIDES))
     assert run_single(ctx) == EXIT_OK
     losses = [e["loss"] for e in events(ctx.run_dir, "train")]
     assert len(losses) == GOLDEN_STEPS
-    if os.environ.get("KUBETRAIN_REGENERATE_GOLDEN"):
-        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps({"spec": "tests/trainer/conftest.py BASE_SPEC, maxSteps 30", "losses": losses},
-                                     indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())["losses"]
     assert losses == pytest.approx(golden, abs=GOLDEN_TOLERANCE)
 

@@ -154,11 +154,16 @@ def test_outside_kubetrain_the_calls_say_how_to_run_the_script(monkeypatch):
         kubetrain.checkpoint_dir()
 
 
-def test_the_public_api_is_exactly_the_four_calls():
-    assert kubetrain.__all__ == ["restore", "save", "report", "checkpoint_dir"]
+def test_the_public_api_is_the_calls_of_a_script_and_the_client():
+    assert kubetrain.__all__ == ["restore", "save", "report", "checkpoint_dir", "fault_tolerant", "Client"]
     assert json.dumps(sorted(n for n in vars(kubetrain) if not n.startswith("_") and callable(getattr(kubetrain, n))
                              and getattr(kubetrain, n).__module__ == "kubetrain"))  == json.dumps(
-        sorted(kubetrain.__all__))
+        sorted(["restore", "save", "report", "checkpoint_dir", "fault_tolerant"]))
+    # The client is loaded on first use: a training script's `import kubetrain` never loads Kubernetes' client.
+    code = ("import sys, kubetrain; assert 'kubernetes' not in sys.modules and 'kubetrain_operator.client' not in "
+            "sys.modules; c = kubetrain.Client; assert c.__module__ == 'kubetrain_operator.client'; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert done.stdout.strip() == "ok", done.stderr
 
 
 def test_a_save_returns_before_the_write_and_is_reported_only_once_durable(script_env, monkeypatch):

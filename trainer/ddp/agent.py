@@ -146,6 +146,38 @@ def fork_ranks() -> None:
     run.elastic_launch = launch
 
 
+def stop_on_permanent_failures() -> None:
+    """Make the agent give up at once when a rank exits 2 or 3 (a permanent failure) instead of restarting it.
+
+    torchrun restarts a failed group up to `--max-restarts` whatever the
+    rank's exit code; a bad configuration (a sharded save on a volume per
+    node, a model that does not load) then failed the same way maxRestarts
+    more times, each after the group's rendezvous and the ranks' imports,
+    before the pod said so. A failed group whose ranks include a permanent
+    code now has no restart left; the agent exits with that code. Where torch
+    has no such hook any more, nothing changes.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from ..errors import EXIT_CONFIG, EXIT_LOAD
+
+    original = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if original is None or getattr(original, "kubetrain_permanent", False):
+        return
+
+    def monitor(self, worker_group):
+        result = original(self, worker_group)
+        failures = getattr(result, "failures", None) or {}
+        if result.state == WorkerState.FAILED and any(f.exitcode in (EXIT_CONFIG, EXIT_LOAD)
+                                                      for f in failures.values()):
+            self._remaining_restarts = 0
+        return result
+
+    monitor.kubetrain_permanent = True
+    LocalElasticAgent._monitor_workers = monitor
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..events import startup
 
@@ -172,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if quiet:
         del os.environ["LOGLEVEL"]
     poll_rendezvous_faster()
+    stop_on_permanent_failures()
     if tuple(argv[-len(FORKED_COMMAND):]) == FORKED_COMMAND and ranks_on_cpu(dict(os.environ)):
         fork_ranks()
         # torch._dynamo, which every rank imports, imported beside the rendezvous: a forked rank

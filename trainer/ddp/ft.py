@@ -35,7 +35,6 @@ they restored: those behind heal from the newest.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -57,7 +56,6 @@ from kubetrain_operator.api.launch import (
     FT_GROUPS_VAR,
     FT_LIGHTHOUSE_VAR,
     FT_STORE_VAR,
-    group_rank,
     rank_replica,
 )
 
@@ -67,7 +65,6 @@ from ..data import ShardCursor
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
-from ..models import evaluate
 from ..preload import optimizer_step
 from ..training import compute_gradients
 from .runtime import DDPTrainer, Topology, _first_line

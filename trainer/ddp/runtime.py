@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import time
@@ -43,6 +44,7 @@ from ..metrics import TrainerMetrics
 from ..models import build_optimizer, evaluate, model_and_data
 from ..slowdown import Slowdown
 from ..training import planned_steps, train_step
+from . import fsdp
 from .hooks import CommHook
 from kubetrain_operator.api.launch import fault_armed, rank_replica
 
@@ -125,6 +127,8 @@ class DDPTrainer:
             role="ddp",
             index=topo.rank,
             fault_step=ctx.fault_step if fault_armed(os.environ, replica) else None,
+            fault_save=ctx.fault_save if fault_armed(os.environ, replica) else None,
+            fault_allreduce=ctx.fault_allreduce if fault_armed(os.environ, replica) else None,
         )
         # The SIGTERM handler must set the flag of the context this loop reads.
         self.ctx.install_signal_handlers()
@@ -145,7 +149,11 @@ class DDPTrainer:
         self.events = EventLog(ctx.run_dir, replica)
         # The first rank of each node reads its node's volume; only rank 0 writes.
         self.checkpoints = JobCheckpoints(self.ctx, self.metrics, self.events,
-                                          reader=topo.local_rank == 0, writer=self.writes_checkpoints())
+                                          reader=topo.local_rank == 0, writer=self.writes_checkpoints(),
+                                          nodes=max(1, topo.world_size // spec.ddp.procs_per_node))
+        # strategy FSDP: the model is sharded when the group is joined, and every
+        # rank saves its own shards (checkpoints through the sharded path).
+        self.fsdp = spec.ddp.strategy == "FSDP"
         self.reporter = ProgressReporter(self.ctx, self.metrics, self.events, self.total_steps)
         # Read before joining the group: a bad checkpoint (another spec) fails
         # this rank at once, and torchrun then stops the others.
@@ -187,6 +195,12 @@ class DDPTrainer:
             spec.ddp.backend, timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds)
         )
         startup("joined", rank=self.topo.rank)  # every rank of the group connected
+        if self.fsdp:
+            fsdp.shard(self.model, self.device, self.topo.world_size)
+            # The optimizer must hold the sharded parameters (DTensors), which replaced the model's own.
+            self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
+            self.ddp = self.model
+            return
         self.ddp = DistributedDataParallel(
             self.model, device_ids=[self.device] if self.device.type == "cuda" else None
         )
@@ -212,11 +226,18 @@ class DDPTrainer:
     # --- state -------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
+        if self.fsdp:
+            model, optimizer = fsdp.model_state(self.model, self.optimizer)
+            # One value, not a dict: a sharded restore loads the keys of its template, and
+            # the cursor's keys vary (an epoch dealt again after a resize adds `plans`).
+            cursor: Any = json.dumps(self.cursor.state_dict())
+        else:
+            model, optimizer, cursor = self.model.state_dict(), self.optimizer.state_dict(), self.cursor.state_dict()
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "cursor": self.cursor.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
+            "cursor": cursor,
             "rng": capture_rng_state(),
             "samples": self.samples,
             "loss": self.loss,
@@ -226,14 +247,20 @@ class DDPTrainer:
 
     def restore(self) -> None:
         """Agree on the newest checkpoint any node holds; its holder broadcasts it to all."""
-        found = self.checkpoints.restore(dist.group.WORLD, self.topo.world_size, self.topo.rank, self.found)
+        template = self.state() if self.fsdp else None
+        found = self.checkpoints.restore(dist.group.WORLD, self.topo.world_size, self.topo.rank, self.found,
+                                         template=template)
         self.found = None
         if found is None:
             return
         step, state, source = found
         self.step = step
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            fsdp.load_model_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            state["cursor"] = json.loads(state["cursor"]) if isinstance(state["cursor"], str) else state["cursor"]
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         # Every rank is at the same epoch and position; only the shard differs (or, when the group was
         # resized, what was left of the epoch is dealt again among the new ranks).
         old_world = state["cursor"]["world_size"]
@@ -249,8 +276,8 @@ class DDPTrainer:
         self.bytes_sent = state["bytes_sent"]
         self.raw_gradient_bytes = state["raw_gradient_bytes"]
         self.checkpoint_step = step
-        log.info("%s: resumed from step %d of %d (checkpoint of rank %d)", self.ctx.replica, step,
-                 self.total_steps, source)
+        log.info("%s: resumed from step %d of %d (%s)", self.ctx.replica, step, self.total_steps,
+                 f"checkpoint of rank {source}" if source is not None else "sharded checkpoint")
 
     def planned_total(self) -> int:
         """The step training ends at: maxSteps, or where the cursor finishes its epochs (after a resize the
@@ -261,8 +288,9 @@ class DDPTrainer:
         return self.step + self.cursor.steps_left(training.effective_epochs or 0)
 
     def checkpoint(self) -> None:
-        # Every rank calls it; rank 0 alone writes (the state is the same on all).
-        self.checkpoints.save(self.step, self.state() if self.chief else {})
+        # Every rank calls it. DDP: rank 0 alone writes (the state is the same on all);
+        # FSDP: every rank writes its own shards.
+        self.checkpoints.save(self.step, self.state() if self.chief or self.fsdp else {})
         self.checkpoint_step = self.step
 
     def wait_checkpoint(self) -> None:
@@ -294,12 +322,16 @@ class DDPTrainer:
         return time.monotonic() - self.started
 
     def evaluate(self) -> None:
-        """The chief evaluates; the others only note that the step was evaluated."""
+        """The chief evaluates; the others only note that the step was evaluated (under FSDP every rank
+        runs the forward passes with it: each gathers its share of every layer)."""
         self.eval_step = self.step
+        if not self.chief and not self.fsdp:
+            return
+        eval_loss, eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y,
+                                            objective=self.data.objective)
         if not self.chief:
             return
-        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y,
-                                                      objective=self.data.objective)
+        self.eval_loss, self.eval_accuracy = eval_loss, eval_accuracy
         self.metrics.eval_loss.set(self.eval_loss)
         self.metrics.eval_accuracy.set(self.eval_accuracy)
         self.events.write(
@@ -325,7 +357,7 @@ class DDPTrainer:
         port = self.ctx.metrics_port
         self.metrics.serve(port + self.topo.local_rank if port else 0, self.ctx.listen_address)
         self.join()
-        assert self.ddp is not None and self.hook is not None
+        assert self.ddp is not None and (self.hook is not None or self.fsdp)
         self.restore()
         startup("restored", rank=self.topo.rank, step=self.step)
         spec = self.ctx.spec
@@ -333,7 +365,7 @@ class DDPTrainer:
             "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
             rank=self.topo.rank, world_size=self.topo.world_size, node=self.topo.node, pid=os.getpid(),
             node_replica=self.node_replica, agent_restart_count=self.topo.restart_count,
-            backend=spec.ddp.backend, comm_hook=spec.ddp.comm_hook,
+            backend=spec.ddp.backend, comm_hook=spec.ddp.comm_hook, strategy=spec.ddp.strategy,
         )
         run_samples, train_seconds = 0, 0.0
         self.reporter.start_window(self.step)
@@ -344,7 +376,8 @@ class DDPTrainer:
             local_loss = train_step(self.ddp, self.optimizer, self.train_x[batch], self.train_y[batch],
                                     self.data.objective)
             self.slowdown.after()
-            raw, sent = self.hook.end_step()
+            # FSDP's traffic (gathers and reduce-scatters) is not counted: no hook sees it.
+            raw, sent = self.hook.end_step() if self.hook is not None else (0, 0)
             self.loss, stop = self.sync_step(local_loss, len(batch))
             self.step += 1
             startup("first_step", rank=self.topo.rank, step=self.step)
@@ -381,7 +414,8 @@ class DDPTrainer:
             "rank": self.topo.rank,
             "world_size": self.topo.world_size,
             "agent_restart_count": self.topo.restart_count,
-            "comm_hook": self.hook.stats(),
+            "comm_hook": self.hook.stats() if self.hook is not None else None,
+            "strategy": spec.ddp.strategy,
         }
         if self.chief:
             result.update(eval_accuracy=self.eval_accuracy, eval_loss=self.eval_loss,

@@ -83,8 +83,17 @@ it is read: a frame declaring more is refused with RESOURCE_EXHAUSTED, as gRPC r
 MAX_TOKEN_BYTES = 4096
 """The longest token a HELLO may carry (the operator's are 43 characters)."""
 HELLO_SECONDS = 10.0
-"""A new connection must finish its TLS handshake and its HELLO within this, or it is closed: a
-client that connects and says nothing holds a thread no longer."""
+"""A new connection must finish its TLS handshake and its HELLO within this, one deadline over both
+(each read waits only for what is left of it), or it is closed: a client that connects and says
+nothing, or drips a byte at a time (a per-read timeout once kept such a connection 6 s past a 1 s
+limit, for as long as it dripped), holds a thread no longer."""
+MAX_PENDING_PER_PEER = 32
+"""Connections from one address that have not finished their HELLO, at once. An honest worker opens
+one or two at a time (its pool, a retry racing a call) and finishes its HELLO in milliseconds; a
+local run's workers all connect from 127.0.0.1 and may start together, hence 32. One more is closed
+at once (counted, reason `peer`), and an honest worker's call retries it with its backoff; so a
+peer without the token cannot take every one of max_connections' slots and keep out the workers
+that hold it (it once did), unless it comes from many addresses."""
 IDLE_SECONDS = 120.0
 """A connection without a call for this long is closed by the shard (a worker calls every step;
 its pool finds the closed connection readable and drops it before using it)."""
@@ -176,9 +185,20 @@ def _parse_error(raw: bytes) -> DataPlaneError:
 # --- reading and writing --------------------------------------------------------------------------
 
 
-def _read_exactly(conn: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the connection (its own buffer: recv_into, no copy of ours)."""
+def _before(deadline: float | None, conn: socket.socket) -> None:
+    """A read is about to wait: for what is left of `deadline` (monotonic), if there is one."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        conn.settimeout(left)
+
+
+def _read_exactly(conn: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the connection (its own buffer: recv_into, no copy of ours); each read waits
+    at most for what is left of `deadline`, when one is given."""
     while view.nbytes:
+        _before(deadline, conn)
         n = conn.recv_into(view)
         if not n:
             raise ConnectionError("the peer closed the connection mid-record")
@@ -186,17 +206,18 @@ def _read_exactly(conn: socket.socket, view: memoryview) -> None:
 
 
 def _read_record(conn: socket.socket, kinds: tuple[int, ...], limit: int = MAX_HEADER_BYTES,
-                 at_boundary: bool = False) -> tuple[int, bytes]:
+                 at_boundary: bool = False, deadline: float | None = None) -> tuple[int, bytes]:
     """One record of an expected kind, at most `limit` bytes. `at_boundary`: a close before its first
-    byte is the peer's clean end (EOFError), not a broken record."""
+    byte is the peer's clean end (EOFError), not a broken record. `deadline`: for the whole record."""
     prefix = bytearray(RECORD.size)
     view = memoryview(prefix)
+    _before(deadline, conn)
     n = conn.recv_into(view)
     if not n:
         if at_boundary:
             raise EOFError
         raise ConnectionError("the peer closed the connection")
-    _read_exactly(conn, view[n:])
+    _read_exactly(conn, view[n:], deadline)
     kind, length = RECORD.unpack(prefix)
     if kind not in kinds:
         raise WireError(grpc.StatusCode.INVALID_ARGUMENT, f"data plane: unexpected record kind {kind} "
@@ -205,7 +226,7 @@ def _read_record(conn: socket.socket, kinds: tuple[int, ...], limit: int = MAX_H
         raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"data plane: a record of {length} bytes exceeds the limit of {limit}")
     body = bytearray(length)
-    _read_exactly(conn, memoryview(body))
+    _read_exactly(conn, memoryview(body), deadline)
     return kind, bytes(body)
 
 
@@ -346,7 +367,7 @@ class DataServer:
 
     def __init__(self, shard: Any, token: str, tls: TlsFiles | None, max_connections: int,
                  drain_bytes: int, hello_seconds: float = HELLO_SECONDS, idle_seconds: float = IDLE_SECONDS,
-                 metrics: Any = None):
+                 metrics: Any = None, max_pending_per_peer: int = MAX_PENDING_PER_PEER):
         """`shard`: a ParameterShard (Pull, push_frames, counter). `drain_bytes`: the most a refused push
         is read on for (the shard's parameter bytes and a frame of slack). `metrics`: TrainerMetrics
         (ps_data_connections, ps_data_refused_connections_total), or None."""
@@ -359,13 +380,15 @@ class DataServer:
         self.drain_bytes = drain_bytes
         self.hello_seconds = hello_seconds
         self.idle_seconds = idle_seconds
+        self.max_pending_per_peer = max_pending_per_peer
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._pending: dict[str, int] = {}  # peer address -> its connections before their HELLO
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.metrics = metrics
         self.unserved: dict[str, int] = {}
-        """Connections closed before any call, by reason: limit, handshake, protocol."""
+        """Connections closed before any call, by reason: limit, peer, handshake, protocol, deadline."""
 
     def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port) and serve; returns the port."""
@@ -410,25 +433,47 @@ class DataServer:
         assert self._listener is not None
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 return  # stop()
+            peer = str(address[0])
             with self._lock:
                 full = len(self._conns) >= self.max_connections
-                if not full:
+                crowded = not full and self._pending.get(peer, 0) >= self.max_pending_per_peer
+                if not full and not crowded:
                     self._conns.add(conn)
+                    self._pending[peer] = self._pending.get(peer, 0) + 1
             self._count_connections()
             if full:
                 self._unserved("limit", f"refused a connection: {self.max_connections} connections already "
                                         "served, the limit (max_connections)")
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="ps-data", daemon=True).start()
+            if crowded:
+                self._unserved("peer", f"refused a connection from {peer}: {self.max_pending_per_peer} of its "
+                                       "connections have not said HELLO yet, the limit (max_pending_per_peer)")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="ps-data", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _greeted(self, peer: str) -> None:
+        """One of `peer`'s connections is past its HELLO (served, or closed)."""
+        with self._lock:
+            left = self._pending.get(peer, 0) - 1
+            if left > 0:
+                self._pending[peer] = left
+            else:
+                self._pending.pop(peer, None)
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         raw = conn
+        pending = True
         try:
             _tune(conn)
+            # One deadline over the handshake and the HELLO. The TLS handshake waits for the socket's
+            # timeout as a whole (CPython's do_handshake keeps its own deadline); the HELLO's reads
+            # each wait for what is left (_read_record's deadline).
+            deadline = time.monotonic() + self.hello_seconds
             conn.settimeout(self.hello_seconds)
             if self._ssl is not None:
                 try:
@@ -439,8 +484,16 @@ class DataServer:
                 with self._lock:
                     self._conns.discard(raw)
                     self._conns.add(conn)
-            if not self._hello(conn):
+            try:
+                if not self._hello(conn, deadline):
+                    return
+            except TimeoutError:
+                self._unserved("deadline", f"closed a connection from {peer} that did not finish its handshake "
+                                           f"and HELLO within {self.hello_seconds:g} s (hello_seconds)")
                 return
+            pending = False
+            self._greeted(peer)  # before the OK: a peer that read it may open its next connection at once
+            conn.sendall(RECORD.pack(OK, 0))
             while True:
                 conn.settimeout(self.idle_seconds)
                 try:
@@ -459,6 +512,8 @@ class DataServer:
             log.exception("data plane: a call failed")
             self._refuse(conn, grpc.StatusCode.INTERNAL, "internal error in the shard's data plane")
         finally:
+            if pending:
+                self._greeted(peer)
             with self._lock:
                 self._conns.discard(conn)
                 self._conns.discard(raw)
@@ -468,17 +523,16 @@ class DataServer:
             except OSError:
                 pass
 
-    def _hello(self, conn: socket.socket) -> bool:
+    def _hello(self, conn: socket.socket, deadline: float) -> bool:
         magic = bytearray(len(MAGIC))
-        _read_exactly(conn, memoryview(magic))
+        _read_exactly(conn, memoryview(magic), deadline)
         if bytes(magic) != MAGIC:
             self._unserved("protocol", f"closed a connection that does not speak it (first bytes {bytes(magic)!r})")
             return False
-        _, token = _read_record(conn, (HELLO,), limit=MAX_TOKEN_BYTES)
+        _, token = _read_record(conn, (HELLO,), limit=MAX_TOKEN_BYTES, deadline=deadline)
         if not hmac.compare_digest(token, self._token):
             self._refuse(conn, grpc.StatusCode.UNAUTHENTICATED, "wrong job token")
             return False
-        conn.sendall(RECORD.pack(OK, 0))
         return True
 
     def _refuse(self, conn: socket.socket, code: grpc.StatusCode, details: str, reason: str = "",

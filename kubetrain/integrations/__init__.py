@@ -1,0 +1,1 @@
+"""Integrations of kubetrain with training libraries: `kubetrain.integrations.hf` (Hugging Face Trainer)."""

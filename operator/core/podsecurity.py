@@ -1,0 +1,38 @@
+"""Pod security judged on what a job would create: its rendered pods, not its template.
+
+The template is merged into kubetrain's pods and kubetrain's own security fields are applied
+after it (children.merge_pod_template), so what a pod may do is a property of that final
+object: judging the template let `runAsNonRoot: null` through, which the merge then copied over
+kubetrain's `true`. `kubetrain validate` and the operator (at reconcile time, with its
+`--pod-security-allow`) both call `problems`; the API server's policy judges the template with
+the same table (api/podtemplate.SECURITY_CHECKS), since it cannot render.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..api import TrainingJob
+from ..api.podtemplate import rendered_pod_problems
+from .children import Settings, workloads
+
+UID = "pod-security"  # the rendered pods' owner, never sent anywhere
+
+
+def _pod_of(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"] if obj["kind"] == "StatefulSet" else obj
+
+
+def problems(job: TrainingJob, settings: Settings) -> list[str]:
+    """"<path>: <message>" for every pod-security refusal of the pods the job would create, under the
+    installation's allowances (`settings.pod_security_allow`); empty when they stay within bounds.
+
+    Each pod is judged beside the same pod rendered without the template, whose own list items
+    (the config volume projecting the job's own Secret, the token variable) are kubetrain's.
+    """
+    bare = TrainingJob(metadata=job.metadata, spec=dataclasses.replace(job.spec, pod_template={}))
+    found: set[str] = set()
+    for mine, own in zip(workloads(job, UID, settings), workloads(bare, UID, settings)):
+        found.update(rendered_pod_problems(_pod_of(mine), _pod_of(own), settings.pod_security_allow))
+    return sorted(found)

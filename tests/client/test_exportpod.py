@@ -1,0 +1,49 @@
+"""The export pod of a cluster job: which claims it mounts where, and that it is a pod the cluster admits."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubetrain_operator.api import from_object
+from kubetrain_operator.client.exportpod import EXPORT_ROOT, LABEL_EXPORT, checkpoint_claims, export_pod
+from kubetrain_operator.core.children import LABEL_JOB, claims
+
+
+def job(mode: str, **spec):
+    return from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                        "metadata": {"name": "j", "namespace": "team"}, "spec": {"mode": mode, **spec}})
+
+
+@pytest.mark.parametrize("name, spec, expected", [
+    ("single", job("Single"), [("single-0", "j-ckpt-single-0", "checkpoints")]),
+    ("two shards", job("ParameterServer", parameterServer={"replicas": 2, "workers": 2}),
+     [("ps-0", "j-ckpt-ps-0", "checkpoints"), ("ps-1", "j-ckpt-ps-1", "checkpoints")]),
+    ("ddp, a volume per node", job("DDP", ddp={"nodes": 2}),
+     [("ddp-0", "data-j-ddp-0", "checkpoints"), ("ddp-1", "data-j-ddp-1", "checkpoints")]),
+    ("ddp, one shared claim", job("DDP", ddp={"nodes": 2}, checkpoint={"storage": {"accessMode": "ReadWriteMany"}}),
+     [("ddp-0", "j-ckpt-ddp", "checkpoints")]),
+    ("an existing claim", job("ParameterServer", checkpoint={"storage": {"existingClaim": "shared"}}),
+     [("ps-0", "shared", "j/checkpoints/ps-0")]),
+])
+def test_the_claims_that_hold_checkpoints_are_the_ones_the_operator_makes(name, spec, expected):
+    assert checkpoint_claims(spec) == expected
+    made = {c["metadata"]["name"] for c in claims(spec, "uid")}
+    # The operator's own claims (the StatefulSet's per-node ones are its volumeClaimTemplates' instead).
+    assert {claim for _, claim, _ in expected if not claim.startswith("data-")} <= made | {"shared"}
+
+
+def test_the_export_pod_mounts_them_read_only_on_the_jobs_nodes_and_is_no_replica():
+    spec = job("ParameterServer", parameterServer={"replicas": 2, "workers": 2},
+               podTemplate={"spec": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "k", "operator": "Exists"}],
+                                     "containers": [{"name": "trainer", "env": [{"name": "A", "value": "b"}]}]}})
+    pod = export_pod(spec, "j-export-1", "img:1")
+    assert pod["metadata"]["labels"] == {LABEL_EXPORT: "j"} and LABEL_JOB not in pod["metadata"]["labels"]
+    podspec = pod["spec"]
+    assert podspec["nodeSelector"] == {"pool": "gpu"} and podspec["tolerations"][0]["key"] == "k"
+    assert all(v["persistentVolumeClaim"]["readOnly"] for v in podspec["volumes"] if "persistentVolumeClaim" in v)
+    mounts = {m["mountPath"]: m for m in podspec["containers"][0]["volumeMounts"]}
+    assert {f"{EXPORT_ROOT}/ps-0", f"{EXPORT_ROOT}/ps-1"} <= mounts.keys()
+    assert all(m["readOnly"] for path, m in mounts.items() if path.startswith(EXPORT_ROOT))
+    container = podspec["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] and podspec["securityContext"]["runAsNonRoot"]
+    assert podspec["activeDeadlineSeconds"] > 0 and podspec["automountServiceAccountToken"] is False

@@ -1,0 +1,54 @@
+"""FSDP2 for the built-in DDP loop (`spec.ddp.strategy: FSDP`): the model sharded across the group's ranks.
+
+Every module that owns parameters of its own (the built-in models' Linear
+and Conv layers) is wrapped with `fully_shard`, then the root, so each rank
+holds 1/world of every parameter and of the optimizer's state; forward and
+backward gather a layer's parameters while it runs and reduce-scatter its
+gradients. The state goes to checkpoints as DTensors, through the sharded path
+(trainer/sharded.py): every rank writes its own shards, and a restart of any
+size loads them resharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def shard(model: nn.Module, device: torch.device, world_size: int) -> Any:
+    """Shard `model` in place over a 1-D mesh of every rank; returns the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    for module in blocks(model):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules that own parameters directly (not through a child), children before parents, root excluded.
+
+    For the built-in models these are their layers; a layer is the unit FSDP
+    gathers at once, so the whole model is never gathered on one rank.
+    """
+    return [m for name, m in model.named_modules()
+            if name and any(True for _ in m.parameters(recurse=False))]
+
+
+def model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts of a sharded model, DTensors keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer)
+
+
+def load_model_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, Any],
+                     optim_sd: dict[str, Any]) -> None:
+    """Give a restored template's model and optimizer state back to the model and the optimizer."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
