@@ -97,19 +97,15 @@ def _json(resp: Any) -> Any:
     return json.loads(resp.data)
 
 
-def list_pods(namespace: str, job: str) -> list[dict[str, Any]]:
-    try:
-        resp = client.CoreV1Api(_api()).list_namespaced_pod(
-            namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False, _request_timeout=API_TIMEOUT
-        )
-    except ApiException as err:
-        raise KubeError("list", f"pods of {namespace}/{job}", err) from None
-    return _json(resp)["items"]
+LIST_PAGE = 500
+"""Objects per page of a LIST (`limit`, the API server's `continue`): a page of pods is about 2-3 MB;
+the API server answers a page from its cache without holding every object of a large cluster in one
+response, and the operator never holds more than one page of raw JSON."""
 
 
-def list_labelled(resource: str, namespaces: list[str]) -> list[dict[str, Any]]:
-    """Every pod or claim that carries a job label, in the watched namespaces (all when empty):
-    the index's first fill, before any job is reconciled."""
+def list_labelled(resource: str, namespaces: list[str], pause: float = 0.0):
+    """Every pod or claim that carries a job label, in the watched namespaces (all when empty), a page of
+    LIST_PAGE at a time, `pause` seconds between pages (a safety-net resync spreads its requests)."""
     api = client.CoreV1Api(_api())
     calls = {
         "pods": (api.list_pod_for_all_namespaces, api.list_namespaced_pod),
@@ -117,17 +113,22 @@ def list_labelled(resource: str, namespaces: list[str]) -> list[dict[str, Any]]:
                                    api.list_namespaced_persistent_volume_claim),
     }
     every, one = calls[resource]
-    items: list[dict[str, Any]] = []
-    try:
-        if not namespaces:
-            resp = every(label_selector=LABEL_JOB, _preload_content=False, _request_timeout=LIST_TIMEOUT)
-            items += _json(resp)["items"]
-        for ns in namespaces:
-            resp = one(ns, label_selector=LABEL_JOB, _preload_content=False, _request_timeout=LIST_TIMEOUT)
-            items += _json(resp)["items"]
-    except ApiException as err:
-        raise KubeError("list", f"{resource} of TrainingJobs", err) from None
-    return items
+    targets = [(every, ())] if not namespaces else [(one, (ns,)) for ns in namespaces]
+    for call, args in targets:
+        token = None
+        while True:
+            try:
+                resp = call(*args, label_selector=LABEL_JOB, limit=LIST_PAGE, _continue=token,
+                            _preload_content=False, _request_timeout=LIST_TIMEOUT)
+            except ApiException as err:
+                raise KubeError("list", f"{resource} of TrainingJobs", err) from None
+            page = _json(resp)
+            yield from page["items"]
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                break
+            if pause:
+                time.sleep(pause)
 
 
 def create(obj: dict[str, Any]) -> bool:

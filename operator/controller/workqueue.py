@@ -172,6 +172,14 @@ class WorkQueue:
         with self._cond:
             return len(self._queue) + len(self._urgent) + len(self._due)
 
+    def wait_closed(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; True (at once) when the queue is closed: a periodic task's stop."""
+        with self._cond:
+            end = time.monotonic() + seconds
+            while not self._closed and (left := end - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return self._closed
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -42,6 +42,12 @@ class Prometheus:
     def firing(self, alert: str) -> list[dict]:
         return [a for a in self.api("alerts")["alerts"] if a["labels"]["alertname"] == alert and a["state"] == "firing"]
 
+    def targets(self) -> str:
+        """Each scrape target's health and last error, one line each (why a series is missing)."""
+        active = self.api("targets").get("activeTargets", [])
+        return "\n".join(f"{t.get('scrapeUrl')}: {t.get('health')} {t.get('lastError', '')!r} "
+                         f"({t.get('lastScrapeDuration')} s)" for t in active) or "no targets"
+
     def log_tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
 

@@ -19,6 +19,7 @@ import yaml
 
 from helpers.metrics import scrape
 from test_lifecycle import manifest, running_pods
+from test_tenants import shared_claim
 
 pytestmark = pytest.mark.cluster
 
@@ -36,11 +37,15 @@ def namespace(cluster):
 def test_a_failed_replica_is_handled_before_a_queued_burst_of_new_jobs(spawn_operator, cluster, namespace):
     proc = spawn_operator(namespace, "--workers", "1", "--no-scrape")
     op = proc.handle(cluster, namespace)
-    victim = manifest("Single", "victim")
+    # One bound claim for every job: a claim of its own each would outnumber the session's volumes, and
+    # pods waiting for one are unschedulable: their retries fill the scheduler's queue of status writes
+    # for a minute and more, and the next test's pods waited behind them.
+    storage = shared_claim(op)
+    victim = manifest("Single", "victim", checkpoint=storage)
     op.apply(victim)
     [pod] = running_pods(op, "victim", 1)
 
-    burst = [manifest("Single", f"burst-{i:03d}") for i in range(BURST)]
+    burst = [manifest("Single", f"burst-{i:03d}", checkpoint=storage) for i in range(BURST)]
     op.kube.run("create", "-f", "-", input=yaml.safe_dump_all(burst, sort_keys=False), timeout=120)
     op.set_pod_status(pod, "Failed", exit_code=137)
     op.wait("the victim's failure handled", lambda: "victim: single-0 failed" in proc.log.read_text(), timeout=120)

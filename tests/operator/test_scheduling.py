@@ -140,10 +140,11 @@ def placed(operator, jobs: dict[str, int], node: str) -> dict[str, str] | None:
 
 
 def nodelost_restarts(operator) -> dict[str, float]:
-    """kubetrain_operator_replica_restarts_total{reason="NodeLost"} in the operator's namespace, by mode."""
+    """kubetrain_operator_replica_restarts_total{reason="NodeLost"} in the operator's namespace, by mode (the
+    modes that counted any: every mode's series exists from its first job, at 0, metrics.start_counting)."""
     exposed = text_string_to_metric_families(scrape(f"127.0.0.1:{operator.metrics_port}"))
     return {s.labels["mode"]: s.value for f in exposed for s in f.samples
-            if s.name == "kubetrain_operator_replica_restarts_total"
+            if s.name == "kubetrain_operator_replica_restarts_total" and s.value
             and s.labels.get("reason") == "NodeLost" and s.labels.get("namespace") == operator.namespace}
 
 

@@ -239,3 +239,27 @@ def test_a_job_is_scraped_again_only_after_the_interval():
         assert reads == [1, 3]
     finally:
         pool.close()
+
+
+def test_a_followed_job_is_scraped_again_by_the_ticker_and_queued_only_when_its_progress_changed():
+    now = [100.0]
+    changed, values = [], iter([1, 1, 2])
+    pool = scrapes.Scrapes(on_change=changed.append, clock=lambda: now[0], tick=None)  # ticks by hand
+    try:
+        pool.latest("j", lambda: next(values))  # a round asked: the job is followed from now on
+        wait_for("the first scrape", lambda: pool._entries["j"].result == 1, timeout=30)
+        assert changed == ["j"]
+        now[0] += scrapes.INTERVAL_SECONDS - 0.1
+        assert pool.tick() == 0  # not yet
+        now[0] += 0.2
+        assert pool.tick() == 1
+        wait_for("the same progress read again", lambda: not pool._entries["j"].running, timeout=30)
+        assert changed == ["j"]  # unchanged: no round
+        now[0] += scrapes.INTERVAL_SECONDS
+        assert pool.tick() == 1
+        wait_for("new progress", lambda: changed == ["j", "j"], timeout=30)
+        pool.unfollow("j")
+        now[0] += scrapes.INTERVAL_SECONDS
+        assert pool.tick() == 0 and pool._entries["j"].result == 2  # the last result stays
+    finally:
+        pool.close()

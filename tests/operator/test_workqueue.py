@@ -173,3 +173,43 @@ def test_the_wait_of_each_key_is_told_by_lane():
     clock.now = 3.0
     assert q.get(timeout=0) == "b" and q.get(timeout=0) == "a"
     assert waits == [("urgent", 1.0), ("routine", 3.0)]
+
+
+# --- the index's resync (controller/handlers.py Index.resync): what a missed watch event leaves right ----
+
+def _seen(replica: str, phase: str = "Running"):
+    from kubetrain_operator.controller import observe
+    from kubetrain_operator.core.engine import ReplicaObservation
+
+    return (observe.Owner("TrainingJob", "j", "uid"), ReplicaObservation(replica, phase))
+
+
+def test_a_resync_adds_a_missed_pod_drops_a_gone_one_and_takes_a_newer_version():
+    from kubetrain_operator.controller.handlers import Index
+
+    index = Index()
+    key = ("ns", "j")
+    index.set_pod(key, "j-worker-0", _seen("worker-0"), "10")
+    index.set_pod(key, "j-worker-1", _seen("worker-1"), "11")  # its DELETED event was missed
+    index.set_pod(key, "j-ps-0", _seen("ps-0"), "12")  # its Failed status was missed
+    started = time.monotonic()
+    listed = {key: {"j-worker-0": (_seen("worker-0"), "10"), "j-ps-0": (_seen("ps-0", "Failed"), "20"),
+                    "j-worker-2": (_seen("worker-2"), "21")}}  # its ADDED event was missed
+    assert index.resync(listed, started) == {key}
+    assert set(index.pods[key]) == {"j-worker-0", "j-ps-0", "j-worker-2"}
+    assert index.pods[key]["j-ps-0"][1].phase == "Failed"
+    assert index.resync(listed, time.monotonic()) == set()  # nothing left to correct
+
+
+def test_a_resync_keeps_what_the_watch_wrote_after_the_list_began():
+    from kubetrain_operator.controller.handlers import Index
+
+    index = Index()
+    key = ("ns", "j")
+    started = time.monotonic()
+    time.sleep(0.01)
+    index.set_pod(key, "j-worker-0", _seen("worker-0", "Failed"), "30")  # newer than the list
+    index.set_pod(key, "j-worker-1", _seen("worker-1"), "31")  # created after the list began
+    listed = {key: {"j-worker-0": (_seen("worker-0"), "29")}}
+    assert index.resync(listed, started) == set()
+    assert index.pods[key]["j-worker-0"][1].phase == "Failed" and "j-worker-1" in index.pods[key]
