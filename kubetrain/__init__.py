@@ -36,7 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["restore", "save", "report", "checkpoint_dir", "Client"]
+__all__ = ["restore", "save", "report", "checkpoint_dir", "fault_tolerant", "Client"]
 
 
 def __getattr__(name: str) -> Any:
@@ -126,3 +126,33 @@ def checkpoint_dir() -> Path:
     from kubetrain_trainer.userapi import checkpoint_dir as _checkpoint_dir
 
     return _checkpoint_dir()
+
+
+def fault_tolerant(model: Any, optimizer: Any, state: Any = None, load_state: Any = None) -> Any:
+    """A DDP script's model and optimizer in a fault-tolerant replica group (spec.ddp.faultTolerance, torchft).
+
+    Each node of the job is a replica group: when one dies, the others train on at their next step
+    and its replacement copies the model and optimizer from a live group. Call it once, after building
+    the model and the optimizer (and `torch.distributed.init_process_group()` if you use it; it is
+    called for you when the group has several ranks); it restores this group's newest checkpoint when
+    every group starts from scratch, or heals from a live group: do not call `restore()` as well.
+    `state()` and `load_state(state)`: anything else of yours a peer or a checkpoint must carry (plain
+    values, as for `save`). Then, every step::
+
+        ft = kubetrain.fault_tolerant(model, optimizer)
+        while ft.step < total:
+            ft.zero_grad()                      # the step's quorum starts; gradients set to none
+            x, y = batch(ft.step)               # this group's batch of that step
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            if ft.commit(loss):                 # averaged across groups; False: discarded, train it again
+                kubetrain.report(ft.step, total_steps=total, loss=ft.loss)
+                if ft.step % 100 == 0:
+                    ft.save()                   # this group's checkpoint, for the loss of every group
+
+    The model is the plain module (no DistributedDataParallel: the gradients are averaged by `commit`).
+    See docs/custom-code.md#fault-tolerant-scripts.
+    """
+    from kubetrain_trainer.ddp.ft import FaultTolerance
+
+    return FaultTolerance(model, optimizer, state, load_state)

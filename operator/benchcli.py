@@ -430,6 +430,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         return bench_compression(args.manifest, [a for a in args.algorithms.split(",") if a], args.ratio, args.rank,
                                  args.min_tensor_bytes)
+    if args.bench == "ft":
+        from .benchft import bench_ft
+
+        return bench_ft(args.steps, args.groups, args.kill_every, args.model_hidden, args.heartbeat, args.slowdown,
+                        args.rounds, args.keep)
     if args.bench == "checkpoint":
         try:
             from kubetrain_trainer.bench_checkpoint import bench_checkpoint

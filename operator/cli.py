@@ -122,19 +122,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@(?P<when>step|save)=(?P<step>\d+)")
+FAULT = re.compile(r"(?P<replica>[a-z]+-\d+):kill@(?P<when>step|save|allreduce)=(?P<step>\d+)")
 
 
-def parse_faults(values: list[str], replicas: list[str]) -> dict[str, str]:
-    """`REPLICA:kill@step=N` (SIGKILL right after step N) or `REPLICA:kill@save=N` (SIGKILL in the middle of
-    writing the checkpoint of step N: its files written, not yet committed) -> {replica: "kill@...=N"}."""
+def parse_faults(values: list[str], replicas: list[str], fault_tolerant: bool = False) -> dict[str, str]:
+    """`REPLICA:kill@step=N` (SIGKILL right after step N), `REPLICA:kill@save=N` (SIGKILL in the middle of
+    writing the checkpoint of step N: its files written, not yet committed) or `ddp-R:kill@allreduce=N`
+    (SIGKILL in the middle of step N's gradient average across replica groups: fault-tolerant DDP)
+    -> {replica: "kill@...=N"}."""
     faults: dict[str, str] = {}
     for value in values:
         m = FAULT.fullmatch(value)
         if not m:
             raise UsageError(f"--fault {value!r}: expected REPLICA:kill@step=N or REPLICA:kill@save=N, for example "
-                             "worker-1:kill@step=40")
+                             "worker-1:kill@step=40 (or ddp-R:kill@allreduce=N in a fault-tolerant DDP job)")
         replica, step = m["replica"], int(m["step"])
+        if m["when"] == "allreduce" and not fault_tolerant:
+            raise UsageError(f"--fault {value!r}: kill@allreduce applies to the ranks of a fault-tolerant DDP job "
+                             "(spec.ddp.faultTolerance), whose steps average gradients through torchft")
         if replica not in replicas:
             raise UsageError(f"--fault {value!r}: this job has no replica {replica!r} (it has {', '.join(replicas)})")
         if step < 1:
@@ -165,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     replicas = [f"{role}-{i}" for role, i in replica_names(job)]
     if job.spec.mode == "DDP":  # a fault names a rank, and there are nodes x procsPerNode of them
         replicas = [f"ddp-{rank}" for rank in range(job.spec.world_size)]
-    faults = parse_faults(args.fault, replicas)
+    faults = parse_faults(args.fault, replicas, fault_tolerant=job.spec.fault_tolerant)
     run_dir = run_dir_of(job, args.run_dir)
     try:
         # User code (a script, entry points) is found next to the manifest.
@@ -192,7 +197,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     except RunDirError as err:
         raise UsageError(str(err)) from None
     unit = {"ParameterServer": "worker", "DDP": "node", "Single": "replica"}[job.spec.mode] + ("s" if job.spec.size != 1 else "")
-    how = "at once (live)" if job.spec.mode == "ParameterServer" else "after a checkpoint"
+    how = "at once (live)" if job.spec.mode == "ParameterServer" or job.spec.fault_tolerant else "after a checkpoint"
     print(f"{run_dir}: {job.name} scaled to {job.spec.size} {unit}; a `kubetrain run` in progress resizes it "
           f"{how}, otherwise the next run starts at that size")
     return 0
@@ -591,6 +596,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ratio", type=float, default=0.01, help="TopK's fraction of elements")
     b.add_argument("--rank", type=int, default=2, help="PowerSGD's rank")
     b.add_argument("--min-tensor-bytes", type=int, default=0, help="tensors below this travel uncompressed")
+    b.add_argument("--out", help="also write the JSON here")
+    b = bsub.add_parser("ft", help="a fault-tolerant DDP job with a node killed every 30 s against no kill, beside "
+                        "plain DDP restarted from its checkpoint under the same kills, in one run")
+    b.add_argument("--steps", type=int, default=5000, help="maxSteps of every variant (1-4 minutes each here)")
+    b.add_argument("--rounds", type=int, default=2, help="rounds of each job's two variants, in alternating order "
+                   "(medians are compared)")
+    b.add_argument("--groups", type=int, default=3, help="DDP nodes: the replica groups of the fault-tolerant job")
+    b.add_argument("--kill-every", type=float, default=30.0, help="seconds between two SIGKILLs of a node")
+    b.add_argument("--model-hidden", type=int, default=128, help="width of the MLP")
+    b.add_argument("--heartbeat", type=float, default=1.0, help="faultTolerance.heartbeatTimeoutSeconds")
+    b.add_argument("--slowdown", type=float, default=4.0,
+                   help="every rank's step lasts this many times its compute (a sleep): nodes with CPUs of their own")
+    b.add_argument("--keep", help="keep the run directories here (default: a temporary directory)")
     b.add_argument("--out", help="also write the JSON here")
     b = bsub.add_parser("checkpoint", help="what a checkpoint costs the training loop, background against synchronous")
     b.add_argument("--model-mb", type=int, default=100, help="parameter megabytes of the model (at least 100)")

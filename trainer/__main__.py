@@ -32,6 +32,7 @@ ROLES = {
     "standby": "kubetrain_trainer.ps.worker:run_standby",  # a standby worker (ps/standby.py)
     "ddp": "kubetrain_trainer.ddp.runtime:run_ddp",
     "script": "kubetrain_trainer.script:run_script",  # the user's own command (spec.script)
+    "lighthouse": "kubetrain_trainer.ddp.lighthouse:run_lighthouse",  # a fault-tolerant DDP job's quorum
 }
 
 

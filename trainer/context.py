@@ -18,7 +18,10 @@ from kubetrain_operator.api import InvalidSpec, Spec, TrainingJob, load_one
 
 from .errors import ConfigError
 
-FAULT_PATTERN = re.compile(r"kill@(step|save)=([0-9]+)")
+FAULT_PATTERN = re.compile(r"kill@(step|save|allreduce)=([0-9]+)")
+"""Where KUBETRAIN_FAULT kills: right after step N (`kill@step=N`), in the middle of writing step N's
+checkpoint (`kill@save=N`), or in the middle of step N's gradient average across replica groups
+(`kill@allreduce=N`, fault-tolerant DDP: trainer/ddp/ft.py)."""
 REPLICA_PATTERN = re.compile(r"([a-z]+)-([0-9]+)")
 
 
@@ -56,6 +59,9 @@ class ReplicaContext:
     fault_save: int | None = None
     """Local fault injection: SIGKILL this process in the middle of writing the checkpoint of this step (its
     files written, before the checkpoint is committed)."""
+    fault_allreduce: int | None = None
+    """Local fault injection: SIGKILL this process in the middle of this step's gradient average across
+    replica groups (fault-tolerant DDP)."""
     namespace: str = ""
     """Metric label; the job's namespace when empty."""
     job_name: str = ""
@@ -113,6 +119,7 @@ class ReplicaContext:
             token=env.get("KUBETRAIN_JOB_TOKEN", ""),
             fault_step=_fault(env.get("KUBETRAIN_FAULT", ""), "step"),
             fault_save=_fault(env.get("KUBETRAIN_FAULT", ""), "save"),
+            fault_allreduce=_fault(env.get("KUBETRAIN_FAULT", ""), "allreduce"),
             namespace=env.get("KUBETRAIN_NAMESPACE", ""),
             job_name=env.get("KUBETRAIN_JOB_NAME", ""),
             termination_log=Path(env["KUBETRAIN_TERMINATION_LOG"]) if env.get("KUBETRAIN_TERMINATION_LOG") else None,
@@ -125,6 +132,12 @@ class ReplicaContext:
         when a node dies, so the run directory shows what a real crash leaves.
         """
         if self.fault_step is not None and step == self.fault_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_fault_in_allreduce(self, step: int) -> None:
+        """SIGKILL this process now, in the middle of step `step`'s gradient average, when KUBETRAIN_FAULT
+        is `kill@allreduce=<step>` (`step` is the one this average completes, 1-based as maybe_fault's)."""
+        if self.fault_allreduce is not None and step == self.fault_allreduce:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def maybe_fault_in_save(self, step: int) -> None:
@@ -156,5 +169,6 @@ def _fault(raw: str, when: str) -> int | None:
         return None
     match = FAULT_PATTERN.fullmatch(raw)
     if match is None:
-        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N' or 'kill@save=N', got {raw!r}")
+        raise ConfigError(f"KUBETRAIN_FAULT: expected 'kill@step=N' or 'kill@save=N', got {raw!r} (or "
+                          "'kill@allreduce=N' in a fault-tolerant DDP job)")
     return int(match.group(2)) if match.group(1) == when else None

@@ -151,6 +151,22 @@ class TrainerMetrics:
         self.non_finite_steps_total = self._counter(
             "non_finite_steps", "Steps a worker skipped because its gradients held NaN or Inf."
         )
+        # Fault-tolerant DDP (spec.ddp.faultTolerance): the replica groups' quorum, steps, heals
+        self.ft_quorum_participants = self._gauge(
+            "ft_quorum_participants", "Replica groups taking part in this rank's current step (its quorum).")
+        self.ft_committed_steps_total = self._counter(
+            "ft_committed_steps", "Steps this rank's replica group committed (the optimizer stepped).")
+        self.ft_discarded_steps_total = self._counter(
+            "ft_discarded_steps",
+            "Steps this rank's replica group discarded: a peer failed in the step's gradient average, or fewer "
+            "than minReplicas groups took part.")
+        self.ft_heals_total = self._counter(
+            "ft_heals", "Times this rank's replica group copied the model and optimizer from a live group (a heal).")
+        self.ft_heal_duration_seconds = self._histogram(
+            "ft_heal_duration_seconds",
+            "Time from the start of the quorum that found this group behind to the peer's state applied.",
+            SLOW_SECONDS,
+        )
         # Checkpoints
         self.checkpoint_duration_seconds = self._histogram(
             "checkpoint_duration_seconds", "Time to make one checkpoint durable.", SLOW_SECONDS
@@ -168,7 +184,7 @@ class TrainerMetrics:
         # Not measured yet is NaN, not 0: a reader (the operator, a dashboard) must
         # not take "no evaluation so far" for an accuracy of 0.
         for unmeasured in (self.loss, self.eval_accuracy, self.eval_loss, self.samples_per_second,
-                           self.steps_per_second):
+                           self.steps_per_second, self.ft_quorum_participants):
             unmeasured.set(float("nan"))
 
     def _bind(self, metric: Any, extra: str | None) -> Any:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import ReplicaContext
-from kubetrain_operator.api.launch import rank_replica
+from kubetrain_operator.api.launch import group_rank, rank_replica
 from .errors import EXIT_OK, ConfigError
 from .events import read_events, write_result
 
@@ -136,8 +136,11 @@ def run_script(ctx: ReplicaContext) -> int:
         return 128 - code
     if code != EXIT_OK:
         return code
-    rank = int(environ.get("RANK", "0"))
-    replica = rank_replica(rank) if ctx.spec.mode == "DDP" else ctx.replica
+    rank = int(environ.get("RANK", "0"))  # in a fault-tolerant group: the rank in the group
+    if ctx.spec.mode == "DDP":
+        replica = rank_replica(group_rank(environ) if ctx.spec.fault_tolerant else rank)
+    else:
+        replica = ctx.replica
     # One process per pod speaks in its termination message: rank 0's (ranks share the file).
     write_result(ctx.run_dir, replica, results(ctx, replica, time.monotonic() - started),
                  termination_log=ctx.termination_log if rank == 0 else None)

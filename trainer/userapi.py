@@ -21,7 +21,7 @@ from typing import Any
 
 from .context import ReplicaContext
 from .contract import JobCheckpoints, ProgressReporter, number
-from kubetrain_operator.api.launch import fault_armed, rank_replica
+from kubetrain_operator.api.launch import fault_armed, group_rank, rank_replica
 from .errors import EXIT_TRANSIENT, TrainerError, TransientError
 from .events import EventLog
 from .metrics import TrainerMetrics
@@ -77,7 +77,8 @@ class Session:
             raise NotUnderKubetrain(f"kubetrain: {err}") from None
         self.rank = Rank.from_env(environ)
         if ctx.spec.mode == "DDP" or "RANK" in environ:
-            replica = rank_replica(self.rank.rank)
+            # A fault-tolerant group is a torchrun group of its own: its RANK is the rank in the group.
+            replica = rank_replica(group_rank(environ) if ctx.spec.fault_tolerant else self.rank.rank)
             ctx = dataclasses.replace(ctx, replica=replica, role="ddp", index=self.rank.rank,
                                       fault_step=ctx.fault_step if fault_armed(environ, replica) else None,
                                       fault_save=ctx.fault_save if fault_armed(environ, replica) else None)

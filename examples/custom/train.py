@@ -34,6 +34,16 @@ def target(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x @ w).unsqueeze(1) + 0.1 * x[:, :1]
 
 
+def report_final(net: nn.Module, steps: int) -> float:
+    """The trained network's loss on held-out samples, reported with its weights' norm; returns the loss."""
+    x, y = batch(0, 10_000, 2048)  # held out: no training step uses step 0
+    with torch.no_grad():
+        eval_loss = nn.functional.mse_loss(net(x), y).item()
+    kubetrain.report(steps, total_steps=steps, eval_loss=eval_loss,
+                     weight_norm=float(sum(p.detach().norm() ** 2 for p in net.parameters()) ** 0.5))
+    return eval_loss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -70,11 +80,7 @@ def main() -> None:
             # Every rank may call it; rank 0 writes. Durable when it returns.
             kubetrain.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, step)
 
-    x, y = batch(0, 10_000, 2048)  # held out: no training step uses step 0
-    with torch.no_grad():
-        eval_loss = nn.functional.mse_loss(net(x), y).item()
-    kubetrain.report(args.steps, total_steps=args.steps, eval_loss=eval_loss,
-                     weight_norm=float(sum(p.detach().norm() ** 2 for p in net.parameters()) ** 0.5))
+    eval_loss = report_final(net, args.steps)
     if rank == 0:
         print(f"done: {args.steps} steps, eval loss {eval_loss:.4f}", flush=True)
     if distributed:

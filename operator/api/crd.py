@@ -33,6 +33,24 @@ SPEC_CEL = [
         "message": "ddp.backend: nccl needs GPUs; use gloo with training.device cpu",
     },
     {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.ddp.commHook) "
+        "|| self.ddp.commHook == 'None'",
+        "message": "ddp.commHook: faultTolerance averages gradients through torchft's Manager, not DDP's "
+        "communication hooks: use None",
+    },
+    {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.ddp.strategy) "
+        "|| self.ddp.strategy == 'DDP'",
+        "message": "ddp.strategy: faultTolerance replicates the whole model in every replica group: use DDP",
+    },
+    {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.checkpoint) "
+        "|| !has(self.checkpoint.storage) || !has(self.checkpoint.storage.accessMode) "
+        "|| self.checkpoint.storage.accessMode != 'ReadWriteMany'",
+        "message": "checkpoint.storage.accessMode: with faultTolerance every replica group writes its own "
+        "checkpoints on its own volume: use ReadWriteOnce",
+    },
+    {
         "rule": "!has(self.script) || self.mode != 'ParameterServer'",
         "message": "script: script jobs run in mode Single or DDP, got ParameterServer (a parameter server "
         "needs the built-in loop's model, dataset and training)",
@@ -56,6 +74,12 @@ SIZE_CEL = [
     {
         "rule": f"self.mode != 'DDP' || {_MIN_NODES} <= {_NODES} && {_NODES} <= {_MAX_NODES}",
         "message": "ddp.nodes: must be between ddp.minNodes and ddp.maxNodes",
+    },
+    {
+        "rule": f"self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) "
+        f"|| !has(self.ddp.faultTolerance.minReplicas) || self.ddp.faultTolerance.minReplicas <= {_MIN_NODES}",
+        "message": "ddp.faultTolerance.minReplicas: must be at most ddp.minNodes (ddp.nodes when unset): a quorum "
+        "that needs more groups than the job may have never forms",
     },
     {
         "rule": "!has(self.replicas) || !has(self.parameterServer) || !has(self.parameterServer.standbyWorkers) "
@@ -511,6 +535,8 @@ PRINTER_COLUMNS = [
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
     {"name": "State", "type": "string", "jsonPath": ".status.state"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # Fault-tolerant DDP: the replica groups in the current quorum (`kubectl get tj -o wide`).
+    {"name": "Quorum", "type": "integer", "jsonPath": ".status.quorum.participants", "priority": 1},
 ]
 
 

@@ -30,9 +30,40 @@ FAULT_REPLICA_VAR = "KUBETRAIN_FAULT_REPLICA"
 SLOWDOWN_VAR = "KUBETRAIN_BENCH_SLOWDOWN"
 
 
+# Fault-tolerant DDP (spec.ddp.faultTolerance, docs/custom-code.md#fault-tolerant-scripts): what every
+# rank of a replica group finds in its environment, beside torchrun's own.
+FT_LIGHTHOUSE_VAR = "KUBETRAIN_FT_LIGHTHOUSE"
+"""http://host:port of the job's Lighthouse: torchft's Manager's `lighthouse_addr` (torchft reads TORCHFT_LIGHTHOUSE
+when it is not given; kubetrain does not set that name, whose pod template entry it would have to refuse)."""
+FT_GROUP_VAR = "KUBETRAIN_FT_REPLICA_GROUP"
+"""This node's replica group: its index, 0 to KUBETRAIN_FT_REPLICA_GROUPS - 1."""
+FT_GROUPS_VAR = "KUBETRAIN_FT_REPLICA_GROUPS"
+"""The most replica groups the job can have (ddp.maxNodes, else ddp.nodes): shard the data by it, and a
+group's shard stays the same whatever `kubectl scale` does."""
+FT_STORE_VAR = "KUBETRAIN_FT_STORE"
+"""host:port of the group's TCPStore, hosted by the node's torchrun agent, as the other groups reach it."""
+FT_LIGHTHOUSE_PORT_VAR = "KUBETRAIN_FT_LIGHTHOUSE_PORT"
+"""The port the Lighthouse replica listens on."""
+LIGHTHOUSE = "lighthouse-0"
+"""The replica of a fault-tolerant job that runs its Lighthouse."""
+
+
 def rank_replica(rank: int) -> str:
     """The replica name of a global rank: its metric label, event log and results file."""
     return f"ddp-{rank}"
+
+
+def group_rank(env: Mapping[str, str]) -> int | None:
+    """A fault-tolerant DDP rank's global rank (its replica group x ranks per group + its rank in the group,
+    which is torchrun's RANK: a group is a torchrun group of its own); None outside a fault-tolerant job."""
+    group = env.get(FT_GROUP_VAR)
+    if not group:
+        return None
+    try:
+        return int(group) * int(env.get("WORLD_SIZE", "1")) + int(env.get("RANK", "0"))
+    except ValueError:
+        raise ValueError(f"{FT_GROUP_VAR}, WORLD_SIZE, RANK: expected integers, got {group!r}, "
+                         f"{env.get('WORLD_SIZE')!r}, {env.get('RANK')!r}") from None
 
 
 def fault_armed(env: Mapping[str, str], replica: str) -> bool:
@@ -80,15 +111,19 @@ def torchrun_command(
     host, sep, port = rdzv_endpoint.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"rdzv_endpoint: expected 'host:port', got {rdzv_endpoint!r}")
+    # Fault-tolerant: every node is a torchrun group of its own (a replica group), hosting its own
+    # rendezvous and store; torchft joins the groups. A rank that fails ends the node, which the
+    # job's restart policy replaces alone (counted, ReplicaGroupLost), so torchrun restarts nothing.
+    fault_tolerant = ddp.fault_tolerance is not None
     argv = [
         python, "-m", "kubetrain_trainer.ddp.agent",  # torchrun's arguments, see agent.py
-        "--nnodes", str(ddp.nodes),
+        "--nnodes", "1" if fault_tolerant else str(ddp.nodes),
         "--nproc-per-node", str(ddp.procs_per_node),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", rdzv_endpoint,
         "--rdzv-id", job_id,
-        "--rdzv-conf", f"is_host={'true' if node_rank == 0 else 'false'}",
-        "--max-restarts", str(ddp.max_restarts),
+        "--rdzv-conf", f"is_host={'true' if node_rank == 0 or fault_tolerant else 'false'}",
+        "--max-restarts", "0" if fault_tolerant else str(ddp.max_restarts),
     ]
     if local_addr:
         argv += ["--local-addr", local_addr]

@@ -51,7 +51,7 @@ MOUNTS: dict[str, str] = {path: name for name, (_, path) in VOLUMES.items()}  # 
 # the two that make Python's logs unbuffered and its imports safe.
 ENV_PREFIX = "KUBETRAIN_"
 ENV_NAMES: tuple[str, ...] = ("HOME", "PYTHONUNBUFFERED", "PYTHONSAFEPATH")
-PORTS: tuple[str, ...] = ("metrics", "grpc", "ps-data", "rendezvous")
+PORTS: tuple[str, ...] = ("metrics", "grpc", "ps-data", "rendezvous", "lighthouse")
 
 # Bounds on the lists the CRD declares inside podTemplate. The API server
 # estimates a CEL rule's worst case before it accepts the CRD and refuses a

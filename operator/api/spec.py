@@ -198,6 +198,52 @@ class ParameterServer:
     compression: Compression = field("Gradient compression.", default_factory=Compression)
 
 
+# Fault-tolerant DDP (spec.ddp.faultTolerance): the Lighthouse's and each replica group's timings.
+# A group's torchft Manager heartbeats the Lighthouse every 100 ms (torchft's default): a heartbeat
+# timeout below FT_MIN_HEARTBEAT_SECONDS would drop groups that are alive. Above FT_MAX_TIMEOUT_SECONDS
+# a lost group would stall the others longer than restarting them all from a checkpoint takes.
+FT_MIN_HEARTBEAT_SECONDS = 0.2
+FT_MAX_HEARTBEAT_SECONDS = 60.0
+FT_MAX_TIMEOUT_SECONDS = 3600.0
+FT_PORT = 29510
+"""The port the Lighthouse listens on in a pod (torchft's own examples use 29510)."""
+
+
+@dataclass
+class FaultTolerance:
+    """Per-step fault tolerance across DDP nodes (torchft): each node is a replica group that trains on
+    when another dies; see docs/operating.md#fault-tolerant-ddp."""
+
+    min_replicas: int = field(
+        "Replica groups (DDP nodes) that must take part in a step for it to commit; with fewer alive the "
+        "others wait (the Lighthouse's min_replicas). At most ddp.nodes (ddp.minNodes for an elastic job).",
+        1, minimum=1, maximum=1024,
+    )
+    heartbeat_timeout_seconds: float = field(
+        "A replica group whose heartbeats stop this long is out of the quorum, and the others go on "
+        "without it at their next step (measured here: 1.06-1.10 s from a kill to the survivors' next "
+        "committed step at 1 s). Groups heartbeat every 0.1 s: a timeout near that drops groups that "
+        "are only slow for a moment (a long garbage collection, a loaded node).",
+        1.0, minimum=FT_MIN_HEARTBEAT_SECONDS, maximum=FT_MAX_HEARTBEAT_SECONDS,
+    )
+    join_timeout_seconds: float = field(
+        "How long the Lighthouse waits for a group that heartbeats but has not asked to join yet (one "
+        "still setting up) before it forms a quorum without it; that group joins at a later step.",
+        5.0, minimum=0.0, maximum=FT_MAX_TIMEOUT_SECONDS,
+    )
+    quorum_timeout_seconds: float = field(
+        "How long a group waits for a quorum (fewer than minReplicas groups alive, the Lighthouse "
+        "unreachable) before it gives up and exits 75 (retried: it is restarted as any replica is).",
+        60.0, minimum=1.0, maximum=FT_MAX_TIMEOUT_SECONDS,
+    )
+    timeout_seconds: float = field(
+        "How long a group waits for a peer in a step's gradient average, its commit vote, and a healing "
+        "transfer of the model from a peer, before the step is discarded. A peer that is killed fails "
+        "them at once; this bounds a peer that hangs or is cut off.",
+        60.0, minimum=1.0, maximum=FT_MAX_TIMEOUT_SECONDS,
+    )
+
+
 @dataclass
 class DDP:
     """The torchrun data-parallel topology (mode DDP only)."""
@@ -218,7 +264,9 @@ class DDP:
     power_sgd_rank: int = field(
         "PowerSGD hook: matrix approximation rank.", 2, minimum=1, maximum=64, name="powerSGDRank"
     )
-    max_restarts: int = field("torchrun --max-restarts: group restarts before giving up.", 3, minimum=0)
+    max_restarts: int = field(
+        "torchrun --max-restarts: group restarts before giving up (not with faultTolerance: a lost replica "
+        "group's node is replaced alone).", 3, minimum=0)
     min_nodes: int | None = field(
         "Elastic jobs: the fewest nodes spec.replicas (`kubectl scale`) may ask for; unset: nodes.",
         None, minimum=1, maximum=1024, immutable=True,
@@ -226,6 +274,16 @@ class DDP:
     max_nodes: int | None = field(
         "Elastic jobs: the most nodes spec.replicas (`kubectl scale`) may ask for; unset: nodes.",
         None, minimum=1, maximum=1024, immutable=True,
+    )
+
+    fault_tolerance: FaultTolerance | None = field(
+        "Per-step fault tolerance (torchft); present turns it on (`faultTolerance: {}` takes the defaults). "
+        "Each node is then a replica group of procsPerNode ranks: a group that dies costs the others about "
+        "heartbeatTimeoutSeconds instead of a restart of every rank from the last checkpoint; its "
+        "replacement copies the model and optimizer from a live group, not from a checkpoint, and "
+        "`kubectl scale` adds or removes groups without stopping the others. A Lighthouse pod (a local "
+        "process under `kubetrain run`) forms the quorum. Checkpoints remain for the loss of every group.",
+        None,
     )
 
     @property
@@ -502,7 +560,7 @@ class Spec:
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
         "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
-        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, rendezvous; labels and annotations "
+        "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse; labels and annotations "
         "kubetrain.dev/* and app.kubernetes.io/managed-by; and null anywhere in spec. kubetrain's own "
         "security fields are applied after the template. What reaches past the pod is refused unless the "
         "cluster's kubetrain installation allows it (the chart's podSecurity.allow): Pod Security "
@@ -537,10 +595,37 @@ class Spec:
                     )
                 )
             problems += self._strategy_problems(ddp)
+            problems += self._fault_tolerance_problems(ddp)
         problems += pod_template_problems(self.pod_template)
         if self.run_policy.scheduling_policy is not None:
             problems += [(f"runPolicy.schedulingPolicy.{p}", m)
                          for p, m in self.run_policy.scheduling_policy.pods_problems(self.pod_count)]
+        return problems
+
+    def _fault_tolerance_problems(self, ddp: DDP) -> list[tuple[str, str]]:
+        """What cannot work with ddp.faultTolerance (the CRD holds the same rules in CEL, SPEC_CEL)."""
+        ft = ddp.fault_tolerance
+        if ft is None:
+            return []
+        problems = []
+        low = ddp.node_range[0]
+        if ft.min_replicas > low:
+            what = "ddp.minNodes" if ddp.min_nodes is not None else "ddp.nodes"
+            problems.append(("ddp.faultTolerance.minReplicas",
+                             f"must be at most {what} ({low}): a quorum that needs more groups than the job "
+                             f"may have never forms, got {ft.min_replicas}"))
+        if ddp.comm_hook != "None":
+            problems.append(("ddp.commHook", f"faultTolerance averages gradients through torchft's Manager, "
+                                             f"not DDP's communication hooks: use None, got {ddp.comm_hook}"))
+        strategy = ddp.strategy
+        if strategy != "DDP":
+            problems.append(("ddp.strategy", f"faultTolerance replicates the whole model in every replica group: "
+                                             f"use DDP, got {strategy} (sharding within a group is not combined "
+                                             "with fault tolerance across groups yet)"))
+        if self.checkpoint.storage.access_mode == "ReadWriteMany":
+            problems.append(("checkpoint.storage.accessMode",
+                             "with faultTolerance every replica group writes its own checkpoints on its own "
+                             "volume: use ReadWriteOnce, got ReadWriteMany"))
         return problems
 
     def _strategy_problems(self, ddp: "DDP") -> list[tuple[str, str]]:
@@ -603,6 +688,11 @@ class Spec:
         if self.training.epochs is None and self.training.max_steps is None:
             self.training.epochs = 10
         return self
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """A DDP job whose nodes are torchft replica groups (spec.ddp.faultTolerance)."""
+        return self.mode == "DDP" and self.ddp is not None and self.ddp.fault_tolerance is not None
 
     @property
     def pod_count(self) -> int:

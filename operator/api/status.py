@@ -67,6 +67,15 @@ class Progress:
 
 
 @dataclass
+class Quorum:
+    """A fault-tolerant DDP job's quorum (spec.ddp.faultTolerance): the replica groups training now."""
+
+    participants: int = field("Replica groups taking part in the current step.", 0)
+    groups: int = field("Replica groups the job has (its DDP nodes).", 0)
+    update_time: str | None = field("When this was read (RFC 3339).", None)
+
+
+@dataclass
 class JobMemory:
     """What the engine remembers between rounds. Internal: read by the operator, not by users."""
 
@@ -120,10 +129,12 @@ class JobStatus:
     restarts_without_progress: int = field("Restarts in a row that saw no new checkpoint.", 0)
     last_checkpoint: LastCheckpoint | None = field("The newest durable checkpoint.", None)
     progress: Progress | None = field("Training progress.", None)
+    quorum: Quorum | None = field(
+        "Fault-tolerant DDP (spec.ddp.faultTolerance): the replica groups in the current quorum, of how many.", None)
     memory: JobMemory = field("What the engine remembers between rounds (internal).", default_factory=JobMemory)
 
 
-STATUS_CLASSES = (JobStatus, JobMemory, Progress, LastCheckpoint, ReplicaCounts, Condition)
+STATUS_CLASSES = (JobStatus, JobMemory, Progress, Quorum, LastCheckpoint, ReplicaCounts, Condition)
 
 
 def read_status(data: Any) -> JobStatus:

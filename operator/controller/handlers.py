@@ -770,6 +770,8 @@ def _progress(job, pods):
     if not port:
         return None
     replicas = [chief(job)] + (["ps-0"] if job.spec.mode == "ParameterServer" else [])
+    if job.spec.fault_tolerant:
+        replicas += sorted(name for name in pods if name.startswith("ddp-") and name != replicas[0])
     ips = {}
     for replica in replicas:
         p = pods.get(replica)
@@ -785,7 +787,10 @@ def _progress(job, pods):
 
     def read():
         head = samples(replicas[0])
-        shard = samples("ps-0") if len(replicas) > 1 else None
+        if head is None and job.spec.fault_tolerant:
+            # The chief's group is lost and the others train on: any live group speaks for the job.
+            head = next((found for name in replicas[1:] if name in ips and (found := samples(name))), None)
+        shard = samples("ps-0") if job.spec.mode == "ParameterServer" else None
         if head is None and shard is None:
             return None
         return observe.progress_from(head or {}, shard)

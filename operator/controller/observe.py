@@ -198,6 +198,7 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
     total = get(head, "total_steps") or get(samples, "total_steps")
     prefix = f"{REPORTED}/"
     reported = {k[len(prefix):]: v for k, v in samples.items() if k.startswith(prefix) and math.isfinite(v)}
+    quorum = get(samples, "ft_quorum_participants")  # fault-tolerant DDP only
     return Progress(
         step=int(get(head, "training_step") or 0),
         total_steps=int(total) if total else None,
@@ -207,6 +208,7 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
         checkpoint_step=int(ckpt_step) if ckpt_step else None,
         checkpoint_time=ckpt_time if ckpt_time else None,
         metrics=reported or None,
+        quorum=int(quorum) if quorum is not None else None,
     )
 
 

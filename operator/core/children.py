@@ -14,7 +14,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api.launch import RDZV_PORT
+from ..api.launch import FT_GROUP_VAR, FT_STORE_VAR, LIGHTHOUSE, RDZV_PORT
+from ..api.spec import FT_PORT
 
 from ..api import API_VERSION, KIND, TrainingJob, dump_manifest
 from ..api.podtemplate import (
@@ -87,6 +88,20 @@ class ClusterEndpoints:
     def rendezvous(self) -> str:
         return f"{self.job.name}-ddp-0.{self.job.name}-ddp:{RDZV_PORT}"
 
+    def group_rendezvous(self, index: int) -> str:
+        # In the pod itself: the agent's store listens on every interface, so the other groups reach
+        # it at the pod's IP (advertise_address) and its own ranks on loopback.
+        return f"127.0.0.1:{RDZV_PORT}"
+
+    def advertise_address(self, index: int) -> str:
+        return f"$({POD_IP_VAR})"  # the pod's IP, from the downward API (statefulset)
+
+    def lighthouse_address(self) -> str:
+        return f"{lighthouse_name(self.job)}:{FT_PORT}"
+
+    def lighthouse_port(self) -> int:
+        return FT_PORT
+
     def metrics_port(self, replica: str) -> int:
         return self.job.spec.metrics.port
 
@@ -124,6 +139,14 @@ class ClusterEndpoints:
 
     def listen_address(self) -> str:
         return "0.0.0.0"  # the pod's own network namespace: its IP is what Services and scrapes reach
+
+
+POD_IP_VAR = "KUBETRAIN_POD_IP"
+
+
+def lighthouse_name(job: TrainingJob) -> str:
+    """A fault-tolerant DDP job's Lighthouse: its pod and its Service."""
+    return pod_name(job, LIGHTHOUSE)
 
 
 def config_name(job: TrainingJob) -> str:
@@ -249,6 +272,22 @@ def ddp_service(job: TrainingJob, uid: str) -> dict[str, Any]:
     }
 
 
+def lighthouse_service(job: TrainingJob, uid: str) -> dict[str, Any]:
+    """The Lighthouse's Service: a ClusterIP, so that the groups reach `<job>-lighthouse-0` at one address
+    for the job's whole life, whichever pod backs it (as ps_services, for the same reason: a replaced
+    Lighthouse pod has another IP, and DNS caches would keep the old one)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, uid, lighthouse_name(job), {LABEL_ROLE: "lighthouse"}),
+        "spec": {
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job.name, LABEL_REPLICA: LIGHTHOUSE},
+            "ports": [{"name": "lighthouse", "port": FT_PORT, "targetPort": FT_PORT}],
+        },
+    }
+
+
 def _claim_spec(job: TrainingJob) -> dict[str, Any]:
     storage = job.spec.checkpoint.storage
     spec: dict[str, Any] = {
@@ -316,7 +355,8 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
     if uses_tls(job):
         env.append({"name": TLS_DIR_VAR, "value": TLS_MOUNT})  # in the config volume (_config_volume)
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
-    role_resources = job.spec.resources.ps if replica.role == "ps" else job.spec.resources.worker
+    # A Lighthouse is a small server with no tensors: none of a trainer's resources (GPUs above all).
+    role_resources = {"ps": job.spec.resources.ps, "lighthouse": {}}.get(replica.role, job.spec.resources.worker)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.spec.image or settings.image,
@@ -545,12 +585,17 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     label, exposed through the downward API), so one template serves every node.
     """
     first = replicas[0]
+    fault_tolerant = job.spec.fault_tolerant
     # One template for every pod: node 0's argv without its is_host choice; the
-    # agent derives it from the pod's ordinal (KUBETRAIN_NODE_RANK).
+    # agent derives it from the pod's ordinal (KUBETRAIN_NODE_RANK). A fault-tolerant
+    # node hosts its own rendezvous: is_host on every one.
     command = list(first.command)
-    i = command.index("--rdzv-conf")
-    del command[i : i + 2]
-    env = {k: v for k, v in first.env.items() if k != "KUBETRAIN_REPLICA"}
+    if not fault_tolerant:
+        i = command.index("--rdzv-conf")
+        del command[i : i + 2]
+    # What differs from node to node is rendered from the pod's ordinal (and IP) below.
+    per_node = {"KUBETRAIN_REPLICA", FT_GROUP_VAR, FT_STORE_VAR}
+    env = {k: v for k, v in first.env.items() if k not in per_node}
     template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
     storage = job.spec.checkpoint.storage
     # Without existingClaim the StatefulSet adds each pod's `data` volume from
@@ -566,6 +611,10 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
         {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     container["env"].append({"name": "KUBETRAIN_REPLICA", "value": "ddp-$(KUBETRAIN_NODE_RANK)"})
+    if fault_tolerant:
+        container["env"][:0] = [{"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        container["env"] += [{"name": FT_GROUP_VAR, "value": "$(KUBETRAIN_NODE_RANK)"},
+                             {"name": FT_STORE_VAR, "value": first.env[FT_STORE_VAR]}]
     labels = {LABEL_JOB: job.name, LABEL_ROLE: "ddp", LABEL_MANAGED: MANAGER}
     template = merge_pod_template(
         {
@@ -646,6 +695,8 @@ def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settin
     objs += claims(job, uid)
     if job.spec.mode == "DDP":
         objs.append(ddp_service(job, uid))
+        if job.spec.fault_tolerant:
+            objs.append(lighthouse_service(job, uid))
     workload = workloads(job, uid, settings, replicas)
     objs += _gang(job, uid, settings, workload)
     return objs + workload
@@ -656,7 +707,11 @@ def workloads(job: TrainingJob, uid: str, settings: Settings, replicas: list[Rep
     if replicas is None:
         replicas = plan_replicas(job, ClusterEndpoints(job))
     if job.spec.mode == "DDP":
-        return [statefulset(job, uid, replicas, settings)]
+        # A fault-tolerant job's Lighthouse: a pod of its own beside the StatefulSet (one per job,
+        # replaced under the job's restart policy), before the groups that connect to it.
+        nodes = [r for r in replicas if r.role == "ddp"]
+        return ([pod(job, uid, r, settings) for r in replicas if r.role == "lighthouse"]
+                + [statefulset(job, uid, nodes, settings)])
     return [pod(job, uid, r, settings) for r in replicas]
 
 
@@ -675,8 +730,9 @@ def _gang(job: TrainingJob, uid: str, settings: Settings, workload: list[dict[st
         raise ValueError(gang.gang_problem(job, settings.gang_schedulers))
     scheduler, scheduler_name = pick
     if job.spec.mode == "DDP":
-        template = workload[0]["spec"]["template"]
-        specs = [template["spec"]] * workload[0]["spec"]["replicas"]
+        sts = next(w for w in workload if w["kind"] == "StatefulSet")  # a Lighthouse pod stays out of the gang
+        template = sts["spec"]["template"]
+        specs = [template["spec"]] * sts["spec"]["replicas"]
         members = [template]
     else:
         specs = [p["spec"] for p in workload]

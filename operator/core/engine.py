@@ -38,9 +38,20 @@ from typing import Any
 
 from ..api import TrainingJob
 from ..api.exitcodes import EXIT_RELEASED
+from ..api.launch import LIGHTHOUSE
 from ..api.spec import MAX_REPORTED_METRICS
 from ..api import schema
-from ..api.status import Condition, JobMemory, JobStatus, LastCheckpoint, Progress, ReplicaCounts, read_object, read_status
+from ..api.status import (
+    Condition,
+    JobMemory,
+    JobStatus,
+    LastCheckpoint,
+    Progress,
+    Quorum,
+    ReplicaCounts,
+    read_object,
+    read_status,
+)
 from . import eta, policy
 from .plan import chief, replica_names
 from .status import TERMINAL, Observed, conditions
@@ -106,6 +117,7 @@ class ProgressReading:
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None  # unix seconds
     metrics: Mapping[str, float] | None = None  # what a script reported by name (kubetrain.report)
+    quorum: int | None = None  # fault-tolerant DDP: replica groups in the reader's current quorum
 
 
 @dataclass(frozen=True)
@@ -254,6 +266,12 @@ class _Round:
             self.status.last_checkpoint = LastCheckpoint(
                 progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
             )
+        if progress.quorum is not None and self.spec.fault_tolerant:
+            quorum = Quorum(participants=progress.quorum, groups=self.spec.size)
+            old_quorum = self.status.quorum
+            if old_quorum is None or dataclasses.replace(old_quorum, update_time=None) != quorum:
+                quorum.update_time = iso(self.now)
+                self.status.quorum = quorum
 
     # -- 2. finished -----------------------------------------------------------------
 
@@ -280,6 +298,9 @@ class _Round:
             if (clean == "All" or (clean == "Running" and r.phase in ("Pending", "Running"))) and n not in self.actions.stop
         ]  # fmt: skip
         self.actions.hold = clean != "None"
+        lighthouse = self.replicas.get(LIGHTHOUSE)
+        if lighthouse is not None and lighthouse.phase in ("Pending", "Running") and LIGHTHOUSE not in self.actions.stop:
+            self.actions.stop.append(LIGHTHOUSE)  # no group is left to serve: it stops whatever cleanPodPolicy says
         self.actions.events.append(("Normal" if state == "Succeeded" else "Warning", reason, message))
         if state == "Succeeded":
             self._final_progress()
@@ -365,7 +386,7 @@ class _Round:
         if memory.size is None or memory.size == size:
             memory.size = size
             return False
-        if not self.is_ddp:
+        if not self.is_ddp or self.spec.fault_tolerant:
             self._resize_live()
             return False
         unit = "nodes"
@@ -401,27 +422,37 @@ class _Round:
         after their step (`_release`). Nothing is stopped, no restart is counted, the state stays what it
         is: the replicas that keep running are the same incarnations (`memory.identities` stays). A job
         resized while its replicas were stopped (suspended, or held by its Kueue queue until the Workload of
-        the new size is admitted) starts them all now at the new size, and its Event says that instead."""
+        the new size is admitted) starts them all now at the new size, and its Event says that instead.
+
+        A fault-tolerant DDP job resizes live too: each node is a replica group of its own, so new groups
+        start and join the quorum (copying the model from a live group), the groups above the size are
+        stopped (`_release_groups`: SIGTERM, a checkpoint, then they leave the quorum), and the others
+        train on untouched."""
         memory, size = self.memory, self.spec.size
+        groups = self.spec.fault_tolerant
+        unit, role = ("replica groups", "ddp") if groups else ("workers", "worker")
         if self.before == "Suspended":
             # Resized while its replicas were stopped (suspended, or a queued job whose Workload Kueue
             # admitted again at the new size): every replica starts now, from the newest checkpoint.
-            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers while "
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} {unit} while "
                                                              "stopped: the job resumes at the new size from its "
                                                              "newest checkpoint."))
         else:
             if size > memory.size:
-                how = f"{_listed(range(memory.size, size))} {'joins' if size - memory.size == 1 else 'join'}"
+                how = f"{_listed(range(memory.size, size), role)} {'joins' if size - memory.size == 1 else 'join'}"
             else:
-                how = (f"{_listed(range(size, memory.size))} "
-                       f"{'leaves after its step' if memory.size - size == 1 else 'leave after their step'}")
-            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} workers, live: "
-                                                             f"{how}; ps-0 deals the rest of the epoch again among the "
-                                                             f"{size}; nothing restarts."))
+                one, more = ("leaves", "leave") if groups else ("leaves after its step", "leave after their step")
+                how = f"{_listed(range(size, memory.size), role)} {one if memory.size - size == 1 else more}"
+            then = "the other groups train on" if groups else f"ps-0 deals the rest of the epoch again among the {size}"
+            self.actions.events.append(("Normal", "Resized", f"Resized from {memory.size} to {size} {unit}, live: "
+                                                             f"{how}; {then}; nothing restarts."))
         memory.size = size
         memory.resize_time = self.now
-        # A restart due for a worker above the new size is not wanted any more; the others stand.
+        # A restart due for a worker above the new size is not wanted any more; the others stand. A group
+        # above it is forgotten: scaled up again, its new pod is a new member, not a replacement.
         memory.pending_restarts = {n: t for n, t in memory.pending_restarts.items() if n in self.names}
+        memory.identities = {n: uid for n, uid in memory.identities.items() if n in self.names}
+        memory.in_place_restarts = {n: c for n, c in memory.in_place_restarts.items() if n in self.names}
         memory.workers_done_time = None  # new workers have work to do; the drain clock starts again when they are done
         self.actions.resized = True
 
@@ -435,6 +466,9 @@ class _Round:
         A worker of the job's size that ended released was scaled away and back before it left (3 -> 1 -> 3
         within a step: ps-0 released it at the first resize and waits for it at the second): it rejoins,
         stopped and started again as a restart is (`pending_restarts`, due now) but counted as none."""
+        if self.spec.fault_tolerant:
+            self._release_groups()
+            return
         if self.is_ddp:
             return
         for name in self.names:
@@ -466,6 +500,16 @@ class _Round:
                                         f"{name} is above the job's size ({self.spec.size} workers) and still ran "
                                         f"{RELEASE_GRACE_SECONDS:.0f} s after the resize, not released by ps-0: "
                                         "stopped."))
+
+    def _release_groups(self) -> None:
+        """The replica groups above a fault-tolerant job's size (it was resized down) are no part of the job:
+        taken out of this round's replicas, and stopped (a group on SIGTERM writes a checkpoint and leaves
+        the quorum; in a cluster the StatefulSet's scale-down deletes their pods as well)."""
+        wanted = set(self.names)
+        for name in [n for n in self.replicas if n not in wanted]:
+            seen = self.departing[name] = self.replicas.pop(name)
+            if not seen.terminating and name not in self.actions.stop:
+                self.actions.stop.append(name)
 
     # -- 5. failures -------------------------------------------------------------------
 
@@ -602,7 +646,9 @@ class _Round:
     # -- 9. outcome ----------------------------------------------------------------------
 
     def _outcome(self, volume_pending: list[str]) -> None:
-        phases = {n: ("Succeeded" if _succeeded(self.replicas.get(n), self.is_ddp) else "Running") for n in self.names}
+        # A Lighthouse serves the replica groups and never finishes by itself: the groups decide.
+        phases = {n: ("Succeeded" if _succeeded(self.replicas.get(n), self.is_ddp) else "Running")
+                  for n in self.names if n != LIGHTHOUSE}
         if self.observed is None and policy.job_outcome(phases) == "Succeeded":
             self._finish("Succeeded", "Completed", "Every replica finished.")
             return
@@ -613,6 +659,9 @@ class _Round:
                          "Every worker's place finished; the standby workers still waiting were stopped.")
             self.actions.stop += [n for n in self.names if n.startswith(("worker-", "standby-"))
                                   and n in self.replicas and phases[n] != "Succeeded" and n not in self.actions.stop]
+            return
+        if self.observed is None and self.spec.fault_tolerant and any(p == "Succeeded" for p in phases.values()):
+            self._groups_done(phases)
             return
         if self.observed is None and self.spec.mode == "ParameterServer" and policy.workers_done(phases):
             memory = self.memory
@@ -642,6 +691,19 @@ class _Round:
                 self.observed = Observed("Created", "Created", "The job's objects are created; replicas are starting.")
         self.status.state = self.observed.state
 
+    def _groups_done(self, phases: dict[str, str]) -> None:
+        """A replica group of a fault-tolerant job finished and another did not (all finished: `_outcome`
+        succeeds already). The groups commit every step together, so the job's training is over: those of
+        the final quorum are writing their final checkpoint (a SIGTERM then changes nothing: they end
+        with 0), and one that is still starting or rejoining (a replacement) has nothing left to train.
+        The job succeeds; the groups still running are stopped."""
+        done = sorted(n for n, p in phases.items() if p == "Succeeded")
+        running = [n for n, p in phases.items() if p != "Succeeded" and n in self.replicas]
+        self._finish("Succeeded", "Completed",
+                     f"Replica group {done[0]} finished training; {', '.join(running)} "
+                     f"{'was' if len(running) == 1 else 'were'} stopped with nothing left to train.")
+        self.actions.stop += [n for n in running if n not in self.actions.stop]
+
     # -- the end of a round --------------------------------------------------------------
 
     def _requeue(self, seconds: float) -> None:
@@ -669,6 +731,10 @@ class _Round:
         """At success, the chief's final results complete the progress that the last reading,
         up to a few seconds old, left behind."""
         head = self.replicas.get(chief(self.job))
+        if (head is None or not head.final) and self.spec.fault_tolerant:
+            # The chief's group was replaced and stopped before it finished: another group speaks.
+            head = next((seen for name, seen in sorted(self.replicas.items())
+                         if name.startswith("ddp-") and seen.final), head)
         final = head.final if head is not None else None
         if not final:
             return
@@ -717,9 +783,9 @@ def interrupted(status: JobStatus, now: float) -> JobStatus:
     return out
 
 
-def _listed(indices: range) -> str:
+def _listed(indices: range, role: str = "worker") -> str:
     """worker-1, worker-2 and worker-3."""
-    names = [f"worker-{i}" for i in indices]
+    names = [f"{role}-{i}" for i in indices]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..api.launch import torchrun_command
+from ..api.launch import (
+    FT_GROUP_VAR,
+    FT_GROUPS_VAR,
+    FT_LIGHTHOUSE_PORT_VAR,
+    FT_LIGHTHOUSE_VAR,
+    FT_STORE_VAR,
+    torchrun_command,
+)
 
 from ..api import TrainingJob
 
@@ -38,6 +45,19 @@ class Endpoints(Protocol):
 
     def rendezvous(self) -> str:
         """host:port of the DDP c10d rendezvous (hosted by node 0)."""
+
+    def group_rendezvous(self, index: int) -> str:
+        """Fault-tolerant DDP: host:port of node `index`'s own rendezvous, whose store its ranks and the
+        other groups' torchft share (hosted by the node's torchrun agent)."""
+
+    def advertise_address(self, index: int) -> str:
+        """Fault-tolerant DDP: the address other groups reach node `index` at."""
+
+    def lighthouse_address(self) -> str:
+        """Fault-tolerant DDP: host:port of the job's Lighthouse."""
+
+    def lighthouse_port(self) -> int:
+        """Fault-tolerant DDP: the port the Lighthouse listens on."""
 
     def metrics_port(self, replica: str) -> int:
         """Port of the replica's /metrics endpoint (0: off)."""
@@ -89,7 +109,8 @@ def replica_names(job: TrainingJob) -> list[tuple[str, int]]:
                 + [("standby", i) for i in range(ps.standby_workers)])
     ddp = spec.ddp
     assert ddp is not None
-    return [("ddp", i) for i in range(ddp.nodes)]
+    lighthouse = [("lighthouse", 0)] if ddp.fault_tolerance is not None else []
+    return [("ddp", i) for i in range(ddp.nodes)] + lighthouse
 
 
 def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
@@ -132,7 +153,15 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             env["KUBETRAIN_PS_PORT"] = str(ports["grpc"])
             ports["ps-data"] = endpoints.ps_data_port(index)
             env["KUBETRAIN_PS_DATA_PORT"] = str(ports["ps-data"])
-        if role == "ddp":
+        if role == "ddp" and spec.fault_tolerant:
+            rendezvous = endpoints.group_rendezvous(index)
+            command = tuple(
+                torchrun_command(spec, index, rendezvous, f"{job.metadata.namespace}-{job.name}-{name}",
+                                 python=PYTHON, local_addr=endpoints.local_addr(), role=entry_role(job, role))
+            )
+            ports["rendezvous"] = int(rendezvous.rsplit(":", 1)[1])
+            env.update(fault_tolerance_env(job, endpoints, index, ports["rendezvous"]))
+        elif role == "ddp":
             assert spec.ddp is not None
             rdzv_id = f"{job.metadata.namespace}-{job.name}"
             command = tuple(
@@ -141,10 +170,26 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             )
             if index == 0:
                 ports["rendezvous"] = int(endpoints.rendezvous().rsplit(":", 1)[1])
+        elif role == "lighthouse":
+            ports["lighthouse"] = endpoints.lighthouse_port()
+            env[FT_LIGHTHOUSE_PORT_VAR] = str(ports["lighthouse"])
+            command = (PYTHON, "-m", TRAINER_MODULE, role)
         else:
             command = (PYTHON, "-m", TRAINER_MODULE, entry_role(job, role))
         replicas.append(Replica(role=role, index=index, command=command, env=env, ports=ports))
     return replicas
+
+
+def fault_tolerance_env(job: TrainingJob, endpoints: Endpoints, index: int, store_port: int) -> dict[str, str]:
+    """What a fault-tolerant DDP node's ranks find beside torchrun's environment (api/launch.py names them)."""
+    assert job.spec.ddp is not None
+    lighthouse = f"http://{endpoints.lighthouse_address()}"
+    return {
+        FT_LIGHTHOUSE_VAR: lighthouse,
+        FT_GROUP_VAR: str(index),
+        FT_GROUPS_VAR: str(job.spec.ddp.node_range[1]),
+        FT_STORE_VAR: f"{endpoints.advertise_address(index)}:{store_port}",
+    }
 
 
 def shared_checkpoints(job: TrainingJob) -> bool:
@@ -156,8 +201,9 @@ def shared_checkpoints(job: TrainingJob) -> bool:
 
 
 def entry_role(job: TrainingJob, role: str) -> str:
-    """What `python -m kubetrain_trainer` runs for a replica: its role, or `script` for the user's command."""
-    return "script" if job.spec.script is not None else role
+    """What `python -m kubetrain_trainer` runs for a replica: its role, or `script` for the user's command
+    (never for a Lighthouse: it is kubetrain's own)."""
+    return "script" if job.spec.script is not None and role != "lighthouse" else role
 
 
 def chief(job: TrainingJob) -> str:

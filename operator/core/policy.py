@@ -143,6 +143,16 @@ def decide(spec: Spec, failure: Failure, counters: Counters, progressed: bool) -
             counters,
         )
     after = Counters(restarts=counters.restarts + 1, restarts_without_progress=without)
+    group = _replica_group_lost(spec, failure)
+    if group is not None:
+        # The other groups train on: the lost one is replaced at once while the job progresses, and
+        # backs off only while its restarts see no new checkpoint (a group that cannot start).
+        reason, how = group
+        return (
+            Decision("restart", reason, f"{what}; {how}; restart {after.restarts} of {rp.backoff_limit}.",
+                     delay_seconds=backoff(without + 1)),
+            after,
+        )
     return (
         Decision(
             "restart",
@@ -152,6 +162,19 @@ def decide(spec: Spec, failure: Failure, counters: Counters, progressed: bool) -
         ),
         after,
     )
+
+
+def _replica_group_lost(spec: Spec, failure: Failure) -> tuple[str, str] | None:
+    """(reason, what the job does) for a fault-tolerant DDP job's replica group or Lighthouse that
+    failed (and is retried); None for every other failure."""
+    if not spec.fault_tolerant:
+        return None
+    if failure.replica.startswith("ddp-"):
+        return ("ReplicaGroupLost", "the other replica groups train on without it, and its replacement copies "
+                                    "the model from one of them")
+    if failure.replica.startswith("lighthouse-"):
+        return ("LighthouseLost", "the replica groups wait for its replacement and form a quorum again")
+    return None
 
 
 ReplicaPhase = Literal["Pending", "Running", "Succeeded", "Failed"]

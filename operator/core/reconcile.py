@@ -83,6 +83,8 @@ def reconcile(
         # ranks to start are the StatefulSet at full size.
         if act.hold:
             out.scale_statefulset = 0
+            # A pod beside the StatefulSet (a fault-tolerant job's Lighthouse) goes by its own deletion.
+            out.delete_pods = [pod_name(job, r) for r in act.stop if not r.startswith("ddp-")]
         else:
             out.delete_pods = [pod_name(job, r) for r in act.stop]
             if act.start and existing is not None and ("StatefulSet", f"{job.name}-ddp") in existing:

@@ -17,12 +17,13 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
 from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
+from ..api.launch import LIGHTHOUSE
 from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
@@ -125,6 +126,18 @@ class LocalEndpoints:
     def rendezvous(self) -> str:
         return f"127.0.0.1:{self.ports['rendezvous']}"
 
+    def group_rendezvous(self, index: int) -> str:
+        return f"127.0.0.1:{self.ports[f'ddp-{index}/rendezvous']}"
+
+    def advertise_address(self, index: int) -> str:
+        return "127.0.0.1"  # every group on this machine's loopback
+
+    def lighthouse_address(self) -> str:
+        return f"127.0.0.1:{self.lighthouse_port()}"
+
+    def lighthouse_port(self) -> int:
+        return self.ports[f"{LIGHTHOUSE}/lighthouse"]
+
     def metrics_port(self, replica: str) -> int:
         return self.ports[f"{replica}/metrics"] if self.metrics_enabled else 0
 
@@ -160,6 +173,8 @@ def local_endpoints(job: TrainingJob, run: RunDir, code_dir: Path | None = None,
     names = [f"{r}-{i}" for r, i in replica_names(job)]
     shards = [n for n in names if n.startswith("ps-")]
     keys = [f"{n}/metrics" for n in names] + [f"{n}/{port}" for n in shards for port in ("grpc", "ps-data")] + ["rendezvous"]
+    if job.spec.fault_tolerant:  # every replica group hosts its own rendezvous; the Lighthouse listens
+        keys += [f"{n}/rendezvous" for n in names if n.startswith("ddp-")] + [f"{LIGHTHOUSE}/lighthouse"]
     ports = {k: (kept or {})[k] for k in keys if k in (kept or {})}
     missing = [k for k in keys if k not in ports]
     if missing:
@@ -489,7 +504,7 @@ class LocalBackend:
         for name in actions.stop:
             self._terminate(self.procs[name])
             self.procs[name].phase = "Absent"
-        if self.job.spec.mode == "ParameterServer":
+        if self._resizes_live():
             self._forget_departed(actions.stop)
         state = self.status.state
         if state in TERMINAL:
@@ -504,14 +519,20 @@ class LocalBackend:
                     message += f" Last output: {last}"
             return state, reason, message
         if actions.resized:
-            if self.job.spec.mode == "DDP":
-                self._plan()  # every replica was stopped: the group starts again at the new size
-            else:
+            if self._resizes_live():
                 self._plan_live()
-        # Parameter servers first: workers connect to them (and retry until they can).
-        for name in sorted(actions.start, key=lambda n: (not n.startswith("ps-"), n)):
+            else:
+                self._plan()  # every replica was stopped: the group starts again at the new size
+        # Parameter servers and the Lighthouse first: workers and replica groups connect to them (and retry
+        # until they can).
+        for name in sorted(actions.start, key=lambda n: (not n.startswith(("ps-", "lighthouse-")), n)):
             self._start(self.procs[name])
         return None
+
+    def _resizes_live(self) -> bool:
+        """A resize keeps the replicas that stay (ParameterServer, fault-tolerant DDP); a plain DDP job's
+        torchrun group restarts whole at the new size."""
+        return self.job.spec.mode == "ParameterServer" or self.job.spec.fault_tolerant
 
     def _progress_reading(self) -> engine.ProgressReading | None:
         """The chief's progress from the replicas' events (a cluster reads the same from its metrics)."""
@@ -525,6 +546,7 @@ class LocalBackend:
             eval_accuracy=seen.eval_accuracy,
             samples_per_second=seen.throughput or None,
             checkpoint_step=self._checkpoint_step() or None,
+            quorum=seen.quorum,
         )
 
     # -- processes ------------------------------------------------------------

@@ -56,6 +56,8 @@ class JobProgress:
     samples_per_second: dict[str, float] = field(default_factory=dict)
     steps_per_second: float | None = None  # a script's, when it reports no samples
     last_step_time: float = field(default_factory=time.monotonic)
+    quorum: int | None = None  # fault-tolerant DDP: replica groups in the newest quorum any group reported
+    quorum_time: float = 0.0
 
     def fold(self, replica: str, event: dict[str, Any]) -> None:
         if "total_steps" in event and event["total_steps"]:
@@ -72,6 +74,11 @@ class JobProgress:
                 self.samples_per_second[replica] = float(event["samples_per_second"])
             if event.get("steps_per_second") is not None:
                 self.steps_per_second = float(event["steps_per_second"])
+        elif kind == "quorum" and event.get("participants") is not None:
+            # Every group reports the quorums it takes part in; the newest speaks for the job.
+            when = float(event.get("time", 0.0))
+            if when >= self.quorum_time:
+                self.quorum, self.quorum_time = int(event["participants"]), when
         elif kind == "eval" and event.get("eval_accuracy") is not None:
             self.eval_accuracy = float(event["eval_accuracy"])
         elif kind == "checkpoint" and event.get("step") is not None:

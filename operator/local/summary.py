@@ -25,6 +25,10 @@ def build_summary(
 ) -> dict[str, Any]:
     """Figures in base units; None where the run did not produce one (a failed run)."""
     head = results.get(chief(job), {})
+    if not head and job.spec.fault_tolerant:
+        # The chief's group was replaced and stopped before its end: the group that went furthest speaks.
+        head = max((r for name, r in results.items() if name.startswith("ddp-")),
+                   key=lambda r: r.get("steps") or 0, default={})
     # The global step of a parameter-server job is counted by the shards.
     steps = results.get("ps-0", {}).get("steps") if job.spec.mode == "ParameterServer" else None
     data_replicas = [r for name, r in results.items() if not name.startswith("ps-")]

@@ -139,7 +139,8 @@ def _normalised(replicas):
         env = dict(r.env)
         for key in ("KUBETRAIN_PS_ADDRS", "KUBETRAIN_PS_PORT", "KUBETRAIN_PS_DATA_ADDRS", "KUBETRAIN_PS_DATA_PORT",
                     "KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR", "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_METRICS_PORT",
-                    "KUBETRAIN_LISTEN_ADDRESS"):
+                    "KUBETRAIN_LISTEN_ADDRESS", "KUBETRAIN_FT_LIGHTHOUSE", "KUBETRAIN_FT_STORE",
+                    "KUBETRAIN_FT_LIGHTHOUSE_PORT"):
             if key in env:
                 env[key] = "<endpoint>"
         command = list(r.command)

@@ -170,3 +170,86 @@ def test_a_failed_pod_and_a_failed_process_are_the_same_failure():
     set_proc(proc, "Failed:137")
     seen_proc = proc.observation()
     assert (seen_pod.phase, seen_pod.exit_code) == (seen_proc.phase, seen_proc.exit_code) == ("Failed", 137)
+
+
+# --- fault-tolerant DDP: a lost replica group is replaced alone ------------------------------------------
+#
+# In a cluster a group is a StatefulSet's pod: its killed container is restarted in place by the kubelet
+# (seen as restartCount + 1, lastState 137) and the operator creates or deletes only the Lighthouse's pod;
+# on this machine the group's process is seen failed and the backend starts it again. The story compares
+# what both decide: the Events, the state, the restarts, and the Lighthouse's stops and starts.
+
+FT = ["ddp-0", "ddp-1", "ddp-2", "lighthouse-0"]
+
+
+def ft_pod_json(replica: str, what: str, restarts: int) -> dict:
+    """A group's pod (the StatefulSet's: no replica label, its ordinal) or the Lighthouse's pod.
+    `Restarted:N`: the container was killed with code N and runs again (restartPolicy Always)."""
+    if replica.startswith("lighthouse-"):
+        return pod_json(replica, what, restarts)
+    status: dict = {"phase": "Running", "containerStatuses": [{"name": "trainer", "state": {"running": {}},
+                                                               "restartCount": restarts}]}
+    if what.startswith("Restarted:"):
+        status["containerStatuses"][0]["lastState"] = {"terminated": {"exitCode": int(what.split(":")[1])}}
+    elif what == "Succeeded":
+        status["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 0}}
+    return {"metadata": {"name": f"j-{replica}", "uid": f"{replica}-pod",
+                         "labels": {"apps.kubernetes.io/pod-index": replica.split("-")[1]}},
+            "spec": {"restartPolicy": "Always"}, "status": status}
+
+
+FT_STORY = [
+    Beat(0, {}, expect={"state": "Created"}),
+    Beat(1, {n: R for n in FT}, step=100, expect={"state": "Running"}),
+    Beat(2, {**{n: R for n in FT}, "ddp-1": "Restarted:137"}, step=120,
+         expect={"events": ["ReplicaGroupLost"], "state": "Restarting", "restarts": 1}),
+    Beat(3, {n: R for n in FT}, step=150, expect={"state": "Running", "restarts": 1}),
+    Beat(4, {**{n: R for n in FT}, "lighthouse-0": "Failed:137"}, step=160,
+         expect={"events": ["LighthouseLost"], "stop": ["lighthouse-0"], "restarts": 2}),
+    # No checkpoint since the last restart: the second one waits its backoff (2 s).
+    Beat(4.5, {n: R for n in FT if n != "lighthouse-0"}, step=160, expect={"start": []}),
+    Beat(6.1, {n: R for n in FT if n != "lighthouse-0"}, step=170, expect={"start": ["lighthouse-0"]}),
+    Beat(7, {n: R for n in FT}, step=200, expect={"state": "Running"}),
+    Beat(8, {**{n: "Succeeded" for n in FT[:3]}, "lighthouse-0": R}, step=300,
+         expect={"events": ["Completed"], "state": "Succeeded", "stop": ["lighthouse-0"]}),
+]
+
+
+def test_the_drivers_replace_a_lost_replica_group_alone_alike(tmp_path):
+    j = job("DDP", ddp={"nodes": 3, "faultTolerance": {}})
+    status: dict = {}
+    existing: set = set()
+    restarts = {n: 0 for n in FT}
+    local = Local(j, tmp_path)
+    for beat in FT_STORY:
+        # The cluster: groups restart in place; only the Lighthouse's pod is the operator's to make.
+        pods = {}
+        for n in FT:
+            what = beat.replicas.get(n, "Absent")
+            if what.startswith("Restarted:"):
+                restarts[n] += 1
+            if what != "Absent":
+                seen = pod_observation(ft_pod_json(n, what, restarts[n]))
+                pods[seen.replica] = seen
+        act = reconcile(j, "uid", "tok", pods, status, T0 + beat.t,
+                        Progress(step=beat.step) if beat.step is not None else None, existing=existing)
+        existing |= {(o["kind"], o["metadata"]["name"]) for o in act.create if o["kind"] != "Pod"}
+        status = act.status
+        by_cluster = {"events": [e[1] for e in act.events], "state": act.status["state"],
+                      "restarts": act.status["restarts"],
+                      "start": sorted(o["metadata"]["name"][2:] for o in act.create if o["kind"] == "Pod"),
+                      "stop": sorted(p[2:] for p in act.delete_pods)}
+        # This machine: a killed group's process is seen failed, and started again by the backend.
+        seen_locally = {n: ("Failed:137" if w.startswith("Restarted:") else w) for n, w in beat.replicas.items()}
+        mine = local.round(j, Beat(beat.t, seen_locally, step=beat.step), FT)
+        by_local = {**{k: mine[k] for k in ("events", "state", "restarts")},
+                    "start": [n for n in mine["start"] if not n.startswith("ddp-")],
+                    "stop": [n for n in mine["stop"] if not n.startswith("ddp-")]}
+        if beat.t == 0:  # a new job: the cluster starts its groups as one StatefulSet
+            by_local["start"] = [n for n in by_local["start"] if n == "lighthouse-0"]
+        assert by_cluster == by_local, f"t={beat.t}: the drivers disagree"
+        for key, want in beat.expect.items():
+            assert by_cluster[key] == want, f"t={beat.t}: {key} {by_cluster[key]} != {want}"
+        if "ReplicaGroupLost" in by_cluster["events"]:
+            # Locally the lost group alone stops and starts again; no other replica is touched.
+            assert mine["stop"] == ["ddp-1"], mine

@@ -16,7 +16,7 @@ from helpers.metrics import try_scrape
 from helpers.process import require_program
 from helpers.prometheus import start_prometheus
 from helpers.wait import wait_for
-from live import PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_run
+from live import FT, PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_run
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,9 @@ def observed(tmp_path_factory) -> Observed:
         # Below single-0's priority, so that its restarts are not slowed down by three busy PS processes.
         runs[PS] = start_run(root, PS, docs[PS], replicas[PS], [], nice=10)
         stack.callback(runs[PS].stop)
+        replicas[FT] = ["ddp-0", "ddp-1", "lighthouse-0"]
+        runs[FT] = start_run(root, FT, docs[FT], replicas[FT], ["--fault", "ddp-1:kill@step=300"], nice=10)
+        stack.callback(runs[FT].stop)
 
         def all_training():
             for run in runs.values():

@@ -22,7 +22,7 @@ SCRAPE_SECONDS = 1
 # The rules' minutes become 2 s: a 10-minute window is 20 s here, long enough
 # for a replica to restart a few times on a loaded 2-core machine.
 TIME_SCALE = 30
-SINGLE, PS = "obs-single", "obs-ps"
+SINGLE, PS, FT = "obs-single", "obs-ps", "obs-ft"
 UNTIL_STOPPED = 10**7  # maxSteps of the jobs: they train until the session stops them
 
 
@@ -129,6 +129,10 @@ def jobs() -> dict[str, dict]:
                                      "syncTimeoutSeconds": 3600,
                                      "compression": {"algorithm": "TopK", "ratio": 0.1, "minTensorBytes": 1024}},
                     **common),
+        # Fault-tolerant DDP, two replica groups and a Lighthouse: its group ddp-1 is killed once (--fault) and
+        # its replacement heals from ddp-0, so the dashboard's quorum, commit and heal panels have data.
+        FT: job_doc(FT, "DDP", checkpoint={"intervalSteps": 500, "keepLast": 1},
+                    ddp={"nodes": 2, "procsPerNode": 1, "faultTolerance": {}}, **common),
     }
 
 

@@ -22,14 +22,14 @@ from catalogue import (
     catalogue, check_against_catalogue, dashboards, merged, queries, variable_queries,
 )
 from helpers.wait import wait_for
-from live import PS, SINGLE, replica_pids
+from live import FT, PS, SINGLE, replica_pids
 
 pytestmark = pytest.mark.slow
 
 BOARDS = dashboards()
 CATALOGUE = catalogue()
 # What Grafana would put in: a 1 s scrape interval gives a rate interval of 4 s; the range is the test's age.
-VARIABLES = {"$__rate_interval": "5s", "$__range": "2m", "$namespace": "default", "$job": f"{SINGLE}|{PS}"}
+VARIABLES = {"$__rate_interval": "5s", "$__range": "2m", "$namespace": "default", "$job": f"{SINGLE}|{PS}|{FT}"}
 
 
 def substitute(expr: str) -> str:
@@ -68,12 +68,14 @@ def test_dashboard_variables_list_the_running_jobs(observed, board):
         series = observed.prometheus.query(f"group by ({label}) ({substitute(selector)})")
         found[name] = {s["metric"][label] for s in series}
     assert found["namespace"] == {"default"}
-    assert found["job"] == {SINGLE, PS}
+    assert found["job"] == {SINGLE, PS, FT}
 
 
 def test_running_trainers_expose_exactly_the_catalogued_metrics(observed):
-    """Single, parameter-server shard and workers (Async, TopK), scraped while they trained."""
-    assert set(observed.expositions) == {"obs-single/single-0", "obs-ps/ps-0", "obs-ps/worker-0", "obs-ps/worker-1"}
+    """Single, parameter-server shard and workers (Async, TopK), fault-tolerant DDP groups and their
+    Lighthouse, scraped while they trained."""
+    assert set(observed.expositions) == {"obs-single/single-0", "obs-ps/ps-0", "obs-ps/worker-0", "obs-ps/worker-1",
+                                         "obs-ft/ddp-0", "obs-ft/ddp-1", "obs-ft/lighthouse-0"}
     families = merged(list(observed.expositions.values()))
     check_against_catalogue("trainer", families)
     # The labelled families had samples: their extra label was checked, not just their name.

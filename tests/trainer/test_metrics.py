@@ -53,6 +53,11 @@ CONTRACT = {
     "kubetrain_steps_per_second": "gauge",
     "kubetrain_reported_metric": "gauge",
     "kubetrain_process_starts": "counter",
+    "kubetrain_ft_quorum_participants": "gauge",
+    "kubetrain_ft_committed_steps": "counter",
+    "kubetrain_ft_discarded_steps": "counter",
+    "kubetrain_ft_heals": "counter",
+    "kubetrain_ft_heal_duration_seconds": "histogram",
 }
 
 

@@ -154,11 +154,11 @@ def test_outside_kubetrain_the_calls_say_how_to_run_the_script(monkeypatch):
         kubetrain.checkpoint_dir()
 
 
-def test_the_public_api_is_the_four_calls_of_a_script_and_the_client():
-    assert kubetrain.__all__ == ["restore", "save", "report", "checkpoint_dir", "Client"]
+def test_the_public_api_is_the_calls_of_a_script_and_the_client():
+    assert kubetrain.__all__ == ["restore", "save", "report", "checkpoint_dir", "fault_tolerant", "Client"]
     assert json.dumps(sorted(n for n in vars(kubetrain) if not n.startswith("_") and callable(getattr(kubetrain, n))
                              and getattr(kubetrain, n).__module__ == "kubetrain"))  == json.dumps(
-        sorted(["restore", "save", "report", "checkpoint_dir"]))
+        sorted(["restore", "save", "report", "checkpoint_dir", "fault_tolerant"]))
     # The client is loaded on first use: a training script's `import kubetrain` never loads Kubernetes' client.
     code = ("import sys, kubetrain; assert 'kubernetes' not in sys.modules and 'kubetrain_operator.client' not in "
             "sys.modules; c = kubetrain.Client; assert c.__module__ == 'kubetrain_operator.client'; print('ok')")

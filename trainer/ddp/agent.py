@@ -28,6 +28,8 @@ import os
 import signal
 import sys
 
+from kubetrain_operator.api.launch import FT_STORE_VAR
+
 from ..exiting import exit_now
 
 
@@ -180,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..events import startup
 
     startup("main", role="agent")
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if FT_STORE_VAR not in os.environ:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # else a fault-tolerant replica group: its ranks and torchft (the other groups too, through
+    # KUBETRAIN_FT_STORE) share the agent's store, which lives as long as the node, and torchrun
+    # restarts nothing there (--max-restarts 0), so no attempt reads an older one's keys.
     argv = host_conf(list(sys.argv[1:] if argv is None else argv), dict(os.environ))
     # The agent's own rendezvous and restarts at INFO, timed (torch.distributed.elastic reads
     # LOGLEVEL when its modules are imported): how a group re-formed after a rank's loss shows in

@@ -111,17 +111,16 @@ def select_ddp_device(spec: Any, local_rank: int) -> torch.device:
 class DDPTrainer:
     """Owns the model, optimizer, cursor, hook and (on rank 0) checkpoints of one rank."""
 
+    reads_checkpoint_at_start = True
+    """Read this node's newest checkpoint before joining the group (a fault-tolerant group may heal instead)."""
+
     def __init__(self, ctx: ReplicaContext, topo: Topology):
         self.started = time.monotonic()
         spec = ctx.spec
-        if topo.world_size != spec.world_size:
-            raise ConfigError(
-                f"spec.ddp: nodes x procsPerNode = {spec.ddp.nodes} x {spec.ddp.procs_per_node} = "
-                f"{spec.world_size} ranks, but torchrun started {topo.world_size}"
-            )
         self.topo = topo
         self.node_replica = ctx.replica
-        replica = rank_replica(topo.rank)
+        self.rank, self.world_size = self.placement(topo, spec)
+        replica = rank_replica(self.rank)
         self.ctx = dataclasses.replace(
             ctx,
             replica=replica,
@@ -129,10 +128,11 @@ class DDPTrainer:
             index=topo.rank,
             fault_step=ctx.fault_step if fault_armed(os.environ, replica) else None,
             fault_save=ctx.fault_save if fault_armed(os.environ, replica) else None,
+            fault_allreduce=ctx.fault_allreduce if fault_armed(os.environ, replica) else None,
         )
         # The SIGTERM handler must set the flag of the context this loop reads.
         self.ctx.install_signal_handlers()
-        self.chief = topo.rank == 0
+        self.chief = self.rank == 0
         self.threads = make_deterministic()
         self.device = select_ddp_device(spec, topo.local_rank)
         self.model, self.data = model_and_data(spec)
@@ -142,14 +142,14 @@ class DDPTrainer:
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
         self.cursor = ShardCursor(
-            len(self.train_x), topo.rank, topo.world_size, spec.training.batch_size, spec.training.seed
+            len(self.train_x), self.rank, self.world_size, spec.training.batch_size, spec.training.seed
         )
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
         self.metrics = TrainerMetrics(self.ctx)
         self.events = EventLog(ctx.run_dir, replica)
         # The first rank of each node reads its node's volume; only rank 0 writes.
         self.checkpoints = JobCheckpoints(self.ctx, self.metrics, self.events,
-                                          reader=topo.local_rank == 0, writer=self.chief,
+                                          reader=topo.local_rank == 0, writer=self.writes_checkpoints(),
                                           nodes=max(1, topo.world_size // spec.ddp.procs_per_node))
         # strategy FSDP: the model is sharded when the group is joined, and every
         # rank saves its own shards (checkpoints through the sharded path).
@@ -157,7 +157,7 @@ class DDPTrainer:
         self.reporter = ProgressReporter(self.ctx, self.metrics, self.events, self.total_steps)
         # Read before joining the group: a bad checkpoint (another spec) fails
         # this rank at once, and torchrun then stops the others.
-        self.found = self.checkpoints.load_local()
+        self.found = self.checkpoints.load_local() if self.reads_checkpoint_at_start else None
         self.ddp: DistributedDataParallel | None = None
         self.hook: CommHook | None = None
         self.step = 0
@@ -170,6 +170,19 @@ class DDPTrainer:
         self.bytes_sent = 0
         self.raw_gradient_bytes = 0
         self.slowdown = Slowdown.for_replica(replica)  # a benchmark's straggler (trainer/slowdown.py)
+
+    def placement(self, topo: Topology, spec: Any) -> tuple[int, int]:
+        """(rank, ranks) that name this process and deal its data: torchrun's own in one group of every node."""
+        if topo.world_size != spec.world_size:
+            raise ConfigError(
+                f"spec.ddp: nodes x procsPerNode = {spec.ddp.nodes} x {spec.ddp.procs_per_node} = "
+                f"{spec.world_size} ranks, but torchrun started {topo.world_size}"
+            )
+        return topo.rank, topo.world_size
+
+    def writes_checkpoints(self) -> bool:
+        """Global rank 0 alone writes: the state is the same on every rank."""
+        return self.chief
 
     # --- the group ---------------------------------------------------------------
 
@@ -285,6 +298,29 @@ class DDPTrainer:
         self.checkpoints.wait()
         dist.barrier()
 
+    def result(self, wall: float, run_samples: int, train_seconds: float) -> dict[str, Any]:
+        """The figures of this rank's results file every DDP loop writes."""
+        return {
+            "steps": self.step,
+            "epochs": round(self.cursor.epochs_done, 4),
+            "final_train_loss": self.loss,
+            "samples": self.samples,
+            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
+            "wall_seconds": wall,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_sent,
+        }
+
+    def final_checkpoint(self) -> float:
+        """The end of the loop: the final model evaluated and checkpointed (durable on return); the wall
+        seconds of the process so far."""
+        if self.eval_step != self.step:
+            self.evaluate()
+        if self.checkpoint_step != self.step:
+            self.checkpoint()
+        self.wait_checkpoint()
+        return time.monotonic() - self.started
+
     def evaluate(self) -> None:
         """The chief evaluates; the others only note that the step was evaluated (under FSDP every rank
         runs the forward passes with it: each gathers its share of every layer)."""
@@ -369,21 +405,9 @@ class DDPTrainer:
                 self.events.write("stop", step=self.step)
                 log.info("%s: stopped by SIGTERM at step %d, checkpoint written", self.ctx.replica, self.step)
                 return EXIT_TERMINATED
-        if self.eval_step != self.step:
-            self.evaluate()
-        if self.checkpoint_step != self.step:
-            self.checkpoint()
-        self.wait_checkpoint()
-        wall = time.monotonic() - self.started
+        wall = self.final_checkpoint()
         result: dict[str, Any] = {
-            "steps": self.step,
-            "epochs": round(self.cursor.epochs_done, 4),
-            "final_train_loss": self.loss,
-            "samples": self.samples,
-            "samples_per_second": run_samples / train_seconds if train_seconds else 0.0,
-            "wall_seconds": wall,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_sent,
+            **self.result(wall, run_samples, train_seconds),
             "raw_gradient_bytes": self.raw_gradient_bytes,
             "compressed_gradient_bytes": self.bytes_sent,
             "compression_ratio": self.raw_gradient_bytes / self.bytes_sent if self.bytes_sent else None,
@@ -420,6 +444,10 @@ def run_ddp(ctx: ReplicaContext) -> int:
     failure (gloo reports a dead peer as a plain RuntimeError). torchrun
     restarts the group whatever the code; the codes matter once it gives up.
     """
+    if ctx.spec.fault_tolerant:
+        from .ft import run_replica_group  # one rank of a replica group of its own (torchft)
+
+        return run_replica_group(ctx)
     topo = Topology.from_env(os.environ)
     trainer = DDPTrainer(ctx, topo)
     failure, error_type = "", TrainerError
