@@ -74,7 +74,9 @@ def crd(cluster):
     return install_crd(cluster)
 
 
-STATIC_VOLUMES = 60
+STATIC_VOLUMES = 200
+"""Jobs that tests leave running keep their claims to the end of the session (the session operator's
+namespace holds dozens by test_standby.py): 60 were not enough even with recycling."""
 RECYCLE_EVERY_SECONDS = 2.0
 
 

@@ -18,6 +18,7 @@ from helpers.kube import Kubectl
 from helpers.metrics import samples, try_scrape
 from helpers.wait import wait_for
 from kubetrain_operator.controller.leader import LEASE_SECONDS, RETRY_SECONDS
+from kubetrain_operator.core.engine import MAX_REQUEUE_SECONDS
 
 pytestmark = pytest.mark.cluster
 
@@ -87,7 +88,8 @@ def running_single_job(kube: Kubectl, leader) -> str:
     kube.apply({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
                 "spec": {"mode": "Single"}}, server_side=True)
     wait_for(f"{name}-single-0 Running", lambda: (p := kube.get("pod", f"{name}-single-0"))
-             and p["status"].get("phase") == "Running", timeout=90, explain=lambda: logs(leader))
+             and p["status"].get("phase") == "Running", timeout=90,
+             explain=lambda: f"pod: {(kube.get('pod', f'{name}-single-0') or {}).get('status')}\n{logs(leader)}")
     wait_for(f"{name} Running", lambda: job_status(kube, name).get("state") == "Running", timeout=90,
              explain=lambda: logs(leader))
     return name
@@ -158,9 +160,11 @@ def test_the_standby_takes_over_from_a_killed_leader_and_changes_nothing(spawn_o
     # kopf's own liveness endpoint, on the port the standby's served while it waited.
     served = wait_for("kopf's /healthz", lambda: (h := healthz(standby)) is not None and {"body": h}, timeout=30)
     assert "leader" not in served["body"]
-    # Two whole rounds of the new leader, the test's job among them (a running job is looked at again
-    # within 10 s): a wrong round (a pod deleted or recreated, a Warning, a status rewritten) is done by then.
-    wait_for("the new leader's second reconciliation", lambda: reconciles(standby) >= 2, timeout=60,
+    # Two whole rounds of the new leader, the test's job among them (a running job with nothing new is
+    # looked at again within MAX_REQUEUE_SECONDS): a wrong round (a pod deleted or recreated, a Warning, a
+    # status rewritten) is done by then.
+    wait_for("the new leader's second reconciliation", lambda: reconciles(standby) >= 2,
+             timeout=MAX_REQUEUE_SECONDS + 30,
              explain=lambda: logs(standby))
     after = snapshot(kube, job)
     assert after["pods"] == before["pods"], "the new leader created, deleted or changed a pod that was right"

@@ -452,12 +452,15 @@ def test_only_the_jobs_certificate_gets_through_tls(tmp_path, job_dir, other_dir
 def test_a_connection_numbered_past_select_s_limit_is_watched_like_any_other(tmp_path):
     """A shard with max_connections open has descriptors numbered past 1024, where select() fails: a held
     pull must still see its client as there (and gone once it is)."""
-    import os
+    import fcntl
 
     from kubetrain_trainer.ps.dataplane import CallContext
 
     ours, theirs = socket.socketpair()
-    high = os.dup2(ours.fileno(), 1500)  # the descriptor a thousand-odd connections would give
+    # The descriptor a thousand-odd connections would give: the lowest free one from 1500 (dup2 onto 1500
+    # would close whatever this long-lived test process holds there, under another test's feet).
+    high = fcntl.fcntl(ours.fileno(), fcntl.F_DUPFD, 1500)
+    assert high >= 1024
     conn = socket.socket(fileno=high)
     ours.close()
     try:
