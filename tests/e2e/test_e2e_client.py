@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import yaml
-from e2elib import NAMESPACE, REAL_NODE_SELECTOR, example, figure, on_real_node, sigkill_process
+from e2elib import NAMESPACE, REAL_NODE_SELECTOR, example, figure, first_checkpoint, on_real_node, sigkill_process
 from kubernetes import config
 from test_e2e_prometheus import prometheus  # noqa: F401  (the fixture: Prometheus scraping the e2e namespace)
 
@@ -106,7 +106,7 @@ def test_logs_follow_a_replica_across_its_restart_export_and_report(e2e, prometh
            f"{summary['final_train_loss']:.4f}, restarts {summary['restarts']} (the job's status)")
 
 
-HF_STEPS = 200
+HF_STEPS = 1000
 
 
 def test_the_hugging_face_example_killed_in_its_pod_resumes_from_kubetrains_checkpoint(e2e, custom_image, tmp_path):
@@ -114,8 +114,8 @@ def test_the_hugging_face_example_killed_in_its_pod_resumes_from_kubetrains_chec
     # library's ast.py, differs between this machine's Python and the image's).
     doc = on_real_node(yaml.safe_load((EXAMPLES / "hf" / "job.yaml").read_text()))
     doc["spec"]["script"]["args"] += ["--data", "train.py"]
-    # Long enough to be killed while it trains: the status learns of the first checkpoint from the
-    # operator's scrape (every 10 s), and the example's 60 steps were over by then on a loaded machine.
+    # Long enough to be killed while it trains (the example's 60 steps take 1 s here), and killed once
+    # the pod's own metrics show a checkpoint (the job's status learns of it up to a scrape later).
     args = doc["spec"]["script"]["args"]
     args[args.index("--steps") + 1] = str(HF_STEPS)
     manifest = tmp_path / "hf.yaml"
@@ -126,8 +126,7 @@ def test_the_hugging_face_example_killed_in_its_pod_resumes_from_kubetrains_chec
     client, _ = new_client(e2e)
     name = doc["metadata"]["name"]
     client.create(doc)
-    e2e.wait("the first checkpoint", lambda: (j := client.get(name)).last_checkpoint and j.last_checkpoint.step,
-             timeout=600)
+    first_checkpoint(e2e, f"{name}-single-0", timeout=600)
     sigkill_process(e2e, f"{name}-single-0", "train.py")
     job = client.wait(name, timeout=900, progress=False)
     assert (job.state, job.restarts) == ("Succeeded", 1), client.events(name)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 SCRAPE_CONFIGS = ROOT / "charts" / "kubetrain" / "files" / "scrape-configs.yaml"
 JOB = "prom-ps"
 MAIN_PANELS = ("Progress", "Steps per second", "Throughput", "Loss", "Restarts", "Last checkpoint step", "CPU")
-VARIABLES = {"$__rate_interval": "5s", "$__range": "2m", "$namespace": NAMESPACE, "$job": JOB}
+VARIABLES = {"$__rate_interval": "10s", "$__range": "2m", "$namespace": NAMESPACE, "$job": JOB}
 
 
 def substitute(expr: str) -> str:
@@ -47,7 +47,9 @@ def prometheus(e2e, tmp_path_factory):
             sd |= {"kubeconfig_file": str(e2e.cluster.kubeconfig), "namespaces": {"names": [NAMESPACE]}}
     config = root / "prometheus.yml"
     config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        # 2 s: a trainer's /metrics answered in more than 1 s while the suite loaded both cores, and a
+        # short job (the notebook's) then had no sample at all.
+        "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "1s"},
         "scrape_configs": jobs,
     }))
     prom = start_prometheus(binary, config, root)
