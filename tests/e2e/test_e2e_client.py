@@ -45,7 +45,9 @@ def new_client(e2e):
 
 def test_logs_follow_a_replica_across_its_restart_export_and_report(e2e, prometheus, tmp_path):  # noqa: F811
     client, api = new_client(e2e)
-    doc = example("single.yaml", 300)
+    # 900 epochs: it must still train once the status shows a checkpoint (the operator's scrape reads it
+    # every 10 s; at 300 epochs the job was over first on a loaded machine).
+    doc = example("single.yaml", 900)
     doc["metadata"]["name"] = name = "client-single"
     client.create(doc)
     # wait() on its own client, beside the follow, to count what each costs.
