@@ -276,3 +276,14 @@ def test_the_security_page_counts_the_grants_as_the_chart_renders_them(cluster, 
     for words, n in claims.items():
         assert f"{n} {words}" in text, f"docs/security.md should say '{n} {words}'"
     assert "at most 39" not in text
+
+
+def test_the_workers_value_reaches_the_operator_within_its_bounds(cluster):
+    from kubetrain_operator.controller.handlers import MAX_WORKERS, WORKERS
+
+    assert f"--workers={WORKERS}" in operator_args(rendered(cluster)), "the chart's default is the operator's"
+    assert f"--workers={MAX_WORKERS}" in operator_args(rendered(cluster, f"operator.workers={MAX_WORKERS}"))
+    for bad in (0, MAX_WORKERS + 1):
+        done = subprocess.run(["helm", "template", "x", str(CHART), "--set", f"operator.workers={bad}"],
+                              env=cluster.env, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "workers" in done.stderr, bad
