@@ -355,5 +355,11 @@ def to_manifest(job: TrainingJob) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": schema.to_dict(job.spec)}
 
 
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+"""libyaml's dumper when PyYAML has it (its wheels do): the same text as the pure-Python SafeDumper
+(tests/api/test_load.py), 3-4 times faster. The operator renders the job file in every round that
+renders the job's children: with the pure-Python dumper that was 80 % of a round's CPU."""
+
+
 def dump_manifest(job: TrainingJob) -> str:
-    return yaml.safe_dump(to_manifest(job), sort_keys=False)
+    return yaml.dump(to_manifest(job), Dumper=_DUMPER, sort_keys=False)

@@ -1,0 +1,69 @@
+"""The operator's API client against a real API server: one connection per thread, requests counted by
+verb and resource, never by name."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from kubernetes import config
+
+from kubetrain_operator.controller import kube, metrics
+
+pytestmark = pytest.mark.cluster
+
+REQUESTS = 12
+
+
+def counted() -> dict[tuple[str, str], float]:
+    [family] = list(metrics.API_REQUESTS.collect())
+    return {(s.labels["verb"], s.labels["resource"]): s.value for s in family.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("url, resource", [
+    ("https://h:1/api/v1/namespaces/ns/pods", "pods"),
+    ("https://h:1/api/v1/namespaces/ns/pods/ps-0/status?fieldManager=x", "pods/status"),
+    ("https://h:1/apis/kubetrain.dev/v1alpha1/namespaces/ns/trainingjobs/j/status", "trainingjobs/status"),
+    ("https://h:1/apis/kueue.x-k8s.io/v1beta2/workloadpriorityclasses/high", "workloadpriorityclasses"),
+    ("https://h:1/api/v1/pods?labelSelector=a&limit=500", "pods"),
+    ("https://h:1/api/v1/namespaces", "namespaces"),
+    ("https://h:1/api/v1/namespaces/ns", "namespaces"),
+])
+def test_a_request_counts_under_its_resource_never_its_names(url, resource):
+    assert kube.resource_of(url) == resource
+
+
+def test_writes_reuse_one_connection_and_are_counted_by_verb_and_resource(cluster):
+    """A create never reads its answer: unless the client reads it, urllib3 keeps the connection out of its
+    pool and the next request opens another (a TLS handshake each)."""
+    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
+    namespace = f"kc-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    before = counted()
+    seen: dict = {}
+
+    def work() -> None:  # a thread of its own: its own ApiClient, as each reconcile worker has
+        try:
+            created = [kube.create({"apiVersion": "v1", "kind": "ConfigMap",
+                                    "metadata": {"name": f"cm-{i}", "namespace": namespace}, "data": {}})
+                       for i in range(REQUESTS)]
+            seen["created"] = created
+            pools = kube._api().rest_client.pool_manager.pools
+            seen["connections"] = sum(pools[key].num_connections for key in pools.keys())
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            seen["error"] = err
+
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join(timeout=120)
+        assert "error" not in seen, seen.get("error")
+        assert seen["created"] == [True] * REQUESTS
+        assert seen["connections"] == 1, f"{REQUESTS} creates opened {seen['connections']} connections"
+        after = counted()
+        assert after.get(("POST", "configmaps"), 0) - before.get(("POST", "configmaps"), 0) == REQUESTS
+        named = [labels for labels in after if namespace in "".join(labels) or "cm-" in "".join(labels)]
+        assert not named, f"series named after objects: {named}"
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
