@@ -575,11 +575,19 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
                 log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
         else:
             state.existing.add((obj["kind"], obj["metadata"]["name"]))
+    gone = False
     for pod in act.delete_pods:
         seen = pods.get(pod[len(name) + 1 :])
         # A dead trainer (not a DDP rank: its StatefulSet pod restarts in place) needs no grace.
         dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
         kube.delete_pod(ns, pod, force=dead)
+        if dead:
+            # Deleted with no grace, the pod is gone from the API when the call returns: its replacement
+            # is made by the next round at once, not after the watch's DELETED event (a hop through the
+            # watch and the queue; a pod that is somehow still there makes the create answer 409, and the
+            # event brings the round that makes it).
+            INDEX.set_pod((ns, name), pod, None)
+            gone = True
     for pod in act.force_delete_pods:
         kube.delete_pod(ns, pod, force=True)
     if act.scale_statefulset is not None:
@@ -599,6 +607,8 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         _tell_kueue(workload, admission, act.status, pods, act.delete_pods)
     if act.delete_job:
         kube.delete_job(ns, name)
+    if gone:
+        QUEUE.add((ns, name), urgent=True)
     return act.requeue_after
 
 
