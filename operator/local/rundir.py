@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kubetrain_contract.files import atomic_write
 
 from ..api import TrainingJob, dump_manifest, from_object, to_manifest
 
@@ -37,21 +38,6 @@ def sizeless(spec: Any) -> Any:
 
 class RunDirError(Exception):
     """The run directory cannot be used; the message names it."""
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write to a temporary name, fsync, rename: a reader sees all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def scale_run(run_dir: Path, replicas: int) -> TrainingJob:
