@@ -1,6 +1,12 @@
 """The layout of a checkpoint directory: what the trainer writes there, and what a supervisor reads back.
 
-One directory per replica (a DDP group with one shared claim: one for the group):
+A run directory (a local run's `runs/<name>/`, or `<job>/` on a claim that replicas or jobs share)
+holds the job's manifest and one checkpoint directory per replica:
+
+    job.yaml
+    checkpoints/<replica>/             (a DDP group with one shared claim: ddp-0's, for the group)
+
+A checkpoint directory:
 
     ckpt-<step:08d>.pt                 a checkpoint of one process (trainer/checkpoint.py)
     sharded-<step:08d>/                a sharded one, every rank's files and COMMIT (trainer/sharded.py)
@@ -19,6 +25,11 @@ import re
 from pathlib import Path
 
 from .files import read_regular
+
+RUN_CHECKPOINTS = "checkpoints"
+"""The folder of a run directory that holds a checkpoint directory per replica."""
+RUN_JOB_FILE = "job.yaml"
+"""The job's manifest in a run directory."""
 
 LATEST = "latest"
 """The pointer file: the name of the newest durable checkpoint (a file or a sharded directory)."""
@@ -74,3 +85,17 @@ def latest_step(directory: str | Path) -> int | None:
     """
     name = read_latest(directory)
     return None if name is None else step_of(name)
+
+
+def replica_dir(run_dir: str | Path, replica: str) -> Path:
+    """The checkpoint directory of `replica` in run directory `run_dir`."""
+    return Path(run_dir) / RUN_CHECKPOINTS / replica
+
+
+def replica_dirs(run_dir: str | Path) -> dict[str, Path] | None:
+    """The checkpoint directories of the replicas of run directory `run_dir`, by replica, in name order;
+    None when `run_dir` holds no checkpoints folder (it is then no run directory)."""
+    root = Path(run_dir) / RUN_CHECKPOINTS
+    if not root.is_dir():
+        return None
+    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir()}

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubetrain_contract.checkpoints import replica_dir
 from kubetrain_contract.launch import (
     CHECKPOINT_DIR_VAR, FAULT_VAR, JOB_FILE_VAR, JOB_NAME_VAR, JOB_TOKEN_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR,
     NAMESPACE_VAR, PS_ADDRS_VAR, PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR,
@@ -114,7 +115,7 @@ class ReplicaContext:
             job_file=Path(job_file),
             replica=replica,
             run_dir=run_dir,
-            checkpoint_dir=Path(env.get(CHECKPOINT_DIR_VAR) or run_dir / "checkpoints" / replica),
+            checkpoint_dir=Path(env.get(CHECKPOINT_DIR_VAR) or replica_dir(run_dir, replica)),
             metrics_port=_int(env, METRICS_PORT_VAR, job.spec.metrics.port),
             ps_addrs=[a for a in env.get(PS_ADDRS_VAR, "").split(",") if a],
             ps_port=_int(env, PS_PORT_VAR, 0),

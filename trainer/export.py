@@ -48,7 +48,8 @@ from typing import Any, TextIO
 
 import torch
 
-from kubetrain_contract.checkpoints import FILE_PATTERN, LATEST, SHARDED_PATTERN
+from kubetrain_contract.checkpoints import (FILE_PATTERN, LATEST, RUN_CHECKPOINTS, RUN_JOB_FILE, SHARDED_PATTERN,
+                                          replica_dirs)
 from kubetrain_contract.files import atomic_write
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
@@ -140,17 +141,17 @@ def locate(sources: list[str | Path], job_file: str | Path | None = None) -> Sou
             replicas[path.resolve().name] = path
     else:
         [path] = paths
-        if (path / "checkpoints").is_dir():  # a run directory
-            replicas = {p.name: p for p in sorted((path / "checkpoints").iterdir()) if p.is_dir()}
-            default_job = path / "job.yaml"
+        if (in_run := replica_dirs(path)) is not None:  # a run directory
+            replicas = in_run
+            default_job = path / RUN_JOB_FILE
         elif _has_checkpoints(path):  # one replica's directory: runs/<name>/checkpoints/<replica> or a copy
             replicas = {path.resolve().name: path}
-            if path.resolve().parent.name == "checkpoints":
-                default_job = path.resolve().parent.parent / "job.yaml"
+            if path.resolve().parent.name == RUN_CHECKPOINTS:
+                default_job = path.resolve().parent.parent / RUN_JOB_FILE
         else:  # a directory of replica directories: runs/<name>/checkpoints, or copied shards
             replicas = {p.name: p for p in sorted(path.iterdir()) if p.is_dir()}
-            if path.resolve().name == "checkpoints":
-                default_job = path.resolve().parent / "job.yaml"
+            if path.resolve().name == RUN_CHECKPOINTS:
+                default_job = path.resolve().parent / RUN_JOB_FILE
         replicas = {name: p for name, p in replicas.items() if _has_checkpoints(p)}
         if not replicas:
             raise ExportError(f"{path}: no checkpoints here (expected ckpt-<step>.pt files, replica directories "

@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from kubetrain_contract.checkpoints import FILE_PATTERN, LATEST, SHARDED_PATTERN, read_latest
+from kubetrain_contract.checkpoints import (FILE_PATTERN, LATEST, RUN_JOB_FILE, SHARDED_PATTERN, read_latest,
+                                          replica_dirs)
 from kubetrain_contract.files import unreadable
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
@@ -69,12 +70,12 @@ def layout(directory: str | Path, job_file: str | Path | None = None) -> Layout:
         raise VerifyError(f"{directory}: no such directory")
     if not directory.is_dir():
         raise VerifyError(f"{directory}: not a directory")
-    if (directory / "checkpoints").is_dir():
-        replicas = {p.name: p for p in sorted((directory / "checkpoints").iterdir()) if p.is_dir()}
-        default_job = directory / "job.yaml"
+    if (in_run := replica_dirs(directory)) is not None:
+        replicas = in_run
+        default_job = directory / RUN_JOB_FILE
     else:
         replicas = {directory.name: directory}
-        default_job = directory.parent.parent / "job.yaml"  # runs/<name>/checkpoints/<replica>
+        default_job = directory.parent.parent / RUN_JOB_FILE  # runs/<name>/checkpoints/<replica>
     replicas = {name: path for name, path in replicas.items() if _has_checkpoints(path)}
     if not replicas:
         raise VerifyError(f"{directory}: no checkpoints here (expected ckpt-<step>.pt files or sharded-<step>/ "

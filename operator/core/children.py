@@ -14,6 +14,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubetrain_contract.checkpoints import RUN_CHECKPOINTS
 from kubetrain_contract.launch import (
     FT_GROUP_VAR, FT_STORE_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, NODE_RANK_VAR, RDZV_PORT, REPLICA_VAR,
     TERMINATION_LOG_VAR,
@@ -137,7 +138,7 @@ class ClusterEndpoints:
         offers from, as the group agrees on the newest checkpoint any holds.
         """
         if self.job.spec.checkpoint.storage.existing_claim:
-            return f"{self.run_dir(replica)}/checkpoints/{replica}"
+            return f"{self.run_dir(replica)}/{RUN_CHECKPOINTS}/{replica}"
         return f"{DATA_MOUNT}/checkpoints"
 
     def local_addr(self) -> str | None:

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-from kubetrain_contract.checkpoints import LATEST, latest_step
+from kubetrain_contract.checkpoints import LATEST, RUN_CHECKPOINTS, latest_step
 from kubetrain_contract.exitcodes import PERMANENT_CODES, shell_code
 from kubetrain_contract.timestamps import iso
 from kubetrain_contract.tls_files import TLS_DIR_VAR
@@ -694,8 +694,7 @@ class LocalBackend:
     def _checkpoint_step(self) -> int:
         """Newest checkpoint step of any replica, read from the `latest` pointers."""
         best = 0
-        root = self.run.path / "checkpoints"
-        for pointer in root.glob(f"*/{LATEST}"):
+        for pointer in (self.run.path / RUN_CHECKPOINTS).glob(f"*/{LATEST}"):
             try:
                 step = latest_step(pointer.parent)
             except OSError:  # a link or FIFO in its place: the trainer's own events still say

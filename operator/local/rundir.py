@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from kubetrain_contract.checkpoints import RUN_CHECKPOINTS, RUN_JOB_FILE, replica_dir
 from kubetrain_contract.files import atomic_write
 
 from ..api import TrainingJob, dump_manifest, from_object, to_manifest
@@ -44,7 +45,7 @@ def scale_run(run_dir: Path, replicas: int) -> TrainingJob:
     """Set a run's size (spec.replicas of its job.yaml), as `kubectl scale` sets a TrainingJob's: a `kubetrain
     run` in progress resizes the job within a second, otherwise the next run starts at that size. RunDirError
     names a directory without a run; InvalidSpec a size the job cannot take (spec.replicas)."""
-    job_file = Path(run_dir) / "job.yaml"
+    job_file = Path(run_dir) / RUN_JOB_FILE
     if not job_file.is_file():
         raise RunDirError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")
     try:
@@ -79,7 +80,7 @@ class RunDir:
 
     @property
     def job_file(self) -> Path:
-        return self.path / "job.yaml"
+        return self.path / RUN_JOB_FILE
 
     @property
     def summary_file(self) -> Path:
@@ -99,7 +100,7 @@ class RunDir:
         return self.path / "results" / f"{replica}.json"
 
     def checkpoint_dir(self, replica: str) -> Path:
-        return self.path / "checkpoints" / replica
+        return replica_dir(self.path, replica)
 
     def prepare(self, job: TrainingJob) -> RunState:
         """Create or reopen the directory for `job`; refuse one that holds another job.
@@ -125,7 +126,7 @@ class RunDir:
             if old_doc.get("spec") != to_manifest(job)["spec"]:
                 atomic_write(self.job_file, dump_manifest(job))  # the manifest's own spec.replicas: a resize
         try:
-            for sub in ("logs", "metrics", "results", "checkpoints"):
+            for sub in ("logs", "metrics", "results", RUN_CHECKPOINTS):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)
             probe = self.path / ".write-test"
             probe.write_text("")

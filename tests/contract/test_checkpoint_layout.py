@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from kubetrain_contract.checkpoints import (LATEST, file_name, latest_step, read_latest, sharded_name,
-                                            sharded_tmp_name, step_of)
+from kubetrain_contract.checkpoints import (LATEST, RUN_CHECKPOINTS, file_name, latest_step, read_latest,
+                                            replica_dir, replica_dirs, sharded_name, sharded_tmp_name, step_of)
 from kubetrain_trainer.checkpoint import CheckpointStore
 
 
@@ -44,3 +44,12 @@ def test_a_pointer_that_is_a_link_is_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere", tmp_path / LATEST)
     with pytest.raises(OSError):
         latest_step(tmp_path)
+
+
+def test_a_run_directory_lists_its_replicas_checkpoint_directories(tmp_path):
+    assert replica_dirs(tmp_path) is None  # no checkpoints/ folder: not a run directory
+    for replica in ("ps-1", "ps-0"):
+        replica_dir(tmp_path, replica).mkdir(parents=True)
+    (tmp_path / RUN_CHECKPOINTS / "stray-file").write_text("")
+    assert replica_dirs(tmp_path) == {"ps-0": tmp_path / RUN_CHECKPOINTS / "ps-0",
+                                      "ps-1": tmp_path / RUN_CHECKPOINTS / "ps-1"}
