@@ -8,7 +8,8 @@ library owns `operator`), so the packages are `kubetrain_operator` and
 from setuptools import find_packages, setup
 
 # `kubetrain` is the small public API of users' own training scripts (import kubetrain).
-FOLDERS = {"kubetrain_operator": "operator", "kubetrain_trainer": "trainer", "kubetrain": "kubetrain"}
+FOLDERS = {"kubetrain_contract": "contract", "kubetrain_operator": "operator", "kubetrain_trainer": "trainer",
+           "kubetrain": "kubetrain"}
 
 packages = []
 for package, folder in FOLDERS.items():

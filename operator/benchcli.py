@@ -29,9 +29,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kubetrain_contract.launch import SLOWDOWN_VAR
+
 from .api import from_object
-from .api.launch import SLOWDOWN_VAR
-from .core.tls import job_certificates
+from .core.certificates import job_certificates
 from .local.backend import LocalBackend, save_certificates
 from .local.rundir import RunDir
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from .api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
+
 from .local.progress import JsonlTail
 
 POLL_SECONDS = 0.1

@@ -18,14 +18,12 @@ writing, fsync and the read-back run in a writer thread, at most one at a time.
 from __future__ import annotations
 
 import copy
-import errno
 import hashlib
 import io
 import json
 import logging
 import os
 import random
-import re
 import stat
 import threading
 import time
@@ -37,6 +35,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from kubetrain_contract.checkpoints import CORRUPT_SUFFIX, FILE_PATTERN, FILE_TMP_GLOB, LATEST, file_name, read_latest
+from kubetrain_contract.files import atomic_write, read_regular, unreadable
 from kubetrain_operator.api import Spec
 from kubetrain_operator.api.schema import to_dict
 
@@ -45,8 +45,6 @@ from .errors import ConfigError, TransientError
 log = logging.getLogger(__name__)
 
 MAGIC = b"KUBETRAIN-CKPT-1\n"
-FILE_PATTERN = re.compile(r"ckpt-([0-9]{8})\.pt")
-LATEST = "latest"
 # The header line is padded with spaces to this many bytes (newline included):
 # the payload streams into the file past a placeholder, and the header, whose
 # length and sha256 are known only then, is written over it. Readers take the
@@ -113,31 +111,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
-    """The bytes of a regular file, never following a symlink or blocking on a FIFO.
-
-    OSError (ELOOP for a link, EISDIR-like for anything not regular) for
-    anything else: a checkpoint volume is writable by the job's own code.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read() if max_bytes is None else f.read(max_bytes)
-    finally:
-        os.close(fd)
-
-
-def unreadable(err: OSError) -> str:
-    """Why read_regular refused a file, for a person."""
-    if err.errno == errno.ELOOP:
-        return "a symbolic link, refused (checkpoints are read from regular files only: a link could point anywhere)"
-    if err.errno == errno.EINVAL:
-        return "not a regular file (a FIFO, device or directory), refused"
-    return f"cannot be read: {err.strerror or err}"
 
 
 @dataclass(frozen=True)
@@ -267,40 +240,6 @@ def _verify_written(path: Path, header: bytes, length: int, digest: str) -> None
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None],
-                  verify: Callable[[Path], None] | None = None) -> None:
-    """`write` into a temporary file, fsync it, `verify` it, rename it to `path`, fsync the directory.
-
-    A crash at any point leaves `path` as it was, or whole.
-    """
-    tmp = path.with_name(f".{path.name}.tmp")
-    # Created afresh (O_EXCL never follows a link): a link planted under the
-    # temporary name by code that shares the volume is replaced, not written through.
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if verify is not None:
-            verify(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # no half-written file left taking room until the next start
-        raise
-    # The rename is durable only once the directory entry is on disk.
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes(data: bytes) -> Callable[[BinaryIO], None]:
-    return lambda f: f.write(data)
-
-
 class Store:
     """What every checkpoint store of one job keeps: where, how many, for which spec, whom to tell.
 
@@ -349,11 +288,11 @@ class CheckpointStore(Store):
         except OSError as err:
             raise TransientError(f"checkpoint directory {self.directory}: cannot be created: {err}") from None
         # Left behind by a process killed mid-write; never renamed, so never a checkpoint.
-        for tmp in self.directory.glob(".ckpt-*.tmp"):
+        for tmp in self.directory.glob(FILE_TMP_GLOB):
             tmp.unlink(missing_ok=True)
 
     def path_of(self, step: int) -> Path:
-        return self.directory / f"ckpt-{step:08d}.pt"
+        return self.directory / file_name(step)
 
     @property
     def in_flight(self) -> bool:
@@ -417,7 +356,7 @@ class CheckpointStore(Store):
 
         try:
             atomic_write(path, write, verify)
-            atomic_write(self.directory / LATEST, write_bytes(path.name.encode() + b"\n"))
+            atomic_write(self.directory / LATEST, path.name.encode() + b"\n")
         except BaseException as err:  # the training thread sees it in wait()
             self._error = err
             return
@@ -457,13 +396,11 @@ class CheckpointStore(Store):
     def latest_step(self) -> int | None:
         """Step of the last checkpoint known durable (the `latest` pointer), or None."""
         try:
-            name = read_regular(self.directory / LATEST, 4096).decode(errors="replace").strip()
-        except FileNotFoundError:
-            return None
+            name = read_latest(self.directory)
         except OSError as err:  # a link or FIFO in its place: the files themselves still count
             log.warning("checkpoint pointer %s is unusable: %s", self.directory / LATEST, err.strerror or err)
             return None
-        match = FILE_PATTERN.fullmatch(name)
+        match = FILE_PATTERN.fullmatch(name) if name is not None else None
         return int(match.group(1)) if match else None
 
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:
@@ -481,7 +418,7 @@ class CheckpointStore(Store):
             except CorruptCheckpoint as err:
                 log.warning("checkpoint %s is unusable (%s); falling back to the previous one", info.path, err)
                 try:
-                    info.path.rename(info.path.with_name(info.path.name + ".corrupt"))
+                    info.path.rename(info.path.with_name(info.path.name + CORRUPT_SUFFIX))
                 except OSError:
                     pass  # a read-only volume: it is skipped again next time, which is harmless
                 continue

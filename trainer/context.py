@@ -14,6 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubetrain_contract.checkpoints import replica_dir
+from kubetrain_contract.launch import (
+    CHECKPOINT_DIR_VAR, FAULT_VAR, JOB_FILE_VAR, JOB_NAME_VAR, JOB_TOKEN_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR,
+    NAMESPACE_VAR, PS_ADDRS_VAR, PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR,
+    TERMINATION_LOG_VAR,
+)
 from kubetrain_operator.api import InvalidSpec, Spec, TrainingJob, load_one
 
 from .errors import ConfigError
@@ -95,34 +101,34 @@ class ReplicaContext:
     def from_env(cls, role: str | None = None, environ: Mapping[str, str] | None = None) -> "ReplicaContext":
         """Read the KUBETRAIN_* variables; `role` names the default replica (`<role>-0`)."""
         env = os.environ if environ is None else environ
-        job_file = env.get("KUBETRAIN_JOB_FILE")
+        job_file = env.get(JOB_FILE_VAR)
         if not job_file:
             raise ConfigError("KUBETRAIN_JOB_FILE: not set; it must name the job's manifest (job.yaml)")
         try:
             job = load_one(job_file)
         except InvalidSpec as err:
             raise ConfigError(str(err)) from None
-        replica = env.get("KUBETRAIN_REPLICA") or f"{role or 'single'}-0"
-        run_dir = Path(env.get("KUBETRAIN_RUN_DIR") or Path("runs") / job.name)
+        replica = env.get(REPLICA_VAR) or f"{role or 'single'}-0"
+        run_dir = Path(env.get(RUN_DIR_VAR) or Path("runs") / job.name)
         return cls(
             job=job,
             job_file=Path(job_file),
             replica=replica,
             run_dir=run_dir,
-            checkpoint_dir=Path(env.get("KUBETRAIN_CHECKPOINT_DIR") or run_dir / "checkpoints" / replica),
-            metrics_port=_int(env, "KUBETRAIN_METRICS_PORT", job.spec.metrics.port),
-            ps_addrs=[a for a in env.get("KUBETRAIN_PS_ADDRS", "").split(",") if a],
-            ps_port=_int(env, "KUBETRAIN_PS_PORT", 0),
-            ps_data_addrs=[a for a in env.get("KUBETRAIN_PS_DATA_ADDRS", "").split(",") if a],
-            ps_data_port=_int(env, "KUBETRAIN_PS_DATA_PORT", 0),
-            listen_address=env.get("KUBETRAIN_LISTEN_ADDRESS") or "127.0.0.1",
-            token=env.get("KUBETRAIN_JOB_TOKEN", ""),
-            fault_step=_fault(env.get("KUBETRAIN_FAULT", ""), "step"),
-            fault_save=_fault(env.get("KUBETRAIN_FAULT", ""), "save"),
-            fault_allreduce=_fault(env.get("KUBETRAIN_FAULT", ""), "allreduce"),
-            namespace=env.get("KUBETRAIN_NAMESPACE", ""),
-            job_name=env.get("KUBETRAIN_JOB_NAME", ""),
-            termination_log=Path(env["KUBETRAIN_TERMINATION_LOG"]) if env.get("KUBETRAIN_TERMINATION_LOG") else None,
+            checkpoint_dir=Path(env.get(CHECKPOINT_DIR_VAR) or replica_dir(run_dir, replica)),
+            metrics_port=_int(env, METRICS_PORT_VAR, job.spec.metrics.port),
+            ps_addrs=[a for a in env.get(PS_ADDRS_VAR, "").split(",") if a],
+            ps_port=_int(env, PS_PORT_VAR, 0),
+            ps_data_addrs=[a for a in env.get(PS_DATA_ADDRS_VAR, "").split(",") if a],
+            ps_data_port=_int(env, PS_DATA_PORT_VAR, 0),
+            listen_address=env.get(LISTEN_ADDRESS_VAR) or "127.0.0.1",
+            token=env.get(JOB_TOKEN_VAR, ""),
+            fault_step=_fault(env.get(FAULT_VAR, ""), "step"),
+            fault_save=_fault(env.get(FAULT_VAR, ""), "save"),
+            fault_allreduce=_fault(env.get(FAULT_VAR, ""), "allreduce"),
+            namespace=env.get(NAMESPACE_VAR, ""),
+            job_name=env.get(JOB_NAME_VAR, ""),
+            termination_log=Path(env[TERMINATION_LOG_VAR]) if env.get(TERMINATION_LOG_VAR) else None,
         )
 
     def maybe_fault(self, step: int) -> None:

@@ -1,9 +1,9 @@
-"""The errors of a trainer process, each mapped onto its exit code (kubetrain_operator.api.exitcodes)."""
+"""The errors of a trainer process, each mapped onto its exit code (kubetrain_contract.exitcodes)."""
 
 from __future__ import annotations
 
-from kubetrain_operator.api.exitcodes import (EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_RELEASED, EXIT_TERMINATED,
-                                              EXIT_TRANSIENT)
+from kubetrain_contract.exitcodes import (EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_RELEASED, EXIT_TERMINATED,
+                                         EXIT_TRANSIENT)
 
 __all__ = ["EXIT_CONFIG", "EXIT_LOAD", "EXIT_OK", "EXIT_RELEASED", "EXIT_TERMINATED", "EXIT_TRANSIENT", "TrainerError",
            "ConfigError", "LoadError", "TransientError"]

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetrain_contract.files import atomic_write
+
 log = logging.getLogger(__name__)
 
 
@@ -97,7 +99,7 @@ def termination_message(result: dict[str, Any]) -> str:
 
 def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
                  termination_log: str | Path | None = None) -> Path:
-    """Write run_dir/results/<replica>.json atomically (temp file, fsync, rename).
+    """Write run_dir/results/<replica>.json atomically (kubetrain_contract.files.atomic_write).
 
     With `termination_log` (in a pod: /dev/termination-log), the headline
     figures also go there, where the kubelet hands them to the operator in the
@@ -110,13 +112,7 @@ def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
             log.warning("cannot write the termination message to %s: %s", termination_log, err)
     path = Path(run_dir) / "results" / f"{replica}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_plain(result), f, indent=2, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(_plain(result), indent=2, allow_nan=False) + "\n")
     return path
 
 

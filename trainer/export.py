@@ -39,10 +39,8 @@ stderr, no traceback.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,10 +48,13 @@ from typing import Any, TextIO
 
 import torch
 
+from kubetrain_contract.checkpoints import (FILE_PATTERN, LATEST, RUN_CHECKPOINTS, RUN_JOB_FILE, SHARDED_PATTERN,
+                                          replica_dirs)
+from kubetrain_contract.files import atomic_write
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
 from . import sharded
-from .checkpoint import FILE_PATTERN, LATEST, CheckpointInfo, read_valid
+from .checkpoint import CheckpointInfo, read_valid
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_DATA = 0, 2, 3
 MODEL, PS, SCRIPT = "model", "ParameterServer", "script"
@@ -98,7 +99,7 @@ class Exported:
 
 def _has_checkpoints(path: Path) -> bool:
     try:
-        return any(FILE_PATTERN.fullmatch(p.name) or sharded.DIR_PATTERN.fullmatch(p.name) or p.name == LATEST
+        return any(FILE_PATTERN.fullmatch(p.name) or SHARDED_PATTERN.fullmatch(p.name) or p.name == LATEST
                    for p in path.iterdir())
     except OSError as err:
         raise ExportError(f"{path}: cannot be read ({err.strerror})", EXIT_USAGE) from None
@@ -140,17 +141,17 @@ def locate(sources: list[str | Path], job_file: str | Path | None = None) -> Sou
             replicas[path.resolve().name] = path
     else:
         [path] = paths
-        if (path / "checkpoints").is_dir():  # a run directory
-            replicas = {p.name: p for p in sorted((path / "checkpoints").iterdir()) if p.is_dir()}
-            default_job = path / "job.yaml"
+        if (in_run := replica_dirs(path)) is not None:  # a run directory
+            replicas = in_run
+            default_job = path / RUN_JOB_FILE
         elif _has_checkpoints(path):  # one replica's directory: runs/<name>/checkpoints/<replica> or a copy
             replicas = {path.resolve().name: path}
-            if path.resolve().parent.name == "checkpoints":
-                default_job = path.resolve().parent.parent / "job.yaml"
+            if path.resolve().parent.name == RUN_CHECKPOINTS:
+                default_job = path.resolve().parent.parent / RUN_JOB_FILE
         else:  # a directory of replica directories: runs/<name>/checkpoints, or copied shards
             replicas = {p.name: p for p in sorted(path.iterdir()) if p.is_dir()}
-            if path.resolve().name == "checkpoints":
-                default_job = path.resolve().parent / "job.yaml"
+            if path.resolve().name == RUN_CHECKPOINTS:
+                default_job = path.resolve().parent / RUN_JOB_FILE
         replicas = {name: p for name, p in replicas.items() if _has_checkpoints(p)}
         if not replicas:
             raise ExportError(f"{path}: no checkpoints here (expected ckpt-<step>.pt files, replica directories "
@@ -347,7 +348,10 @@ def export(sources: list[str | Path], out: str | Path, job_file: str | Path | No
     source = locate(sources, job_file)
     kind, step, weights, files, notes = _weights(source, _Reader(source, on_skip or (lambda path, reason: None)))
     tensors = _tensors(weights)
-    file_bytes = write_atomic(out, weights)
+    try:
+        file_bytes = atomic_write(out, lambda f: torch.save(weights, f))
+    except OSError as err:
+        raise ExportError(f"{out}: could not be written ({err.strerror or err})", EXIT_USAGE) from None
     return Exported(kind=kind, mode=source.job.spec.mode if source.job is not None else None, step=step,
                     tensors=len(tensors), tensor_bytes=sum(t.numel() * t.element_size() for t in tensors),
                     out=out, file_bytes=file_bytes, files=files, notes=notes)
@@ -380,35 +384,6 @@ def _weights(source: Source, reader: _Reader) -> tuple[str, int, Any, list[Path]
     if weights and all(str(k).startswith("module.") for k in weights):
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
     return MODEL, info.step, weights, [info.path], []
-
-
-def write_atomic(out: Path, obj: Any) -> int:
-    """`torch.save(obj)` to a temporary file next to `out`, fsync, rename; the size of the file written."""
-    # Not mkstemp: its 0600 would make the exported model unreadable to others; open(x) honours the umask.
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        f = open(tmp, "xb")
-    except OSError as err:
-        raise ExportError(f"{out.parent}: cannot write here ({err.strerror})", EXIT_USAGE) from None
-    try:
-        with f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, out)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            raise ExportError(f"{out}: could not be written ({err.strerror or err})", EXIT_USAGE) from None
-        raise
-    # The rename is durable only once the directory entry is on disk.
-    dir_fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return size
 
 
 def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,

@@ -16,18 +16,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kubetrain_contract.launch import CODE_DIR_VAR
+
 from .errors import ConfigError, LoadError, TrainerError
 
 # Set by `kubetrain run` to the manifest's directory, so a user's modules next
 # to the manifest import without PYTHONPATH. Unset in a cluster: the process's
 # working directory (the image's WORKDIR) is used instead.
-CODE_DIR_ENV = "KUBETRAIN_CODE_DIR"
-
-
 def code_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where user modules are imported from: $KUBETRAIN_CODE_DIR, else the working directory."""
     env = os.environ if environ is None else environ
-    return Path(env.get(CODE_DIR_ENV) or os.getcwd()).resolve()
+    return Path(env.get(CODE_DIR_VAR) or os.getcwd()).resolve()
 
 
 def _put_code_dir_first() -> None:

@@ -22,8 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetrain_contract.exitcodes import shell_code
+from kubetrain_contract.launch import (
+    CHECKPOINT_DIR_VAR, CODE_DIR_VAR, JOB_FILE_VAR, RUN_DIR_VAR, TERMINATION_LOG_VAR, group_rank, rank_replica,
+)
+
 from .context import ReplicaContext
-from kubetrain_operator.api.launch import group_rank, rank_replica
 from .errors import EXIT_OK, ConfigError
 from .events import read_events, write_result
 
@@ -36,14 +40,14 @@ DROPPED_ENV = ("PYTHONSAFEPATH",)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Paths the plan may give relative to where the replica started (a local run
 # directory such as runs/<name>); the script runs elsewhere (its workingDir).
-PATH_VARS = ("KUBETRAIN_JOB_FILE", "KUBETRAIN_RUN_DIR", "KUBETRAIN_CHECKPOINT_DIR", "KUBETRAIN_TERMINATION_LOG")
+PATH_VARS = (JOB_FILE_VAR, RUN_DIR_VAR, CHECKPOINT_DIR_VAR, TERMINATION_LOG_VAR)
 
 
 def working_dir(ctx: ReplicaContext, environ: dict[str, str]) -> Path | None:
     """Where the command runs: workingDir, against the manifest's directory locally; None: stay here."""
     script = ctx.spec.script
     assert script is not None
-    code_dir = environ.get("KUBETRAIN_CODE_DIR")
+    code_dir = environ.get(CODE_DIR_VAR)
     if code_dir:
         where = Path(code_dir) / script.working_dir if script.working_dir else Path(code_dir)
     elif script.working_dir:
@@ -133,7 +137,7 @@ def run_script(ctx: ReplicaContext) -> int:
         child.send_signal(signum)
     code = child.wait()
     if code < 0:
-        return 128 - code
+        return shell_code(code)
     if code != EXIT_OK:
         return code
     rank = int(environ.get("RANK", "0"))  # in a fault-tolerant group: the rank in the group

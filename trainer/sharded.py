@@ -57,14 +57,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import LATEST, CheckpointInfo, Store, atomic_write, drop_cache, write_bytes
+from kubetrain_contract.checkpoints import (COMMIT, CORRUPT_SUFFIX, LATEST, SHARDED_PATTERN, SHARDED_TMP_PATTERN,
+                                          sharded_name, sharded_tmp_name)
+from kubetrain_contract.files import atomic_write, fsync_dir, read_regular, unreadable
+
+from .checkpoint import CheckpointInfo, Store, drop_cache
 from .errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
 
-DIR_PATTERN = re.compile(r"sharded-([0-9]{8})")
-TMP_PATTERN = re.compile(r"\.sharded-([0-9]{8})-([0-9a-f]+)\.tmp")
-COMMIT = "COMMIT"
 COMMIT_VERSION = 1
 # DCP's own names: one data file per rank (single_file_per_rank) and the
 # coordinator's index of every piece.
@@ -101,7 +102,6 @@ class Commit:
     @classmethod
     def read(cls, directory: Path) -> "Commit":
         """The COMMIT of `directory`; CorruptSharded when it is missing, not a regular file or unreadable."""
-        from .checkpoint import read_regular, unreadable
 
         try:
             raw = read_regular(directory / COMMIT, MAX_COMMIT_BYTES + 1)
@@ -182,7 +182,7 @@ def complete(directory: Path) -> list[tuple[int, Path]]:
     except FileNotFoundError:
         return []
     for path in entries:
-        match = DIR_PATTERN.fullmatch(path.name)
+        match = SHARDED_PATTERN.fullmatch(path.name)
         if match and path.is_dir() and not path.is_symlink() and (path / COMMIT).is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
@@ -281,7 +281,7 @@ class ShardedStore(Store):
         # pruning by now (its wait above), so nothing it prunes can be a
         # directory another rank is starting to write.
         token = self._broadcast(secrets.token_hex(6) if self.rank == 0 else None)
-        tmp = self.directory / f".sharded-{step:08d}-{token}.tmp"
+        tmp = self.directory / sharded_tmp_name(step, token)
         staged = self._stage(state)
         self._thread = threading.Thread(target=self._persist, args=(step, staged, tmp, group),
                                         name=f"sharded-checkpoint-{step}")
@@ -356,8 +356,8 @@ class ShardedStore(Store):
         if METADATA not in files:
             raise TransientError(f"step {step} not committed: DCP wrote no {METADATA}")
         commit = Commit(step, self.spec_hash, len(everyone), files)
-        atomic_write(tmp / COMMIT, write_bytes(commit.to_json()))
-        final = self.directory / f"sharded-{step:08d}"
+        atomic_write(tmp / COMMIT, commit.to_json())
+        final = self.directory / sharded_name(step)
         if final.exists():  # the same step saved again (a resumed script): the new one replaces it whole
             old = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")
             os.rename(final, old)
@@ -365,8 +365,8 @@ class ShardedStore(Store):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.directory)
-        atomic_write(self.directory / LATEST, write_bytes(final.name.encode() + b"\n"))
+        fsync_dir(self.directory)
+        atomic_write(self.directory / LATEST, final.name.encode() + b"\n")
         self.durable_step = step
         self._prune(step)
         if self.on_persisted is not None:
@@ -379,7 +379,7 @@ class ShardedStore(Store):
         again."""
         doomed = [path for _, path in complete(self.directory)[: -self.keep_last]]
         for path in self.directory.iterdir():
-            match = TMP_PATTERN.fullmatch(path.name)
+            match = SHARDED_TMP_PATTERN.fullmatch(path.name)
             if match and int(match.group(1)) < committed:
                 doomed.append(path)
         for path in doomed:
@@ -393,7 +393,7 @@ class ShardedStore(Store):
         if self.rank != 0:
             return
         for path in list(self.directory.iterdir()) if self.directory.is_dir() else []:
-            if TMP_PATTERN.fullmatch(path.name) or path.name.endswith(".old"):
+            if SHARDED_TMP_PATTERN.fullmatch(path.name) or path.name.endswith(".old"):
                 log.warning("sharded checkpoint %s never completed (a rank stopped in the middle of the save); "
                             "removed", path)
                 shutil.rmtree(path, ignore_errors=True)
@@ -427,7 +427,7 @@ class ShardedStore(Store):
                 log.warning("sharded checkpoint %s is unusable (%s); falling back to the previous one", path,
                             "; ".join(problems))
                 try:
-                    os.rename(path, path.with_name(path.name + ".corrupt"))
+                    os.rename(path, path.with_name(path.name + CORRUPT_SUFFIX))
                 except OSError:
                     shutil.rmtree(path, ignore_errors=True)
             if self.distributed:
@@ -548,14 +548,6 @@ def _mismatch(path: str, expected: str, got: Any) -> ShardedCheckpointError:
                                   f"{type(got).__name__} in the checkpoint")
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _cause(err: BaseException) -> str:
     """The message of what failed: DCP's CheckpointException wraps each rank's exception with its traceback."""
     failures = getattr(err, "failures", None)
@@ -578,7 +570,7 @@ def check(path: Path, expected_hash: str | None = None) -> Commit:
     a COMMIT of another spec hash is CorruptSharded too ("written for another job").
     """
     commit = Commit.read(path)
-    match = DIR_PATTERN.fullmatch(path.name)
+    match = SHARDED_PATTERN.fullmatch(path.name)
     if match and int(match.group(1)) != commit.step:
         raise CorruptSharded(f"its COMMIT says step {commit.step}, its name step {int(match.group(1))}")
     if expected_hash is not None and commit.spec_hash != expected_hash:
@@ -591,7 +583,7 @@ def check(path: Path, expected_hash: str | None = None) -> Commit:
 def incomplete(directory: Path) -> list[Path]:
     """Saves in `directory` that never completed (no COMMIT): never restored, removed at the next start."""
     try:
-        return sorted(p for p in directory.iterdir() if TMP_PATTERN.fullmatch(p.name))
+        return sorted(p for p in directory.iterdir() if SHARDED_TMP_PATTERN.fullmatch(p.name))
     except FileNotFoundError:
         return []
 

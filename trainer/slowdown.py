@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Mapping
 
-from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
 
 from .errors import ConfigError
 

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kubetrain_contract.launch import CHECKPOINT_DIR_VAR, JOB_FILE_VAR, fault_armed, group_rank, rank_replica
+
 from .context import ReplicaContext
 from .contract import JobCheckpoints, ProgressReporter, number
-from kubetrain_operator.api.launch import fault_armed, group_rank, rank_replica
 from .errors import EXIT_TRANSIENT, TrainerError, TransientError
 from .events import EventLog
 from .metrics import TrainerMetrics
@@ -66,7 +67,7 @@ class Session:
     """The job as one process of a script sees it."""
 
     def __init__(self, environ: Mapping[str, str]):
-        if not environ.get("KUBETRAIN_JOB_FILE"):
+        if not environ.get(JOB_FILE_VAR):
             raise NotUnderKubetrain(
                 "kubetrain: this process was not started by kubetrain (KUBETRAIN_JOB_FILE is not set); run the "
                 "script through a TrainingJob with spec.script: `kubetrain run job.yaml` or `kubectl apply -f job.yaml`"
@@ -237,7 +238,7 @@ def session() -> Session:
 
 def checkpoint_dir() -> Path:
     """The job's durable directory for this process (KUBETRAIN_CHECKPOINT_DIR), created if missing."""
-    raw = os.environ.get("KUBETRAIN_CHECKPOINT_DIR")
+    raw = os.environ.get(CHECKPOINT_DIR_VAR)
     if not raw:
         raise NotUnderKubetrain(
             "kubetrain.checkpoint_dir(): KUBETRAIN_CHECKPOINT_DIR is not set; run the script through a "

@@ -27,10 +27,13 @@ from collections.abc import Callable
 
 import torch
 
+from kubetrain_contract.checkpoints import (FILE_PATTERN, LATEST, RUN_JOB_FILE, SHARDED_PATTERN, read_latest,
+                                          replica_dirs)
+from kubetrain_contract.files import unreadable
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
 from . import sharded
-from .checkpoint import FILE_PATTERN, LATEST, CheckpointStore, CorruptCheckpoint, read_regular, spec_hash, unreadable
+from .checkpoint import CheckpointStore, CorruptCheckpoint, spec_hash
 from .data import Data
 from .errors import TrainerError
 from .models import evaluate, model_and_data
@@ -67,12 +70,12 @@ def layout(directory: str | Path, job_file: str | Path | None = None) -> Layout:
         raise VerifyError(f"{directory}: no such directory")
     if not directory.is_dir():
         raise VerifyError(f"{directory}: not a directory")
-    if (directory / "checkpoints").is_dir():
-        replicas = {p.name: p for p in sorted((directory / "checkpoints").iterdir()) if p.is_dir()}
-        default_job = directory / "job.yaml"
+    if (in_run := replica_dirs(directory)) is not None:
+        replicas = in_run
+        default_job = directory / RUN_JOB_FILE
     else:
         replicas = {directory.name: directory}
-        default_job = directory.parent.parent / "job.yaml"  # runs/<name>/checkpoints/<replica>
+        default_job = directory.parent.parent / RUN_JOB_FILE  # runs/<name>/checkpoints/<replica>
     replicas = {name: path for name, path in replicas.items() if _has_checkpoints(path)}
     if not replicas:
         raise VerifyError(f"{directory}: no checkpoints here (expected ckpt-<step>.pt files or sharded-<step>/ "
@@ -119,7 +122,7 @@ def check_file(path: Path, expected_hash: str | None) -> tuple[dict[str, Any], d
 
 def check_sharded(path: Path, expected_hash: str | None, load: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The verdict on one sharded checkpoint (its COMMIT and every file), and its whole state when `load`."""
-    match = sharded.DIR_PATTERN.fullmatch(path.name)
+    match = SHARDED_PATTERN.fullmatch(path.name)
     entry: dict[str, Any] = {"directory": str(path), "step": int(match.group(1)) if match else None, "files": 0,
                              "bytes": 0, "spec_hash": None, "world_size": None, "ok": False, "error": None}
     try:
@@ -210,7 +213,7 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
         if set_aside:
             report["notes"].append(f"{path}: set aside earlier as corrupt by the trainer: {', '.join(set_aside)}")
         try:
-            latest = _latest(path)
+            latest = read_latest(path)
         except OSError as err:  # a link or FIFO in its place (reading a FIFO would hang)
             latest = None
             report["problems"].append(f"{path / LATEST}: {unreadable(err)}")
@@ -237,14 +240,6 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
             report["evaluations"].append({"step": step, "eval_loss": loss, "eval_accuracy": accuracy})
     report["ok"] = not report["problems"]
     return report
-
-
-def _latest(path: Path) -> str | None:
-    """The `latest` pointer's file name, None when there is none; OSError when it is no regular file."""
-    try:
-        return read_regular(path / LATEST, 4096).decode(errors="replace").strip()
-    except FileNotFoundError:
-        return None
 
 
 def _model_replicas(job: TrainingJob, where: Layout) -> set[str]:

@@ -34,7 +34,7 @@ EOF
   mapfile -t argv < <("$python" - "$dir/job.yaml" "$port" <<'EOF'
 import sys
 from kubetrain_operator.api import load_one
-from kubetrain_operator.api.launch import torchrun_command
+from kubetrain_contract.launch import torchrun_command
 spec = load_one(sys.argv[1]).spec
 print("\n".join(torchrun_command(spec, 0, f"127.0.0.1:{sys.argv[2]}", "nccl-check",
                                  python=sys.executable, local_addr="127.0.0.1")))

@@ -21,6 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kubetrain_contract.launch import CODE_DIR_VAR
+from kubetrain_contract.timestamps import iso
+
 from ..api import InvalidSpec, TrainingJob, dump_manifest, load_one
 from ..api.status import to_dict
 from ..core.plan import replica_names
@@ -108,7 +111,7 @@ class LocalBackend(Backend):
         for line in run.events_file.read_text().splitlines() if run.events_file.exists() else []:
             try:
                 e = json.loads(line)
-                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(e["time"])))
+                when = iso(float(e["time"]))
                 out.append(Event(when, e["type"], e["reason"], e["message"]))
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut by a kill
@@ -224,7 +227,7 @@ class LocalBackend(Backend):
     def _code_dir_of(run: RunDir) -> str:
         try:
             plan = json.loads(run.plan_file.read_text())
-            return next(r["env"]["KUBETRAIN_CODE_DIR"] for r in plan if r["env"].get("KUBETRAIN_CODE_DIR"))
+            return next(r["env"][CODE_DIR_VAR] for r in plan if r["env"].get(CODE_DIR_VAR))
         except (OSError, ValueError, KeyError, StopIteration):
             return str(Path.cwd())
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import kopf
 
+from kubetrain_contract.timestamps import iso
+
 from ..api import GROUP, PLURAL, VERSION, InvalidSpec, from_spec_dict
 from ..api.podtemplate import SECURITY_CHECKS
 from ..core import kueue, podsecurity
@@ -488,7 +490,7 @@ def _write_condition(body: dict[str, Any], job_state: JobState, old: dict[str, A
     """Write the status with `observed` on its conditions (and `fields` beside them)."""
     meta = body["metadata"]
     new = dict(old, **fields)
-    new["conditions"] = conditions(old.get("conditions"), observed, _iso_now(), meta.get("generation", 0))
+    new["conditions"] = conditions(old.get("conditions"), observed, iso(), meta.get("generation", 0))
     _write_status(meta["namespace"], meta["name"], job_state, old, new)
 
 
@@ -527,7 +529,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
     if refused and old_status.get("state") not in TERMINAL:
         # The chart's admission policy refuses these at the API; a cluster without it still gets no such pod.
         _write_condition(body, state, old_status, Observed("Failed", "PodSecurity", "; ".join(refused)), state="Failed",
-                         completionTime=_iso_now())
+                         completionTime=iso())
         kube.record_event(body, "Warning", "PodSecurity", "; ".join(refused)[:1024])
         return None
     unserved = gang_problem(job, CONFIG.settings.gang_schedulers)
@@ -535,7 +537,7 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         # Pods without their PodGroup would be scheduled one by one: the gang the job asked for
         # would not hold, so none is made (as an operator setting refuses a podTemplate above).
         _write_condition(body, state, old_status, Observed("Failed", "GangSchedulingDisabled", unserved),
-                         state="Failed", completionTime=_iso_now())
+                         state="Failed", completionTime=iso())
         kube.record_event(body, "Warning", "GangSchedulingDisabled", unserved[:1024])
         return None
     if not state.counted_created:
@@ -716,10 +718,10 @@ def _tell_kueue(workload: dict[str, Any], admission, status: dict[str, Any], pod
     patch = None
     if status.get("state") in TERMINAL:
         observed = next((c for c in status.get("conditions") or [] if c.get("type") == status["state"]), {})
-        patch = kueue.finish(workload, status["state"], observed.get("message", ""), _iso_now())
+        patch = kueue.finish(workload, status["state"], observed.get("message", ""), iso())
     elif admission is not None and admission.evicted and not deleting and not any(
             p.phase in ("Pending", "Running") for p in pods.values()):
-        patch = kueue.release_quota(workload, _iso_now())
+        patch = kueue.release_quota(workload, iso())
     if patch is not None:
         kube.patch_workload_status(meta["namespace"], meta["name"], patch)
 
@@ -772,10 +774,6 @@ def _waiting_reason(status: dict[str, Any]) -> str | None:
         if c.get("type") == status.get("state") and c.get("status") == "True" and c.get("reason") in WAITING_REASONS:
             return c["reason"]
     return None
-
-
-def _iso_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def _progress(job, pods):

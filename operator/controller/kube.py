@@ -11,12 +11,13 @@ import logging
 import socket
 import threading
 import time
-from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+
+from kubetrain_contract.timestamps import iso
 
 from ..api import GROUP, PLURAL, VERSION
 from ..core.children import LABEL_JOB
@@ -424,7 +425,7 @@ def delete_job(namespace: str, name: str) -> None:
 def record_event(job: dict[str, Any], type_: str, reason: str, message: str) -> None:
     """A core/v1 Event about the job; failures are logged, never raised (events are best effort)."""
     meta = job["metadata"]
-    now = datetime.now(timezone.utc)
+    now = iso()
     body = {
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
         "involvedObject": {
@@ -438,8 +439,8 @@ def record_event(job: dict[str, Any], type_: str, reason: str, message: str) -> 
         "reason": reason,
         "message": message[:1024],
         "source": {"component": "kubetrain-operator"},
-        "firstTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "firstTimestamp": now,
+        "lastTimestamp": now,
         "count": 1,
     }
     try:

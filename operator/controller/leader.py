@@ -37,6 +37,8 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from kubetrain_contract.timestamps import iso
+
 log = logging.getLogger(__name__)
 
 LEASE_SECONDS = 15
@@ -170,7 +172,7 @@ def _time(value: str | None) -> datetime | None:
 
 def _micro_time(value: datetime | None) -> str | None:
     # metav1.MicroTime: RFC 3339 with exactly six fractional digits, as the API server parses it.
-    return value.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ") if value else None
+    return iso(value, micro=True) if value else None
 
 
 def record_from(lease: dict[str, Any]) -> LeaseRecord:

@@ -14,7 +14,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api.launch import FT_GROUP_VAR, FT_STORE_VAR, LIGHTHOUSE, RDZV_PORT
+from kubetrain_contract.checkpoints import RUN_CHECKPOINTS
+from kubetrain_contract.launch import (
+    FT_GROUP_VAR, FT_STORE_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, NODE_RANK_VAR, RDZV_PORT, REPLICA_VAR,
+    TERMINATION_LOG_VAR,
+)
+from kubetrain_contract.tls_files import FILES as TLS_FILES, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
+
 from ..api.spec import FT_PORT
 
 from ..api import API_VERSION, KIND, TrainingJob, dump_manifest
@@ -28,10 +34,14 @@ from ..api.podtemplate import (
     TMP_VOLUME,
     reserved_key,
 )
-from ..api.tls import FILES as TLS_FILES, MOUNT as TLS_MOUNT, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
 from . import gang
 from .plan import DATA_PORT, GRPC_PORT, Replica, plan_replicas, shared_checkpoints
-from .tls import ps_hosts_of, secret_certificates, uses_tls
+from .certificates import ps_hosts_of, secret_certificates, uses_tls
+
+TLS_MOUNT = f"{CONFIG_MOUNT}/{TLS_SUBDIR}"
+"""Where a pod finds its job's certificates: in its read-only `config` volume, which projects the job's
+ConfigMap (job.yaml) and the certificate keys of the job's Secret (under TLS_SUBDIR), so no volume or
+path of their own."""
 
 LABEL_JOB = "kubetrain.dev/job-name"
 LABEL_ROLE = "kubetrain.dev/role"
@@ -128,7 +138,7 @@ class ClusterEndpoints:
         offers from, as the group agrees on the newest checkpoint any holds.
         """
         if self.job.spec.checkpoint.storage.existing_claim:
-            return f"{self.run_dir(replica)}/checkpoints/{replica}"
+            return f"{self.run_dir(replica)}/{RUN_CHECKPOINTS}/{replica}"
         return f"{DATA_MOUNT}/checkpoints"
 
     def local_addr(self) -> str | None:
@@ -203,7 +213,7 @@ def config_map(job: TrainingJob, uid: str) -> dict[str, Any]:
 
 
 def token_secret(job: TrainingJob, uid: str, token: str) -> dict[str, Any]:
-    """The job's token and, with parameter servers, its CA and replica certificate (core/tls.py,
+    """The job's token and, with parameter servers, its CA and replica certificate (core/certificates.py,
     docs/parameter-server.md#encryption): made when the Secret is first rendered, created once."""
     data = {TOKEN_KEY: token}
     if uses_tls(job):
@@ -349,9 +359,9 @@ def _security_context() -> dict[str, Any]:
 
 def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[str, Any]:
     env = [{"name": k, "value": v} for k, v in replica.env.items()]
-    env.append({"name": "KUBETRAIN_JOB_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
+    env.append({"name": JOB_TOKEN_VAR, "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
     env.append({"name": "HOME", "value": TMP_MOUNT})
-    env.append({"name": "KUBETRAIN_TERMINATION_LOG", "value": TERMINATION_LOG})
+    env.append({"name": TERMINATION_LOG_VAR, "value": TERMINATION_LOG})
     if uses_tls(job):
         env.append({"name": TLS_DIR_VAR, "value": TLS_MOUNT})  # in the config volume (_config_volume)
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
@@ -607,10 +617,10 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
     pod_spec["restartPolicy"] = "Always"  # the only policy a StatefulSet allows; the operator counts restarts
     container = pod_spec["containers"][0]
     container["env"][:0] = [
-        {"name": "KUBETRAIN_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+        {"name": NODE_RANK_VAR, "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
         {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
-    container["env"].append({"name": "KUBETRAIN_REPLICA", "value": "ddp-$(KUBETRAIN_NODE_RANK)"})
+    container["env"].append({"name": REPLICA_VAR, "value": "ddp-$(KUBETRAIN_NODE_RANK)"})
     if fault_tolerant:
         container["env"][:0] = [{"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         container["env"] += [{"name": FT_GROUP_VAR, "value": "$(KUBETRAIN_NODE_RANK)"},

@@ -33,12 +33,13 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
+from kubetrain_contract.exitcodes import EXIT_RELEASED
+from kubetrain_contract.launch import LIGHTHOUSE
+from kubetrain_contract.timestamps import iso, parse_iso
+
 from ..api import TrainingJob
-from ..api.exitcodes import EXIT_RELEASED
-from ..api.launch import LIGHTHOUSE
 from ..api.spec import MAX_REPORTED_METRICS
 from ..api import schema
 from ..api.status import (
@@ -160,19 +161,6 @@ class Actions:
 class Round:
     status: JobStatus
     actions: Actions
-
-
-def iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_iso(s: str | None) -> float | None:
-    if not s:
-        return None
-    try:
-        return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
 
 
 def step(

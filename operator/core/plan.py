@@ -11,13 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..api.launch import (
-    FT_GROUP_VAR,
-    FT_GROUPS_VAR,
-    FT_LIGHTHOUSE_PORT_VAR,
-    FT_LIGHTHOUSE_VAR,
-    FT_STORE_VAR,
-    torchrun_command,
+from kubetrain_contract.launch import (
+    CHECKPOINT_DIR_VAR, CODE_DIR_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_PORT_VAR, FT_LIGHTHOUSE_VAR,
+    FT_STORE_VAR, JOB_FILE_VAR, JOB_NAME_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR, NAMESPACE_VAR, PS_ADDRS_VAR,
+    PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR, torchrun_command,
 )
 
 from ..api import TrainingJob
@@ -128,14 +125,14 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
         if metrics_port:
             ports["metrics"] = metrics_port
         env = {
-            "KUBETRAIN_JOB_NAME": job.name,
-            "KUBETRAIN_NAMESPACE": job.metadata.namespace,
-            "KUBETRAIN_REPLICA": name,
-            "KUBETRAIN_JOB_FILE": endpoints.job_file(),
-            "KUBETRAIN_RUN_DIR": endpoints.run_dir(name),
-            "KUBETRAIN_CHECKPOINT_DIR": endpoints.checkpoint_dir(name),
-            "KUBETRAIN_METRICS_PORT": str(metrics_port),
-            "KUBETRAIN_LISTEN_ADDRESS": endpoints.listen_address(),
+            JOB_NAME_VAR: job.name,
+            NAMESPACE_VAR: job.metadata.namespace,
+            REPLICA_VAR: name,
+            JOB_FILE_VAR: endpoints.job_file(),
+            RUN_DIR_VAR: endpoints.run_dir(name),
+            CHECKPOINT_DIR_VAR: endpoints.checkpoint_dir(name),
+            METRICS_PORT_VAR: str(metrics_port),
+            LISTEN_ADDRESS_VAR: endpoints.listen_address(),
             "PYTHONUNBUFFERED": "1",
             # `python -m` must not put the working directory first on sys.path:
             # run from a kubetrain checkout, its operator/ folder would shadow
@@ -144,15 +141,15 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
         }
         code_dir = endpoints.code_dir()
         if code_dir is not None:
-            env["KUBETRAIN_CODE_DIR"] = code_dir
+            env[CODE_DIR_VAR] = code_dir
         if spec.mode == "ParameterServer":
-            env["KUBETRAIN_PS_ADDRS"] = ps_addrs
-            env["KUBETRAIN_PS_DATA_ADDRS"] = data_addrs
+            env[PS_ADDRS_VAR] = ps_addrs
+            env[PS_DATA_ADDRS_VAR] = data_addrs
         if role == "ps":
             ports["grpc"] = endpoints.ps_port(index)
-            env["KUBETRAIN_PS_PORT"] = str(ports["grpc"])
+            env[PS_PORT_VAR] = str(ports["grpc"])
             ports["ps-data"] = endpoints.ps_data_port(index)
-            env["KUBETRAIN_PS_DATA_PORT"] = str(ports["ps-data"])
+            env[PS_DATA_PORT_VAR] = str(ports["ps-data"])
         if role == "ddp" and spec.fault_tolerant:
             rendezvous = endpoints.group_rendezvous(index)
             command = tuple(
@@ -181,7 +178,7 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
 
 
 def fault_tolerance_env(job: TrainingJob, endpoints: Endpoints, index: int, store_port: int) -> dict[str, str]:
-    """What a fault-tolerant DDP node's ranks find beside torchrun's environment (api/launch.py names them)."""
+    """What a fault-tolerant DDP node's ranks find beside torchrun's environment (contract/launch.py names them)."""
     assert job.spec.ddp is not None
     lighthouse = f"http://{endpoints.lighthouse_address()}"
     return {

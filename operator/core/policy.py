@@ -10,10 +10,9 @@ import signal
 from dataclasses import dataclass
 from typing import Literal
 
-from ..api import Spec
-from ..api.exitcodes import EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_TRANSIENT  # noqa: F401  (read as policy.EXIT_*)
+from kubetrain_contract.exitcodes import EXIT_TRANSIENT, PERMANENT_REASONS, killed_by, shell_code, signal_name
 
-PERMANENT_EXIT_CODES = {EXIT_CONFIG: "InvalidConfiguration", EXIT_LOAD: "LoadFailed"}
+from ..api import Spec
 
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_CAP_SECONDS = 60.0
@@ -35,18 +34,15 @@ class Failure:
                 "Deleted": f"{self.replica} was deleted",
                 "NodeLost": f"{self.replica}'s node stopped answering (NotReady or unreachable)",
             }.get(self.reason, f"{self.replica} stopped ({self.reason})")
-        if self.exit_code > 128:
-            return f"{self.replica} was killed by {signal_name(self.exit_code - 128)}"
-        if self.exit_code < 0:
-            return f"{self.replica} was killed by {signal_name(-self.exit_code)}"
+        signum = killed_by(self.exit_code)
+        if signum is not None:
+            return f"{self.replica} was killed by {signal_name(signum)}"
         return f"{self.replica} exited with code {self.exit_code}"
 
     @property
     def code(self) -> int | None:
         """Exit code in the shell convention (128+N for signal N)."""
-        if self.exit_code is not None and self.exit_code < 0:
-            return 128 - self.exit_code
-        return self.exit_code
+        return None if self.exit_code is None else shell_code(self.exit_code)
 
     @property
     def restart_reason(self) -> str:
@@ -55,18 +51,12 @@ class Failure:
             return self.reason or "Unknown"
         code = self.code
         assert code is not None
-        if code > 128:
-            return "Killed" if code - 128 == signal.SIGKILL else "Signaled"
+        signum = killed_by(code)
+        if signum is not None:
+            return "Killed" if signum == signal.SIGKILL else "Signaled"
         if code == EXIT_TRANSIENT:
             return "TransientError"
-        return PERMANENT_EXIT_CODES.get(code, "Error")
-
-
-def signal_name(n: int) -> str:
-    try:
-        return signal.Signals(n).name
-    except ValueError:
-        return f"signal {n}"
+        return PERMANENT_REASONS.get(code, "Error")
 
 
 @dataclass(frozen=True)
@@ -89,10 +79,10 @@ def retryable(policy: str, failure: Failure) -> bool:
     code = failure.code
     if code is None:  # evicted, deleted, hung: the process did not decide
         return True
-    if code in PERMANENT_EXIT_CODES:
+    if code in PERMANENT_REASONS:
         return False
     if policy == "ExitCode":
-        return code == EXIT_TRANSIENT or code > 128
+        return code == EXIT_TRANSIENT or killed_by(code) is not None
     return True
 
 
@@ -118,7 +108,7 @@ def decide(spec: Spec, failure: Failure, counters: Counters, progressed: bool) -
     what = failure.describe()
     if not retryable(rp.policy, failure):
         why = "restartPolicy is Never" if rp.policy == "Never" else f"exit code {failure.code} is permanent"
-        if rp.policy == "ExitCode" and failure.code not in PERMANENT_EXIT_CODES:
+        if rp.policy == "ExitCode" and failure.code not in PERMANENT_REASONS:
             why = f"restartPolicy ExitCode retries only 75 and signals, got {failure.code}"
         return Decision("fail", failure.restart_reason, f"{what}; not restarted: {why}."), counters
     if counters.restarts >= rp.backoff_limit:

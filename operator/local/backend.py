@@ -22,14 +22,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
+from kubetrain_contract.checkpoints import LATEST, RUN_CHECKPOINTS, latest_step
+from kubetrain_contract.exitcodes import PERMANENT_CODES, shell_code
+from kubetrain_contract.timestamps import iso
+from kubetrain_contract.tls_files import TLS_DIR_VAR
+from kubetrain_contract.launch import FAULT_REPLICA_VAR, FAULT_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, METRICS_PORT_VAR
+
 from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
-from ..api.launch import LIGHTHOUSE
-from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
-from ..core import engine, policy
+from ..core import engine
 from ..core.plan import Replica, plan_replicas, replica_names, shared_checkpoints
 from ..core.status import TERMINAL
-from ..core.tls import job_certificates, ps_hosts_of, uses_tls
+from ..core.certificates import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
 from .rundir import RunDir, RunState, sizeless
 from .summary import build_summary, format_summary
@@ -198,7 +202,7 @@ def _ports_text(first: int, width: int) -> str:
 
 
 def write_certificates(job: TrainingJob, run: RunDir) -> Path | None:
-    """A parameter-server job's CA and replica certificate for this invocation (core/tls.py), in
+    """A parameter-server job's CA and replica certificate for this invocation (core/certificates.py), in
     `<run>/tls/` (0700, files 0600), as the operator puts them in a job's Secret; None for other modes.
     New ones every invocation, like the token: every replica starts again with them."""
     if not uses_tls(job):
@@ -235,8 +239,8 @@ class Proc:
         if self.phase == "Absent":
             return None
         code = self.exit_code
-        if code is not None and code < 0:
-            code = 128 - code  # killed by signal N: 128+N, as a container's exit code
+        if code is not None:
+            code = shell_code(code)  # killed by signal N: 128+N, as a container's exit code
         return engine.ReplicaObservation(self.replica.name, self.phase, exit_code=code, uid=f"attempt-{self.attempts}")
 
 
@@ -366,7 +370,7 @@ class LocalBackend:
         if outcome == "Succeeded":
             return 0
         # A replica's permanent exit code is the job's: 2 bad configuration, 3 data or model.
-        return {"InvalidConfiguration": policy.EXIT_CONFIG, "LoadFailed": policy.EXIT_LOAD}.get(reason, 1)
+        return PERMANENT_CODES.get(reason, 1)
 
     def _plan(self) -> None:
         """The replicas of the job at its size (again after a DDP resize: every replica is stopped then)."""
@@ -557,21 +561,21 @@ class LocalBackend:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(replica.env)
-        env["KUBETRAIN_JOB_TOKEN"] = self.token
+        env[JOB_TOKEN_VAR] = self.token
         if replica.role == "ddp":
             env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on loopback too
             # A rank lands on whichever node the rendezvous puts it: every node
             # learns which rank must fail, on the group's first start only.
             target = next((r for r in self.faults if r.startswith("ddp-")), None)
             if target is not None and p.attempts == 0:
-                env["KUBETRAIN_FAULT"] = self.faults[target]
-                env["KUBETRAIN_FAULT_REPLICA"] = target
+                env[FAULT_VAR] = self.faults[target]
+                env[FAULT_REPLICA_VAR] = target
                 if all(q.attempts > 0 or q is p for q in self.procs.values()):
                     del self.faults[target]
         else:
             fault = self.faults.pop(replica.name, None)
             if fault is not None:  # first attempt only: a restarted replica runs clean
-                env["KUBETRAIN_FAULT"] = fault
+                env[FAULT_VAR] = fault
         command = [self.python if replica.command[0] == "python" else replica.command[0], *replica.command[1:]]
         log_path = self.run.log_file(replica.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -580,7 +584,7 @@ class LocalBackend:
         p.attempts += 1
         if replica.name == "ddp-0":
             self.state.group_starts += 1
-        p.log.write(f"--- kubetrain: attempt {p.attempts} of {replica.name} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        p.log.write(f"--- kubetrain: attempt {p.attempts} of {replica.name} at {iso()}\n")
         p.log.flush()
         p.log_tail.offset = log_path.stat().st_size
         p.popen = subprocess.Popen(
@@ -604,7 +608,7 @@ class LocalBackend:
                             for i in range(port_width(self.job, q.replica.name, name)))
         new = free_blocks([width], avoid=planned)[0]
         p.replica.ports["metrics"] = new
-        p.replica.env["KUBETRAIN_METRICS_PORT"] = str(new)
+        p.replica.env[METRICS_PORT_VAR] = str(new)
         self.run.write_targets(self.job, [q.replica for q in self.procs.values()])
         self.display.message(f"[{p.replica.name}] metrics port {_ports_text(port, width)} is taken by another "
                              f"process; using {_ports_text(new, width)}")
@@ -690,12 +694,10 @@ class LocalBackend:
     def _checkpoint_step(self) -> int:
         """Newest checkpoint step of any replica, read from the `latest` pointers."""
         best = 0
-        root = self.run.path / "checkpoints"
-        for latest in root.glob("*/latest"):
+        for pointer in (self.run.path / RUN_CHECKPOINTS).glob(f"*/{LATEST}"):
             try:
-                text = latest.read_text().strip()
-                step = int(Path(text).stem.split("-")[-1])
-            except (OSError, ValueError):
+                step = latest_step(pointer.parent)
+            except OSError:  # a link or FIFO in its place: the trainer's own events still say
                 continue
-            best = max(best, step)
+            best = max(best, step or 0)
         return max(best, self.progress.checkpoint_step or 0)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kubetrain_contract.checkpoints import RUN_CHECKPOINTS, RUN_JOB_FILE, replica_dir
+from kubetrain_contract.files import atomic_write
 
 from ..api import TrainingJob, dump_manifest, from_object, to_manifest
 
@@ -39,26 +41,11 @@ class RunDirError(Exception):
     """The run directory cannot be used; the message names it."""
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write to a temporary name, fsync, rename: a reader sees all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def scale_run(run_dir: Path, replicas: int) -> TrainingJob:
     """Set a run's size (spec.replicas of its job.yaml), as `kubectl scale` sets a TrainingJob's: a `kubetrain
     run` in progress resizes the job within a second, otherwise the next run starts at that size. RunDirError
     names a directory without a run; InvalidSpec a size the job cannot take (spec.replicas)."""
-    job_file = Path(run_dir) / "job.yaml"
+    job_file = Path(run_dir) / RUN_JOB_FILE
     if not job_file.is_file():
         raise RunDirError(f"{run_dir}: no run here (no job.yaml); start it with `kubetrain run` first")
     try:
@@ -93,7 +80,7 @@ class RunDir:
 
     @property
     def job_file(self) -> Path:
-        return self.path / "job.yaml"
+        return self.path / RUN_JOB_FILE
 
     @property
     def summary_file(self) -> Path:
@@ -113,7 +100,7 @@ class RunDir:
         return self.path / "results" / f"{replica}.json"
 
     def checkpoint_dir(self, replica: str) -> Path:
-        return self.path / "checkpoints" / replica
+        return replica_dir(self.path, replica)
 
     def prepare(self, job: TrainingJob) -> RunState:
         """Create or reopen the directory for `job`; refuse one that holds another job.
@@ -139,7 +126,7 @@ class RunDir:
             if old_doc.get("spec") != to_manifest(job)["spec"]:
                 atomic_write(self.job_file, dump_manifest(job))  # the manifest's own spec.replicas: a resize
         try:
-            for sub in ("logs", "metrics", "results", "checkpoints"):
+            for sub in ("logs", "metrics", "results", RUN_CHECKPOINTS):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)
             probe = self.path / ".write-test"
             probe.write_text("")

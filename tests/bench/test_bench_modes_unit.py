@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kubetrain_operator.api import from_object
-from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
 from kubetrain_operator.benchcli import (
     CNN_ARGS,
     KEEP_ALL,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from helpers.jsonl import read_events
-from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
 
 from support import job_doc, kubetrain
 

@@ -7,7 +7,7 @@ shows the quorum. The same rules on both drivers: tests/core/test_drivers_agree.
 import pytest
 
 from kubetrain_operator.api import from_object
-from kubetrain_operator.api.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, LIGHTHOUSE
+from kubetrain_contract.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, LIGHTHOUSE
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.api.spec import FT_PORT
 from kubetrain_operator.core.children import ClusterEndpoints, children

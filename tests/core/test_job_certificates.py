@@ -1,4 +1,4 @@
-"""A job's certificates (core/tls.py) and where the cluster and the local run put them."""
+"""A job's certificates (core/certificates.py) and where the cluster and the local run put them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, FILES, KEY_FILE, TLS_DIR_VAR
 from kubetrain_operator.api import from_object
 from kubetrain_operator.api import podtemplate
-from kubetrain_operator.api.tls import CA_FILE, CERT_FILE, FILES, KEY_FILE, MOUNT, TLS_DIR_VAR
-from kubetrain_operator.core import tls
-from kubetrain_operator.core.children import children, token_name
+from kubetrain_operator.core import certificates as tls
+from kubetrain_operator.core.children import TLS_MOUNT as MOUNT, children, token_name
 from kubetrain_operator.local.backend import write_certificates
 from kubetrain_operator.local.rundir import RunDir
 

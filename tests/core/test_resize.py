@@ -11,7 +11,7 @@ from kubetrain_operator.core.engine import MAX_REQUEUE_SECONDS
 import yaml
 
 from kubetrain_operator.api import from_object
-from kubetrain_operator.api.exitcodes import EXIT_RELEASED
+from kubetrain_contract.exitcodes import EXIT_RELEASED
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.core.engine import RELEASE_GRACE_SECONDS
 from kubetrain_operator.core.reconcile import iso, reconcile

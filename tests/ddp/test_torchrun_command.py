@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from kubetrain_operator.api import from_spec_dict
-from kubetrain_operator.api.launch import torchrun_command
+from kubetrain_contract.launch import torchrun_command
 
 
 def spec(**ddp):
@@ -53,7 +53,7 @@ def test_bad_arguments_are_refused_with_their_values(node_rank, endpoint, mode, 
 
 def test_the_control_plane_builds_the_command_without_importing_torch():
     code = (
-        "import sys; from kubetrain_operator.api.launch import torchrun_command, rank_replica; "
+        "import sys; from kubetrain_contract.launch import torchrun_command, rank_replica; "
         "assert 'torch' not in sys.modules, 'torch imported'; print(rank_replica(3))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -23,7 +23,7 @@ from e2elib import (
 )
 from test_e2e_faults import sigkill
 
-from kubetrain_operator.api.launch import RDZV_PORT
+from kubetrain_contract.launch import RDZV_PORT
 from kubetrain_operator.core.plan import DATA_PORT, GRPC_PORT
 
 pytestmark = pytest.mark.e2e

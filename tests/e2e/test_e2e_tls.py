@@ -33,10 +33,10 @@ PROBE_SCRIPT = """
 import json, os, pathlib, sys, tempfile, time
 from datetime import datetime, timezone
 import grpc
-from kubetrain_operator.core.tls import job_certificates
+from kubetrain_operator.core.certificates import job_certificates
 from kubetrain_trainer.ps import ps_pb2 as pb, ps_pb2_grpc
 from kubetrain_trainer.ps.dataplane import DataClient
-from kubetrain_trainer.ps.tls import TlsFiles
+from kubetrain_trainer.ps.credentials import TlsFiles
 from kubetrain_trainer.ps.transport import ByteCounter
 
 target, job, namespace, data_target = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]

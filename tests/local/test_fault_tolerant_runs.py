@@ -35,7 +35,7 @@ import yaml
 from helpers.jsonl import read_events
 from helpers.wait import wait_for
 from kubetrain_operator.api import load_one
-from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
 from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
 from support import EXAMPLES, job_doc, kubetrain
 

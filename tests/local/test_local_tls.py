@@ -13,10 +13,10 @@ import pytest
 from cryptography import x509
 
 from support import job_doc
-from kubetrain_operator.api.tls import CA_FILE, CERT_FILE, FILES, KEY_FILE
+from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, FILES, KEY_FILE
 from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps import ps_pb2_grpc
-from kubetrain_trainer.ps.tls import TlsFiles
+from kubetrain_trainer.ps.credentials import TlsFiles
 from kubetrain_trainer.ps.transport import open_channel
 
 STARTUP_SECONDS = 120  # the shards import torch and load the data first; a loaded 2-core machine is slow

@@ -23,7 +23,7 @@ import torch
 
 from cluster import TOKEN, ticking
 from helpers.wait import wait_for
-from kubetrain_operator.core.tls import job_certificates
+from kubetrain_operator.core.certificates import job_certificates
 from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import as_bytes
 from kubetrain_trainer.metrics import TrainerMetrics
@@ -43,7 +43,7 @@ from kubetrain_trainer.ps.dataplane import (
     DataServer,
 )
 from kubetrain_trainer.ps.server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.tls import TlsFiles
+from kubetrain_trainer.ps.credentials import TlsFiles
 from kubetrain_trainer.ps.transport import NON_FINITE, Assembler, Backoff, Expected, OutTensor, refusal_reason
 
 # Two small tensors (bucketed into one frame) and one of 40 KB (cut into pieces at the test's chunk size).

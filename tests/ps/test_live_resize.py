@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 import yaml
-from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
 from kubetrain_trainer.errors import EXIT_RELEASED
 from kubetrain_trainer.ps.client import PSClient
 from kubetrain_trainer.ps.transport import Backoff

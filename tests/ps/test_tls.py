@@ -1,7 +1,7 @@
 """Mutual TLS between a shard and its workers: the job's certificate gets in, nothing else gets to the token check.
 
 A real shard server on loopback, serving with the job's certificates
-(`kubetrain_operator.core.tls`, as the operator and `kubetrain run` make them),
+(`kubetrain_operator.core.certificates`, as the operator and `kubetrain run` make them),
 against real clients: the worker's own (PSClient), and hand-made channels that
 lack a certificate, hold another job's, or speak plaintext.
 """
@@ -16,8 +16,8 @@ import torch
 
 from cluster import TOKEN
 from helpers.net import free_port
-from kubetrain_operator.api.tls import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
-from kubetrain_operator.core.tls import job_certificates
+from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
+from kubetrain_operator.core.certificates import job_certificates
 from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import as_bytes
 from kubetrain_trainer.errors import ConfigError
@@ -25,7 +25,7 @@ from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps import ps_pb2_grpc
 from kubetrain_trainer.ps.client import PSClient
 from kubetrain_trainer.ps.server import ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.tls import TlsFiles, from_env
+from kubetrain_trainer.ps.credentials import TlsFiles, from_env
 from kubetrain_trainer.ps.transport import TOKEN_KEY, Assembler, Backoff, Expected, OutTensor, open_channel
 
 PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3)}

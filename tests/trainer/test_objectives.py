@@ -29,7 +29,7 @@ from kubetrain_trainer.data import load_data
 from kubetrain_trainer.errors import EXIT_OK, ConfigError, LoadError
 from kubetrain_trainer.models import build_model, build_optimizer, evaluate
 from kubetrain_trainer.objectives import BUILTIN_OBJECTIVES, build_objective
-from kubetrain_trainer.plugins import CODE_DIR_ENV
+from kubetrain_contract.launch import CODE_DIR_VAR
 from kubetrain_trainer.single import run_single
 from kubetrain_trainer.training import train_step
 
@@ -46,7 +46,7 @@ def code_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator:
     """
 
     def use(path: Path) -> None:
-        monkeypatch.setenv(CODE_DIR_ENV, str(path))
+        monkeypatch.setenv(CODE_DIR_VAR, str(path))
         monkeypatch.syspath_prepend(str(path))  # makes monkeypatch restore sys.path whole
 
     yield use
@@ -234,10 +234,10 @@ def test_entry_points_import_from_the_code_dir_without_pythonpath(tmp_path: Path
     code = tmp_path / "code"
     code.mkdir()
     (code / "probe_mod.py").write_text("def where():\n    return 'found ' + __file__\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", CODE_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", CODE_DIR_VAR)}
     env["PYTHONSAFEPATH"] = "1"  # as every trainer runs: the working directory is not on sys.path by itself
     if how == "KUBETRAIN_CODE_DIR":  # kubetrain run: the manifest's directory
-        env[CODE_DIR_ENV], cwd = str(code), tmp_path
+        env[CODE_DIR_VAR], cwd = str(code), tmp_path
     else:  # a cluster: the image's working directory
         cwd = code
     proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE], cwd=cwd, env=env, capture_output=True, text=True)
@@ -277,7 +277,7 @@ def test_regression_example_trains_a_parameter_server_job_with_user_code(tmp_pat
     run = tmp_path / "run"
     # From elsewhere, no PYTHONPATH: the entry points import from the manifest's directory.
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.delenv(CODE_DIR_ENV, raising=False)
+    monkeypatch.delenv(CODE_DIR_VAR, raising=False)
     proc = kubetrain("run", str(manifest), "--run-dir", str(run), "--quiet", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())

@@ -12,6 +12,7 @@ import torch
 
 from kubetrain_trainer import sharded
 from kubetrain_trainer.errors import ConfigError, TransientError
+from kubetrain_contract.checkpoints import COMMIT, SHARDED_TMP_PATTERN
 from kubetrain_trainer.sharded import Commit, CorruptSharded, ShardedCheckpointError, ShardedStore
 
 
@@ -85,7 +86,7 @@ def test_a_save_killed_before_its_commit_is_never_restored_and_goes_at_the_next_
     with pytest.raises(TransientError):
         store.wait()
     [unfinished] = sharded.incomplete(tmp_path)
-    assert sharded.TMP_PATTERN.fullmatch(unfinished.name) and not (unfinished / "COMMIT").exists()
+    assert SHARDED_TMP_PATTERN.fullmatch(unfinished.name) and not (unfinished / COMMIT).exists()
     restarted = ShardedStore(tmp_path, 3, "h")
     assert restarted.newest()[0] == 10
     assert sharded.incomplete(tmp_path) == []

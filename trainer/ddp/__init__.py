@@ -1,6 +1,6 @@
 """The DDP runtime: torchrun groups that train data-parallel and resume from kubetrain's checkpoints.
 
-`kubetrain_operator.api.launch.torchrun_command` (standard library only, the
+`kubetrain_contract.launch.torchrun_command` (standard library only, the
 launch contract the plan and the trainer share) builds a node's torchrun argv;
 `run_ddp` is what every rank runs under it
 (`python -m kubetrain_trainer ddp`). torch is imported only by `run_ddp`, so

@@ -28,7 +28,8 @@ import os
 import signal
 import sys
 
-from kubetrain_operator.api.launch import FT_STORE_VAR
+from kubetrain_contract.exitcodes import shell_code, signaled
+from kubetrain_contract.launch import FT_STORE_VAR, JOB_FILE_VAR, NODE_RANK_VAR
 
 from ..exiting import exit_now
 
@@ -36,7 +37,7 @@ from ..exiting import exit_now
 def host_conf(argv: list[str], environ: dict[str, str]) -> list[str]:
     """In a StatefulSet every pod runs one template: node 0 (pod ordinal 0, from
     KUBETRAIN_NODE_RANK) hosts the rendezvous store, the others connect to it."""
-    rank = environ.get("KUBETRAIN_NODE_RANK")
+    rank = environ.get(NODE_RANK_VAR)
     if rank is None or "--rdzv-conf" in argv:
         return argv
     return ["--rdzv-conf", f"is_host={'true' if rank == '0' else 'false'}", *argv]
@@ -108,7 +109,7 @@ def ranks_on_cpu(environ: dict[str, str]) -> bool:
     try:
         from kubetrain_operator.api import load_one
 
-        spec = load_one(environ["KUBETRAIN_JOB_FILE"]).spec
+        spec = load_one(environ[JOB_FILE_VAR]).spec
     except Exception:  # noqa: BLE001 - see the docstring
         return False
     if spec.ddp is None or spec.ddp.backend != "gloo":
@@ -218,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         torchrun(argv)
     except ChildFailedError as err:
         _, failure = err.get_first_failure()
-        return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+        return shell_code(failure.exitcode)
     except SignalException as err:
-        return 128 + int(err.sigval)
+        return signaled(err.sigval)
     return 0
 
 

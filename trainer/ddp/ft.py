@@ -51,13 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kubetrain_operator.api.launch import (
-    FT_GROUP_VAR,
-    FT_GROUPS_VAR,
-    FT_LIGHTHOUSE_VAR,
-    FT_STORE_VAR,
-    rank_replica,
-)
+from kubetrain_contract.launch import FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, rank_replica
 
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
@@ -86,7 +80,7 @@ traceback goes to the log)."""
 
 @dataclass(frozen=True)
 class GroupPlace:
-    """Where a rank sits: its replica group and its rank in it (api/launch.py's FT_* variables, torchrun's)."""
+    """Where a rank sits: its replica group and its rank in it (contract/launch.py's FT_* variables, torchrun's)."""
 
     group: int
     groups: int

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubetrain_operator.api.launch import FT_LIGHTHOUSE_PORT_VAR
+from kubetrain_contract.launch import FT_LIGHTHOUSE_PORT_VAR
 
 from ..context import ReplicaContext
 from ..errors import EXIT_TERMINATED, ConfigError

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from kubetrain_contract.launch import fault_armed, rank_replica
+
 from ..checkpoint import capture_rng_state, restore_rng_state
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints, ProgressReporter
@@ -46,7 +48,6 @@ from ..slowdown import Slowdown
 from ..training import planned_steps, train_step
 from . import fsdp
 from .hooks import CommHook
-from kubetrain_operator.api.launch import fault_armed, rank_replica
 
 log = logging.getLogger(__name__)
 

@@ -31,14 +31,14 @@ from typing import Any
 import grpc
 import torch
 
-from kubetrain_operator.api.tls import TLS_DIR_VAR
+from kubetrain_contract.tls_files import TLS_DIR_VAR
 
 from ..compression import as_bytes
 from . import ps_pb2 as pb
 from .client import PSClient
 from .job import chunk_bytes as configured_chunk_bytes
-from .tls import TlsFiles
-from .tls import from_env as tls_from_env
+from .credentials import TlsFiles
+from .credentials import from_env as tls_from_env
 from .dataplane import DataServer
 from .transport import (
     GRPC_OPTIONS,
@@ -171,7 +171,7 @@ def bench_transport(
     nbytes: int = 64 << 20, chunk_bytes: int | None = None, rounds: int = ROUNDS, tls_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Throughput of the PS transport (push and pull) and of a raw loopback socket, and their ratios;
-    with `tls_dir` (a job's certificates, api.tls.FILES) also over mutual TLS, and its ratio to plaintext.
+    with `tls_dir` (a job's certificates, kubetrain_contract.tls_files.FILES) also over mutual TLS, and its ratio to plaintext.
 
     The three are measured in turns, round after round, so a busy machine
     slows them alike; the ratios are of the best rounds, and the median of

@@ -34,7 +34,7 @@ from .transport import (
     invalid,
     open_channel,
 )
-from .tls import TlsFiles
+from .credentials import TlsFiles
 
 PULL = "/kubetrain.ps.v1.ParameterShard/Pull"
 PUSH = "/kubetrain.ps.v1.ParameterShard/Push"

@@ -53,7 +53,7 @@ from typing import Any
 import grpc
 
 from . import ps_pb2 as pb
-from .tls import TlsFiles
+from .credentials import TlsFiles
 from .transport import (
     KEEPALIVE_MS,
     MAX_CHUNK_BYTES,

@@ -22,7 +22,7 @@ from .coordinator import MAX_WORKERS, Coordinator
 from .dataplane import DataServer, ensure_descriptors, max_connections
 from .job import chunk_bytes, model_and_data, ps_spec, shard_optimizer, shards_of
 from .server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
-from .tls import from_env as tls_from_env
+from .credentials import from_env as tls_from_env
 from .transport import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from ..errors import TransientError
 from ..events import startup
 from . import ps_pb2 as pb
 from . import ps_pb2_grpc
-from .tls import from_env as tls_from_env
+from .credentials import from_env as tls_from_env
 from .transport import TOKEN_KEY, Backoff, call_with_retry, open_channel
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import torch
 from .. import compression
 from ..compression import CompressionError
 from . import ps_pb2 as pb
-from .tls import TlsFiles
+from .credentials import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from .client import PSClient, wait_timeout
 from .job import chunk_bytes, model_and_data, ps_spec, shards_of
 from .serve import planned_global_steps, planned_worker_steps
 from .standby import Place, as_worker
-from .tls import from_env as tls_from_env
+from .credentials import from_env as tls_from_env
 from .transport import (
     MEMBERSHIP,
     NON_FINITE,

@@ -1,10 +1,10 @@
 """The transport-security contract: where a replica finds its job's certificates, and what the files are.
 
 Both sides read it: the operator puts the files in the job's Secret and projects
-them into the pods, the local backend writes them into the run directory, and the trainer's
-parameter-server code (`kubetrain_trainer.ps.tls`) loads them. No
-`cryptography` here: the trainer only reads PEM files, and the control plane's
-generator is `kubetrain_operator.core.tls`.
+them into the pods (under SUBDIR of its config volume), the local backend writes them into the run
+directory, and the trainer's parameter-server code (`kubetrain_trainer.ps.credentials`) loads them.
+No `cryptography` here: the trainer only reads PEM files, and the control plane's
+generator is `kubetrain_operator.core.certificates`.
 
 A replica whose environment has `KUBETRAIN_TLS_DIR` serves and dials the
 parameter servers over mutual TLS with the three files in that directory;
@@ -12,8 +12,6 @@ every kubetrain job with parameter servers gets it, in a pod and locally.
 """
 
 from __future__ import annotations
-
-from .podtemplate import CONFIG_MOUNT
 
 TLS_DIR_VAR = "KUBETRAIN_TLS_DIR"
 """The directory holding CA_FILE, CERT_FILE and KEY_FILE."""
@@ -29,6 +27,4 @@ FILES = (CA_FILE, CERT_FILE, KEY_FILE)
 """The Secret's keys and the files' names: the same, so a Secret volume projects them as they are."""
 
 SUBDIR = "tls"
-MOUNT = f"{CONFIG_MOUNT}/{SUBDIR}"
-"""Where a pod finds them: in its read-only `config` volume, which projects the job's ConfigMap
-(job.yaml) and these keys of the job's Secret (under SUBDIR), so no volume or path of its own."""
+"""The folder of the files in a pod's read-only `config` volume (the operator's children.TLS_MOUNT)."""

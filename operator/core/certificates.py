@@ -1,7 +1,7 @@
 """A job's certificates: a CA of its own and the one certificate every replica of the job presents.
 
 Pure but for randomness: names and the time in, PEM text out (the keys of the
-job's Secret, `api.tls.FILES`). No I/O; the operator puts the result in the
+job's Secret, `kubetrain_contract.tls_files.FILES`). No I/O; the operator puts the result in the
 job's token Secret, the local backend writes it into the run directory.
 
 Why one leaf for every replica: the replicas of a job share one Secret (the
@@ -32,8 +32,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, KEY_FILE
+
 from ..api import TrainingJob
-from ..api.tls import CA_FILE, CERT_FILE, KEY_FILE
 
 CURVE = ec.SECP256R1()
 """P-256: what every TLS stack speaks, and its keys and signatures are cheap (a job's CA and leaf: about 3 ms here)."""

@@ -1,7 +1,8 @@
-"""The launch contract of DDP: a node's torchrun command line, built from the spec, and rank names.
+"""The launch contract: the environment a replica starts with, a DDP node's torchrun argv, rank names.
 
-It lives with the API model because both sides read it: the plan (which never
-imports torch) builds the argv, the trainer names its ranks and arms faults.
+Both sides read it: the plan (which never imports torch) sets the variables and builds the argv,
+the trainer reads the variables, names its ranks and arms faults. A variable's name is written here
+once; the operator, the local backend and the trainer use the constant.
 
 The operator (which never imports torch) and the local backend both start a
 DDP node with `torchrun_command`, so a pod and a local process run the same
@@ -16,6 +17,34 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+# What every replica finds in its environment (operator/core/plan.py sets them, trainer/context.py reads them).
+JOB_FILE_VAR = "KUBETRAIN_JOB_FILE"
+"""The job's manifest (job.yaml): in a pod the config volume's copy, locally the run directory's."""
+JOB_NAME_VAR = "KUBETRAIN_JOB_NAME"
+NAMESPACE_VAR = "KUBETRAIN_NAMESPACE"
+REPLICA_VAR = "KUBETRAIN_REPLICA"
+"""The replica's name, `<role>-<index>` (ps-0, worker-1, ddp-0, single-0)."""
+RUN_DIR_VAR = "KUBETRAIN_RUN_DIR"
+"""Where the replica writes its events (metrics/<replica>.jsonl) and its results (results/<replica>.json)."""
+CHECKPOINT_DIR_VAR = "KUBETRAIN_CHECKPOINT_DIR"
+"""The replica's checkpoint directory (kubetrain_contract.checkpoints describes its layout)."""
+CODE_DIR_VAR = "KUBETRAIN_CODE_DIR"
+"""The user's code (spec.code), put first on sys.path of the replica and of a script's command."""
+METRICS_PORT_VAR = "KUBETRAIN_METRICS_PORT"
+LISTEN_ADDRESS_VAR = "KUBETRAIN_LISTEN_ADDRESS"
+JOB_TOKEN_VAR = "KUBETRAIN_JOB_TOKEN"
+"""The job's token: parameter servers refuse every call without it."""
+TERMINATION_LOG_VAR = "KUBETRAIN_TERMINATION_LOG"
+"""In a pod, the file whose text the kubelet hands the operator in the container's terminated state."""
+PS_ADDRS_VAR = "KUBETRAIN_PS_ADDRS"
+PS_DATA_ADDRS_VAR = "KUBETRAIN_PS_DATA_ADDRS"
+PS_PORT_VAR = "KUBETRAIN_PS_PORT"
+PS_DATA_PORT_VAR = "KUBETRAIN_PS_DATA_PORT"
+NODE_RANK_VAR = "KUBETRAIN_NODE_RANK"
+"""A DDP pod's node index (its StatefulSet-style pod index)."""
+FAULT_VAR = "KUBETRAIN_FAULT"
+"""Local fault injection (`kubetrain run --fault`): kill@step=N, kill@save=N or kill@allreduce=N."""
 
 RDZV_PORT = 29400
 """The rendezvous port node 0's agent listens on (torchrun's own default)."""
@@ -83,7 +112,8 @@ def torchrun_command(
 ) -> list[str]:
     """argv of the torchrun agent of node `node_rank` (0-based) of a DDP job.
 
-    `spec` is a completed `kubetrain_operator.api.Spec` of mode DDP.
+    `spec` is a completed `kubetrain_operator.api.Spec` of mode DDP (read by attribute: this
+    package imports nothing of the operator).
     `rdzv_endpoint` is `host:port` of node 0 (in a cluster the first pod's
     headless-service name); node 0's agent hosts the rendezvous store there
     (`is_host=true`) and the other agents connect to it, so no agent has to

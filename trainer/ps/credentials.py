@@ -1,6 +1,6 @@
 """Mutual TLS between parameter servers and workers: the job's PEM files in, gRPC credentials out.
 
-The files are the job's own (`kubetrain_operator.api.tls`): a CA made for the
+The files are the job's own (`kubetrain_contract.tls_files`): a CA made for the
 job, and one certificate and key that every replica presents, as server and
 as client. A shard asks every client for a certificate and accepts only one
 the job's CA signed (`require_client_auth`); a worker accepts only a shard
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from kubetrain_operator.api.tls import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
+from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
 
 from ..errors import ConfigError
 
