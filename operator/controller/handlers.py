@@ -37,11 +37,13 @@ from ..api import GROUP, PLURAL, VERSION, InvalidSpec, from_spec_dict
 from ..api.podtemplate import SECURITY_CHECKS
 from ..core import kueue, podsecurity
 from ..core.children import LABEL_JOB, Settings
-from ..core.engine import WAITING_REASONS, ReplicaObservation
+from ..api.status import read_status, to_dict
+from ..core import engine
+from ..core.engine import WAITING_REASONS, Refusal, ReplicaObservation
 from ..core.gang import gang_problem
 from ..core.plan import chief
 from ..core.reconcile import reconcile
-from ..core.status import TERMINAL, Observed, conditions
+from ..core.conditions import TERMINAL
 from . import kube, metrics, observe, scrapes
 from .workqueue import WorkQueue
 
@@ -464,7 +466,8 @@ def _report_problem(body: dict[str, Any], state: JobState, reason: str, message:
         return  # shown already
     old = _last_status(body, state)
     try:
-        _write_condition(body, state, old, Observed(old.get("state") or "Created", reason, message))
+        noted = engine.note(read_status(old), engine.Problem(reason, message), _now(), meta.get("generation", 0))
+        _write_status(meta["namespace"], meta["name"], state, old, to_dict(noted))
         kube.record_event(body, "Warning", reason, message)
         state.problem = reason
     except kube.KubeError as second:
@@ -481,15 +484,6 @@ def _report_forbidden(body: dict[str, Any], state: JobState, err: kube.KubeError
 def _last_status(body: dict[str, Any], state: JobState) -> dict[str, Any]:
     """The job's status as last written (the API's copy may lag behind), to change freely."""
     return copy.deepcopy(state.status if state.status is not None else dict(body.get("status") or {}))
-
-
-def _write_condition(body: dict[str, Any], job_state: JobState, old: dict[str, Any], observed: Observed,
-                     **fields: Any) -> None:
-    """Write the status with `observed` on its conditions (and `fields` beside them)."""
-    meta = body["metadata"]
-    new = dict(old, **fields)
-    new["conditions"] = conditions(old.get("conditions"), observed, _iso_now(), meta.get("generation", 0))
-    _write_status(meta["namespace"], meta["name"], job_state, old, new)
 
 
 def _now() -> float:
@@ -517,26 +511,26 @@ def reconcile_once(body: dict[str, Any], state: JobState) -> float | None:
         job = from_spec_dict(name, dict(body["spec"]), ns)
     except InvalidSpec as err:
         # The CRD's schema catches nearly all of this; what is left is reported, not retried.
-        message = "; ".join(err.shown())
-        _write_condition(body, state, old_status, Observed("Failed", "InvalidSpec", message), state="Failed")
+        refused = engine.refuse(read_status(old_status), Refusal("InvalidSpec", "; ".join(err.shown())), _now(),
+                                meta.get("generation", 0))
+        for type_, reason, message in refused.actions.events:
+            kube.record_event(body, type_, reason, message)
+        _write_status(ns, name, state, old_status, to_dict(refused.status))
         return None
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = uid
     job.metadata.labels = dict(meta.get("labels") or {})
-    refused = _pod_security(job, state) + _claim_problems(job)
-    if refused and old_status.get("state") not in TERMINAL:
-        # The chart's admission policy refuses these at the API; a cluster without it still gets no such pod.
-        _write_condition(body, state, old_status, Observed("Failed", "PodSecurity", "; ".join(refused)), state="Failed",
-                         completionTime=_iso_now())
-        kube.record_event(body, "Warning", "PodSecurity", "; ".join(refused)[:1024])
-        return None
-    unserved = gang_problem(job, CONFIG.settings.gang_schedulers)
-    if unserved and old_status.get("state") not in TERMINAL:
-        # Pods without their PodGroup would be scheduled one by one: the gang the job asked for
-        # would not hold, so none is made (as an operator setting refuses a podTemplate above).
-        _write_condition(body, state, old_status, Observed("Failed", "GangSchedulingDisabled", unserved),
-                         state="Failed", completionTime=_iso_now())
-        kube.record_event(body, "Warning", "GangSchedulingDisabled", unserved[:1024])
+    refusal = _refusal(job, state)
+    if refusal is not None and old_status.get("state") not in TERMINAL:
+        act = reconcile(job, uid, state.token, INDEX.replicas((ns, name), uid), old_status, _now(),
+                        settings=CONFIG.settings, existing=state.existing, refusal=refusal)
+        for pod in act.delete_pods:
+            kube.delete_pod(ns, pod)
+        if act.scale_statefulset is not None:
+            kube.scale_statefulset(ns, f"{name}-ddp", act.scale_statefulset)
+        for type_, reason, message in act.events:
+            kube.record_event(body, type_, reason, message)
+        _write_status(ns, name, state, old_status, act.status)
         return None
     if not state.counted_created:
         state.counted_created = True
@@ -635,6 +629,20 @@ def _pod_security(job, state: JobState) -> list[str]:
     if state.pod_security is None or state.pod_security[0] != key:
         state.pod_security = (key, podsecurity.problems(job, CONFIG.settings))
     return state.pod_security[1]
+
+
+def _refusal(job, state: JobState) -> Refusal | None:
+    """Why the installation refuses the job (engine.Refusal), if it does: pods beyond its pod-security
+    allowances (the chart's admission policy refuses these at the API; a cluster without it still gets
+    no such pod), or a gang no scheduler of the cluster serves (its pods, without their PodGroup, would
+    be scheduled one by one: the gang the job asked for would not hold, so none is made)."""
+    refused = _pod_security(job, state) + _claim_problems(job)
+    if refused:
+        return Refusal("PodSecurity", "; ".join(refused))
+    unserved = gang_problem(job, CONFIG.settings.gang_schedulers)
+    if unserved:
+        return Refusal("GangSchedulingDisabled", unserved)
+    return None
 
 
 def _claim_problems(job) -> list[str]:

@@ -59,12 +59,14 @@ def reconcile(
     existing: set[tuple[str, str]] | None = None,
     admission: engine.QueueAdmission | None = None,
     placements: dict[str, Any] | None = None,
+    refusal: engine.Refusal | None = None,
 ) -> Actions:
     """`existing` names the (kind, name) of non-pod children known to exist; they
     are not created again (None: create all, the I/O layer ignores its own).
     `admission` is what the job's queue (Kueue) says, None outside any queue; `placements`
-    (role -> kueue.Placement) what its admission adds to the pods it lets start."""
-    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission)
+    (role -> kueue.Placement) what its admission adds to the pods it lets start; `refusal` why the job
+    may not run at all (engine.Refusal: it fails)."""
+    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal)
     act = done.actions
     out = Actions(
         delete_job=act.delete_job,

@@ -28,7 +28,7 @@ from ..api.tls import TLS_DIR_VAR
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine, policy
 from ..core.plan import Replica, plan_replicas, replica_names, shared_checkpoints
-from ..core.status import TERMINAL
+from ..core.conditions import TERMINAL
 from ..core.tls import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
 from .rundir import RunDir, RunState, sizeless
@@ -485,10 +485,11 @@ class LocalBackend:
                 saved_at, saved_progress = self._saved_at, to_dict(self.status).get("progress")
             time.sleep(POLL_SECONDS)
 
-    def decide(self, now: float) -> engine.Round:
-        """One round of the engine over the processes as they are (pure but for reading the run directory)."""
+    def decide(self, now: float, refusal: engine.Refusal | None = None) -> engine.Round:
+        """One round of the engine over the processes as they are (pure but for reading the run directory).
+        `refusal`: the job may not run at all (engine.Refusal), as the operator's refusals reach the engine."""
         observed = {n: o for n, p in self.procs.items() if (o := p.observation()) is not None}
-        return engine.step(self.job, self.status, observed, now, self._progress_reading())
+        return engine.step(self.job, self.status, observed, now, self._progress_reading(), refusal=refusal)
 
     def _act(self, actions: engine.Actions) -> tuple[str, str, str] | None:
         """Carry out a round's actions; the job's end (state, reason, message) when it ended."""

@@ -87,3 +87,8 @@ def test_a_spec_the_crd_let_through_but_kubetrain_refuses_fails_with_invalid_spe
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert status["state"] == "Failed" and failed["reason"] == "InvalidSpec"
     assert "spec.training.epochs" in failed["message"]
+    # Decided by the engine, as every failure is: it ended (completionTime), with an Event, once.
+    assert status["completionTime"] and "activeSince" not in status["memory"]
+    assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
+    handlers._process(("ns", "j"))
+    assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
