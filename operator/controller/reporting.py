@@ -32,14 +32,22 @@ def write_status(ctl: Controller, key: Key, state: JobState, old: JobStatus, new
     """Patch the job's status to `new` when it differs from `old`; remember it as the last written."""
     before, after = to_dict(old), to_dict(new)
     if after != before:
-        # A merge patch: keys we dropped must be sent as null to disappear.
-        patch = dict(after)
-        for name in before:
-            if name not in after:
-                patch[name] = None
-        kube.patch_status(key[0], key[1], patch)
+        kube.patch_status(key[0], key[1], merge_patch(before, after))
     state.status = new
     update_state_gauge(ctl)
+
+
+def merge_patch(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """`after` as a JSON merge patch over `before` (RFC 7386, what a status patch is): a key dropped at any
+    depth is sent as null, or the API server would keep it. A nested one matters: memory.activeSince left
+    in place after a pause, or a pendingRestarts entry, would be read back by an operator that restarts."""
+    patch = dict(after)
+    for name, old in before.items():
+        if name not in after:
+            patch[name] = None
+        elif isinstance(old, dict) and isinstance(after[name], dict):
+            patch[name] = merge_patch(old, after[name])
+    return patch
 
 
 def update_state_gauge(ctl: Controller) -> None:

@@ -39,7 +39,7 @@ def reconcile_once(ctl: Controller, body: dict[str, Any], state: JobState) -> fl
         return None
     refusal = refusals.refusal(ctl, job, state)
     if refusal is not None and old.state not in TERMINAL:
-        _refuse(ctl, body, state, job, refusal)
+        _refuse(ctl, body, state, job, old, refusal)
         return None
     _count_created(state, job, fresh=state.status is None and not body.get("status"))
     pods, progress = _observe(ctl, job, state, old)
@@ -78,11 +78,11 @@ def _parse(ctl: Controller, body: dict[str, Any], state: JobState, old: JobStatu
     return job
 
 
-def _refuse(ctl: Controller, body: dict[str, Any], state: JobState, job: TrainingJob, refusal: Refusal) -> None:
+def _refuse(ctl: Controller, body: dict[str, Any], state: JobState, job: TrainingJob, old: JobStatus,
+            refusal: Refusal) -> None:
     """A job the installation refuses: the engine fails it (its replicas, if any, stopped as any
     failed job's are); nothing is created."""
     key = (job.metadata.namespace, job.name)
-    old = last_status(body, state)
     pods = ctl.index.replicas(key, job.metadata.uid)
     act = reconcile(job, job.metadata.uid, state.token, pods, old, time.time(), settings=ctl.config.settings,
                     existing=state.existing, refusal=refusal)

@@ -91,3 +91,29 @@ def test_a_spec_the_crd_let_through_but_kubetrain_refuses_fails_with_invalid_spe
     assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
     process(ctl, ("ns", "j"))
     assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
+
+
+def test_a_running_job_the_installation_refuses_now_fails_through_the_engine(api, monkeypatch):
+    """Refused after it ran (its template changed to one beyond the allowances): the engine fails it as
+    any failure, its clock paused and its running pod deleted (cleanPodPolicy Running)."""
+    ctl, _, calls = api
+    deleted = []
+    monkeypatch.setattr(kube, "delete_pod", lambda ns, pod, force=False: deleted.append(pod))
+    privileged = {**BODY, "spec": {"mode": "Single", "podTemplate": {"spec": {"containers": [
+        {"name": "trainer", "securityContext": {"privileged": True}}]}}},
+        "status": {"state": "Running", "startTime": "2026-01-01T00:00:00Z",
+                   "memory": {"activeSince": 1_000.0, "activeSeconds": 5.0}}}
+    ctl.index.jobs[("ns", "j")] = privileged
+    pod = {"metadata": {"name": "j-single-0", "namespace": "ns", "uid": "p1",
+                        "labels": {"kubetrain.dev/job-name": "j", "kubetrain.dev/replica": "single-0"},
+                        "ownerReferences": [{"kind": "TrainingJob", "name": "j", "uid": BODY["metadata"]["uid"],
+                                             "controller": True}]},
+           "spec": {}, "status": {"phase": "Running"}}
+    ctl.index.index_pod("ADDED", pod)
+    process(ctl, ("ns", "j"))
+    status = calls["patch"][-1]
+    assert status["state"] == "Failed" and status["completionTime"]
+    # Paused, and written so: a merge patch keeps a key it does not name null, and a restarted operator
+    # would read the clock as running.
+    assert status["memory"]["activeSince"] is None and status["memory"]["activeSeconds"] > 5.0
+    assert deleted == ["j-single-0"] and [e[1] for e in calls["event"]] == ["PodSecurity"]
