@@ -109,13 +109,14 @@ class JobMemory:
     )
 
 
+# The job's status: what users read, and what the engine remembers between rounds (`memory`). Decided by
+# the engine alone (core/engine.py) for both of its drivers, and kept whole by each: the API server's copy
+# for the operator, state.json for a local run. What a driver keeps beside it is its own:
+# `controller.state.JobState` (the operator's cache of a job), `local.rundir.RunState` (a local run's wall
+# time, invocations and restart log). The docstring below is the CRD's description of `status`.
 @dataclass
 class JobStatus:
-    """The job's status: what users read, and what the engine remembers between rounds (`memory`).
-    Decided by the engine alone (core/engine.py) for both of its drivers, and kept whole by each: the API
-    server's copy for the operator, state.json for a local run. What a driver keeps beside it is its own:
-    `controller.state.JobState` (the operator's cache of a job), `local.rundir.RunState` (a local run's
-    wall time, invocations and restart log)."""
+    """Observed state, written by the operator."""
 
     observed_generation: int = field("The spec generation last acted on.", 0)
     state: str = field("Created, Running, Restarting, Suspended, Succeeded or Failed.", "Created")
