@@ -338,7 +338,9 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def _parse_value(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Problem]) -> Any:
+def parse_value(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Problem]) -> Any:
+    """One field's value parsed as `info` and `meta` describe it (`fields_of`); its problems appended to
+    `out` under `path`. MISSING when it cannot be used."""
     if value is None:
         if info.nullable:
             return None
@@ -355,7 +357,7 @@ def _parse_value(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Pr
             return value
         result = {}
         for k, v in value.items():
-            parsed = _parse_value(v, info.value, meta, f"{path}.{k}", out)
+            parsed = parse_value(v, info.value, meta, f"{path}.{k}", out)
             if parsed is not MISSING:
                 result[str(k)] = parsed
         return result
@@ -380,7 +382,7 @@ def _parse_list(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Pro
         return MISSING
     assert info.value is not None
     before = len(out)
-    items = [_parse_value(v, info.value, meta, f"{path}[{i}]", out) for i, v in enumerate(value)]
+    items = [parse_value(v, info.value, meta, f"{path}[{i}]", out) for i, v in enumerate(value)]
     return MISSING if len(out) > before else items
 
 
@@ -412,7 +414,7 @@ def parse(cls: type, data: Any, path: str, out: list[Problem]) -> Any:
         if name in data:
             if data[name] is not None:
                 present.add(f.name)
-            parsed = _parse_value(data[name], info, meta_of(f), sub, out)
+            parsed = parse_value(data[name], info, meta_of(f), sub, out)
             if parsed is not MISSING:
                 kwargs[f.name] = parsed
         elif f.default is MISSING and f.default_factory is MISSING:

@@ -109,6 +109,11 @@ class JobMemory:
     )
 
 
+# The job's status: what users read, and what the engine remembers between rounds (`memory`). Decided by
+# the engine alone (core/engine.py) for both of its drivers, and kept whole by each: the API server's copy
+# for the operator, state.json for a local run. What a driver keeps beside it is its own:
+# `controller.state.JobState` (the operator's cache of a job), `local.rundir.RunState` (a local run's wall
+# time, invocations and restart log). The docstring below is the CRD's description of `status`.
 @dataclass
 class JobStatus:
     """Observed state, written by the operator."""
@@ -161,7 +166,7 @@ def read_object(cls: type, data: dict[str, Any]) -> Any:
             kwargs[f.name] = read_object(info.cls, value)
             continue
         problems: list[schema.Problem] = []
-        parsed = schema._parse_value(value, info, schema.meta_of(f), key, problems)
+        parsed = schema.parse_value(value, info, schema.meta_of(f), key, problems)
         if parsed is not schema.MISSING and not problems:
             kwargs[f.name] = parsed
     return cls(**kwargs)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..api import InvalidSpec, TrainingJob, from_object
 from ..api.load import MAX_MANIFEST_BYTES, documents
-from ..core.status import STATES
+from ..core.conditions import STATES
 from .api import (
     TERMINAL, Backend, ClientError, Event, Forbidden, InvalidManifest, Job, JobEnded, JobExists, JobNotFound,
     WaitTimeout,

@@ -15,7 +15,8 @@ from ..api.schema import INT64_MAX, INT64_MIN
 from ..api.spec import MAX_REPORTED_METRICS
 
 from ..core.children import CONTAINER, LABEL_REPLICA
-from ..core.reconcile import PodObservation, Progress, parse_iso
+from ..core.engine import ProgressReading
+from ..core.reconcile import PodObservation, parse_iso
 
 STS_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 REPORTED = "kubetrain_reported_metric"
@@ -182,7 +183,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float] | None = None) -> Progress | None:
+def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float] | None = None) -> ProgressReading | None:
     """Progress from the chief's samples (and, for a PS job, the shard that counts steps)."""
     head = checkpoint_samples or samples
     if "kubetrain_training_step" not in head:
@@ -199,7 +200,7 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
     prefix = f"{REPORTED}/"
     reported = {k[len(prefix):]: v for k, v in samples.items() if k.startswith(prefix) and math.isfinite(v)}
     quorum = get(samples, "ft_quorum_participants")  # fault-tolerant DDP only
-    return Progress(
+    return ProgressReading(
         step=int(get(head, "training_step") or 0),
         total_steps=int(total) if total else None,
         loss=get(samples, "loss"),

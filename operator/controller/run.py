@@ -22,6 +22,7 @@ import kopf
 
 from ..core.children import Settings
 from . import handlers, leader, metrics
+from .state import Controller, OperatorConfig
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +101,11 @@ def run(
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
-    handlers.CONFIG.settings = Settings(image=trainer_image, pull_policy=pull_policy,
-                                        pod_security_allow=pod_security_allow,
-                                        network_policy=network_policy, metrics_from=metrics_from,
-                                        gang_schedulers=gang_schedulers)
-    handlers.CONFIG.scrape_networks = scrape_networks
-    handlers.CONFIG.scrape = scrape
-    handlers.CONFIG.namespaces = list(namespaces)
-    handlers.CONFIG.workers = workers
-    if kueue:
-        handlers.enable_kueue()
+    settings = Settings(image=trainer_image, pull_policy=pull_policy, pod_security_allow=pod_security_allow,
+                        network_policy=network_policy, metrics_from=metrics_from, gang_schedulers=gang_schedulers)
+    config = OperatorConfig(settings=settings, scrape_networks=scrape_networks, scrape=scrape,
+                            namespaces=list(namespaces), workers=workers, kueue=kueue)
+    handlers.register(Controller(config))
     metrics.serve(metrics_port)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
     elector = None

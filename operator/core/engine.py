@@ -41,21 +41,18 @@ from kubetrain_contract.timestamps import iso, parse_iso
 
 from ..api import TrainingJob
 from ..api.spec import MAX_REPORTED_METRICS
-from ..api import schema
 from ..api.status import (
-    Condition,
     JobMemory,
     JobStatus,
     LastCheckpoint,
     Progress,
     Quorum,
     ReplicaCounts,
-    read_object,
     read_status,
 )
 from . import eta, policy
 from .plan import chief, replica_names
-from .status import TERMINAL, Observed, conditions
+from .conditions import TERMINAL, Observed, conditions
 
 RELEASE_GRACE_SECONDS = 120.0
 """A ParameterServer job resized down: ps-0 releases each worker above the new size, which exits 0 after
@@ -144,6 +141,28 @@ class QueueAdmission:
     evicted: bool = False  # admitted once, now evicted: stopped with a checkpoint, then queued again
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why the job may not run at all, found outside the engine's view of its replicas: a spec the API
+    model refuses (InvalidSpec), pods the installation's pod security refuses (PodSecurity), a gang no
+    scheduler of the cluster serves (GangSchedulingDisabled). A driver that finds one passes it to `step`
+    (or, when there is no spec to step with, to `refuse`): the job fails for good, its clock paused,
+    with completionTime, an Event and the Failed condition, as any failure the engine decides."""
+
+    reason: str  # CamelCase
+    message: str  # a sentence a user can act on
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A problem a driver met while carrying out a round (the API refused or throttled a call, a child
+    belongs to someone else, RBAC lacks a verb): shown on the condition of the job's current state
+    until a round succeeds (core/conditions.PROBLEM_REASONS), the state itself unchanged (`note`)."""
+
+    reason: str  # CamelCase
+    message: str  # a sentence a user can act on
+
+
 @dataclass
 class Actions:
     start: list[str] = field(default_factory=list)  # replicas to start now
@@ -171,10 +190,50 @@ def step(
     progress: ProgressReading | None = None,
     volume_pending: list[str] | None = None,
     admission: QueueAdmission | None = None,
+    refusal: Refusal | None = None,
 ) -> Round:
-    """One round of the state machine. Pure: the old status is not changed."""
+    """One round of the state machine. Pure: the old status is not changed. `refusal`: the job may not
+    run at all (`Refusal`); it fails, unless it has ended already."""
     old = status if isinstance(status, JobStatus) else read_status(status)
-    return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [], admission)
+    return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [], admission, refusal)
+
+
+def refuse(status: JobStatus, refusal: Refusal, now: float, generation: int) -> Round:
+    """The round of a job that has no spec to step with (it does not parse: InvalidSpec): it fails as
+    `step` fails a refused job, its clock paused, unless it has ended already. Pure."""
+    out = copy.deepcopy(status)
+    actions = Actions()
+    if out.state in TERMINAL:
+        return Round(out, actions)
+    _end(out, "Failed", now)
+    out.observed_generation = generation
+    out.conditions = conditions(out.conditions, Observed("Failed", refusal.reason, refusal.message), iso(now),
+                                generation)
+    actions.events.append(("Warning", refusal.reason, refusal.message))
+    return Round(out, actions)
+
+
+def note(status: JobStatus, problem: Problem, now: float, generation: int) -> JobStatus:
+    """The status with `problem` on the condition of the job's current state (a new job's: Created);
+    the state, the clocks and the memory unchanged. Pure."""
+    out = copy.deepcopy(status)
+    out.conditions = conditions(out.conditions, Observed(out.state or "Created", problem.reason, problem.message),
+                                iso(now), generation)
+    return out
+
+
+def _end(status: JobStatus, state: str, now: float) -> None:
+    """What ending does to the status, in every way a job ends: the state, completionTime (the first
+    end's), the ETA, the active-time clock paused, no restart left pending."""
+    status.state = state
+    status.completion_time = status.completion_time or iso(now)
+    if status.progress is not None:  # nothing is left to estimate
+        status.progress.eta_seconds = 0 if state == "Succeeded" else None
+    memory = status.memory
+    if memory.active_since is not None:
+        memory.active_seconds += max(0.0, now - memory.active_since)
+        memory.active_since = None
+    memory.pending_restarts = {}
 
 
 class _Round:
@@ -195,11 +254,14 @@ class _Round:
         self.departing: dict[str, ReplicaObservation] = {}  # workers above the size (`_release`)
 
     def run(self, progress: ProgressReading | None, volume_pending: list[str],
-            admission: QueueAdmission | None = None) -> Round:
+            admission: QueueAdmission | None = None, refusal: Refusal | None = None) -> Round:
         self._fold_progress(progress)
         if self.before in TERMINAL:
             self._after_the_end()
             return self._done(report=False)
+        if refusal is not None:
+            self._finish("Failed", refusal.reason, refusal.message)
+            return self._done()
         if self.spec.run_policy.suspend:
             self._suspend()
             return self._done()
@@ -274,12 +336,7 @@ class _Round:
 
     def _finish(self, state: str, reason: str, message: str) -> None:
         self.observed = Observed(state, reason, message)
-        self.status.state = state
-        self.status.completion_time = self.status.completion_time or iso(self.now)
-        if self.status.progress is not None:  # nothing is left to estimate
-            self.status.progress.eta_seconds = 0 if state == "Succeeded" else None
-        self._pause_clock()
-        self.memory.pending_restarts = {}
+        _end(self.status, state, self.now)
         clean = self.spec.run_policy.clean_pod_policy
         self.actions.stop += [
             n for n, r in {**self.replicas, **self.departing}.items()
@@ -708,9 +765,8 @@ class _Round:
             status.replica_statuses = _counts(self.names, self.replicas, self.is_ddp)
             if self.observed is not None:
                 status.state = self.observed.state
-                new = conditions([schema.to_dict(c) for c in status.conditions], self.observed, iso(self.now),
-                                 self.job.metadata.generation)
-                status.conditions = [read_object(Condition, c) for c in new]
+                status.conditions = conditions(status.conditions, self.observed, iso(self.now),
+                                               self.job.metadata.generation)
             if status.state not in TERMINAL:
                 self._requeue(MAX_REQUEUE_SECONDS)
         return Round(status, self.actions)

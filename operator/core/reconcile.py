@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import TrainingJob
-from ..api.status import to_dict
+from ..api.status import JobStatus
 from . import engine, kueue
 from .children import LABEL_JOB, LABEL_ROLE, Settings, children, pod_name
 from .engine import IMAGE_PULL_REASONS, Restarted, iso, parse_iso  # noqa: F401  (re-exported)
 
 PodObservation = engine.ReplicaObservation  # a pod, as the engine sees a replica
-Progress = engine.ProgressReading
 PS_DRAIN_SECONDS = engine.PS_DRAIN_SECONDS
 FORCE_DELETE_AFTER_SECONDS = 10.0
 """A pod evicted from a lost node (`node_lost`) that still exists this long after its grace period
@@ -32,7 +31,9 @@ is left of it."""
 
 
 @dataclass
-class Actions:
+class ClusterActions:
+    """A round's decisions (engine.Actions) as Kubernetes objects and calls, and the status to write."""
+
     create: list[dict[str, Any]] = field(default_factory=list)
     replace: list[dict[str, Any]] = field(default_factory=list)  # existing children rendered again (a resize)
     delete_pods: list[str] = field(default_factory=list)  # pod names, deleted gracefully
@@ -42,7 +43,7 @@ class Actions:
     delete_job: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     restarted: list[Restarted] = field(default_factory=list)
-    status: dict[str, Any] = field(default_factory=dict)
+    status: JobStatus = field(default_factory=JobStatus)
     requeue_after: float | None = None
 
 
@@ -51,26 +52,29 @@ def reconcile(
     uid: str,
     token: str,
     pods: dict[str, PodObservation],
-    old_status: dict[str, Any],
+    old_status: JobStatus,
     now: float,
-    progress: Progress | None = None,
+    progress: engine.ProgressReading | None = None,
     settings: Settings = Settings(),
     pvc_pending: list[str] | None = None,
     existing: set[tuple[str, str]] | None = None,
     admission: engine.QueueAdmission | None = None,
     placements: dict[str, Any] | None = None,
-) -> Actions:
+    refusal: engine.Refusal | None = None,
+) -> ClusterActions:
     """`existing` names the (kind, name) of non-pod children known to exist; they
     are not created again (None: create all, the I/O layer ignores its own).
     `admission` is what the job's queue (Kueue) says, None outside any queue; `placements`
-    (role -> kueue.Placement) what its admission adds to the pods it lets start."""
-    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission)
+    (role -> kueue.Placement) what its admission adds to the pods it lets start; `refusal` why the job
+    may not run at all (engine.Refusal: it fails)."""
+    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal)
     act = done.actions
-    out = Actions(
+    done.status.selector = selector(job)
+    out = ClusterActions(
         delete_job=act.delete_job,
         events=act.events,
         restarted=act.restarted,
-        status={**to_dict(done.status), "selector": selector(job)},
+        status=done.status,
         requeue_after=act.requeue_after,
     )
     _force_deletes(job, pods, now, out)
@@ -142,7 +146,7 @@ def selector(job: TrainingJob) -> str:
     return f"{LABEL_JOB}={job.name},{LABEL_ROLE}={role}"
 
 
-def _force_deletes(job: TrainingJob, pods: dict[str, PodObservation], now: float, out: Actions) -> None:
+def _force_deletes(job: TrainingJob, pods: dict[str, PodObservation], now: float, out: ClusterActions) -> None:
     """Pods stuck Terminating on a lost node, FORCE_DELETE_AFTER_SECONDS past their grace period: deleted
     at once, with an Event; the others are looked at again when they are due."""
     for seen in pods.values():

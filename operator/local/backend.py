@@ -32,7 +32,7 @@ from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
 from ..api.status import JobStatus, read_status, to_dict
 from ..core import engine
 from ..core.plan import Replica, plan_replicas, replica_names, shared_checkpoints
-from ..core.status import TERMINAL
+from ..core.conditions import TERMINAL
 from ..core.certificates import job_certificates, ps_hosts_of, uses_tls
 from .progress import JobProgress, JsonlTail, ProgressDisplay
 from .rundir import RunDir, RunState, sizeless
@@ -293,8 +293,8 @@ class LocalBackend:
         self.progress = JobProgress()
         self.tails: dict[str, JsonlTail] = {}
         self.display = ProgressDisplay(out, job.name)
-        self.state = RunState()
-        self.status = JobStatus()  # the engine's view of the job, memory included
+        self.state = RunState()  # what only this machine keeps: wall time, invocations, the restart log
+        self.status = JobStatus()  # the job's status as the engine decided it, memory included
         # The shared secret parameter servers check; a Secret in a cluster.
         self.token = secrets.token_hex(16)
         self.tls_dir: Path | None = None  # the run's certificates (write_certificates), as a pod's Secret
@@ -317,7 +317,6 @@ class LocalBackend:
                 f"{self.job.name}: the last attempt failed ({summary.get('reason', '?')}); resuming from checkpoints"
             )
             self.run.summary_file.unlink()
-            self.state.restarts = self.state.restarts_without_progress = 0
             self.status = JobStatus()
         if self.job.spec.run_policy.suspend:
             self.display.message(f"{self.job.name}: spec.runPolicy.suspend is true; set it to false to run the job")
@@ -325,7 +324,6 @@ class LocalBackend:
         resumed = self.state.invocations > 0
         self.run.write_pid()
         self.state.invocations += 1
-        self.state.state = "Running"
         self.state.restart_log = self.state.restart_log or []
         self._save()
         self.tls_dir = write_certificates(self.job, self.run)
@@ -353,13 +351,11 @@ class LocalBackend:
         if outcome == "Interrupted":
             # Every replica was stopped from outside: a suspended job, which the next run resumes.
             self.status = engine.interrupted(self.status, time.time())
-            self.state.state = "Running"
             self._save()
             self.display.message(
                 f"{self.job.name}: stopped after a checkpoint; run the same command again to resume"
             )
             return 130
-        self.state.state, self.state.reason, self.state.message = outcome, reason, message
         self._save()
         summary = build_summary(
             self.job, self.run.results(), outcome, self.state.wall_seconds, self._restarts(), reason, message
@@ -454,8 +450,6 @@ class LocalBackend:
     def _save(self) -> None:
         self._saved_at = time.monotonic()
         self.state.status = to_dict(self.status)
-        self.state.restarts = self.status.restarts
-        self.state.restarts_without_progress = self.status.restarts_without_progress
         self.run.save_state(self.state)
 
     # -- the loop: observe, let the engine decide, act ------------------------
@@ -489,10 +483,11 @@ class LocalBackend:
                 saved_at, saved_progress = self._saved_at, to_dict(self.status).get("progress")
             time.sleep(POLL_SECONDS)
 
-    def decide(self, now: float) -> engine.Round:
-        """One round of the engine over the processes as they are (pure but for reading the run directory)."""
+    def decide(self, now: float, refusal: engine.Refusal | None = None) -> engine.Round:
+        """One round of the engine over the processes as they are (pure but for reading the run directory).
+        `refusal`: the job may not run at all (engine.Refusal), as the operator's refusals reach the engine."""
         observed = {n: o for n, p in self.procs.items() if (o := p.observation()) is not None}
-        return engine.step(self.job, self.status, observed, now, self._progress_reading())
+        return engine.step(self.job, self.status, observed, now, self._progress_reading(), refusal=refusal)
 
     def _act(self, actions: engine.Actions) -> tuple[str, str, str] | None:
         """Carry out a round's actions; the job's end (state, reason, message) when it ended."""
@@ -677,9 +672,9 @@ class LocalBackend:
         """The supervisor's restarts, plus the group restarts torchrun made by itself:
         every start of the group writes a `start` event on rank 0."""
         if self.job.spec.mode != "DDP":
-            return self.state.restarts
+            return self.status.restarts
         starts = sum(1 for e in self.run.events("ddp-0") if e.get("event") == "start")
-        return self.state.restarts + max(0, starts - self.state.group_starts)
+        return self.status.restarts + max(0, starts - self.state.group_starts)
 
     def _last_output(self, p: Proc) -> str:
         try:

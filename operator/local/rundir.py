@@ -62,11 +62,11 @@ def scale_run(run_dir: Path, replicas: int) -> TrainingJob:
 
 @dataclass
 class RunState:
-    state: str = "Created"  # Created | Running | Succeeded | Failed
-    reason: str = ""
-    message: str = ""
-    restarts: int = 0
-    restarts_without_progress: int = 0
+    """What only a local run keeps beside the job's status (state.json): its wall time, how often it was
+    invoked, the torchrun group's starts and the restart log. The state, its reason and the restart
+    counts are the status's (`api.status.JobStatus`, decided by the engine), kept here whole; the
+    operator's counterpart of this is `controller.state.JobState`."""
+
     wall_seconds: float = 0.0  # accumulated over earlier invocations
     invocations: int = 0
     group_starts: int = 0  # DDP: times the supervisor started the torchrun group

@@ -231,6 +231,7 @@ def test_the_operators_path_ends_in_a_job_or_invalid_spec(spec, template, levels
     from kubetrain_operator.api import from_spec_dict
     from kubetrain_operator.core import podsecurity
     from kubetrain_operator.core.children import Settings, children
+    from kubetrain_operator.api.status import JobStatus, to_dict
     from kubetrain_operator.core.reconcile import reconcile
 
     spec = {"mode": "Single", **spec, "podTemplate": template}
@@ -252,8 +253,8 @@ def test_the_operators_path_ends_in_a_job_or_invalid_spec(spec, template, levels
     assert levels + 4 <= 64, "a spec nested past the limit was accepted"  # the document, spec, podTemplate, its spec
     settings = Settings()
     refused = podsecurity.problems(job, settings)
-    act = reconcile(job, "uid", "token", {}, {}, 1000.0, None, settings)
-    json.dumps(act.status)
+    act = reconcile(job, "uid", "token", {}, JobStatus(), 1000.0, None, settings)
+    json.dumps(to_dict(act.status))
     if refused:
         return  # the operator fails such a job (reason PodSecurity) and makes no pod
     for obj in children(job, "uid", "token", settings):

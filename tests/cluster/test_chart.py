@@ -279,7 +279,7 @@ def test_the_security_page_counts_the_grants_as_the_chart_renders_them(cluster, 
 
 
 def test_the_workers_value_reaches_the_operator_within_its_bounds(cluster):
-    from kubetrain_operator.controller.handlers import MAX_WORKERS, WORKERS
+    from kubetrain_operator.controller.state import MAX_WORKERS, WORKERS
 
     assert f"--workers={WORKERS}" in operator_args(rendered(cluster)), "the chart's default is the operator's"
     assert f"--workers={MAX_WORKERS}" in operator_args(rendered(cluster, f"operator.workers={MAX_WORKERS}"))

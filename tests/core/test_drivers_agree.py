@@ -15,9 +15,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from kubetrain_operator.api import from_object
+from kubetrain_operator.api.status import JobStatus, to_dict
+from kubetrain_operator.core import engine
+from kubetrain_operator.core.engine import iso
 from kubetrain_operator.controller.observe import pod_observation
 from kubetrain_operator.core.plan import Replica
-from kubetrain_operator.core.reconcile import Progress, reconcile
+from kubetrain_operator.core.engine import ProgressReading
+from kubetrain_operator.core.reconcile import reconcile
 from kubetrain_operator.local.backend import LocalBackend, Proc
 from kubetrain_operator.local.rundir import RunDir
 
@@ -68,27 +72,28 @@ def set_proc(proc: Proc, what: str) -> None:
 
 class Cluster:
     def __init__(self) -> None:
-        self.status: dict = {}
+        self.status = JobStatus()
         self.existing: set[tuple[str, str]] = set()
         self.attempts: dict[str, int] = {}
 
-    def round(self, j, beat: Beat, names: list[str]) -> dict:
+    def round(self, j, beat: Beat, names: list[str], refusal: engine.Refusal | None = None) -> dict:
         pods = {}
         for n in names:
             what = beat.replicas.get(n, "Absent")
             if what != "Absent":
                 seen = pod_observation(pod_json(n, what, self.attempts.get(n, 0)))
                 pods[seen.replica] = seen
-        progress = Progress(step=beat.step) if beat.step is not None else None
-        act = reconcile(j, "uid", "tok", pods, self.status, T0 + beat.t, progress, existing=self.existing)
+        progress = ProgressReading(step=beat.step) if beat.step is not None else None
+        act = reconcile(j, "uid", "tok", pods, self.status, T0 + beat.t, progress, existing=self.existing,
+                        refusal=refusal)
         self.existing |= {(o["kind"], o["metadata"]["name"]) for o in act.create if o["kind"] != "Pod"}
         started = sorted(o["metadata"]["name"][2:] for o in act.create if o["kind"] == "Pod")
         for n in started:
             self.attempts[n] = self.attempts.get(n, 0) + 1
         self.status = act.status
         return {"start": started, "stop": sorted(p[2:] for p in act.delete_pods),
-                "events": [e[1] for e in act.events], "state": act.status["state"],
-                "restarts": act.status["restarts"]}
+                "events": [e[1] for e in act.events], "state": act.status.state,
+                "restarts": act.status.restarts}
 
 
 class Local:
@@ -96,7 +101,7 @@ class Local:
         self.backend = LocalBackend(j, RunDir(tmp_path / "run"), echo_logs=False)
         self.attempts: dict[str, int] = {}
 
-    def round(self, j, beat: Beat, names: list[str]) -> dict:
+    def round(self, j, beat: Beat, names: list[str], refusal: engine.Refusal | None = None) -> dict:
         backend = self.backend
         backend.job = j
         for n in names:
@@ -105,7 +110,7 @@ class Local:
             set_proc(proc, beat.replicas.get(n, "Absent"))
         if beat.step is not None:
             backend.progress.step = beat.step
-        done = backend.decide(T0 + beat.t)
+        done = backend.decide(T0 + beat.t, refusal)
         backend.status = done.status
         for n in done.actions.start:
             self.attempts[n] = self.attempts.get(n, 0) + 1
@@ -217,7 +222,7 @@ FT_STORY = [
 
 def test_the_drivers_replace_a_lost_replica_group_alone_alike(tmp_path):
     j = job("DDP", ddp={"nodes": 3, "faultTolerance": {}})
-    status: dict = {}
+    status = JobStatus()
     existing: set = set()
     restarts = {n: 0 for n in FT}
     local = Local(j, tmp_path)
@@ -232,11 +237,11 @@ def test_the_drivers_replace_a_lost_replica_group_alone_alike(tmp_path):
                 seen = pod_observation(ft_pod_json(n, what, restarts[n]))
                 pods[seen.replica] = seen
         act = reconcile(j, "uid", "tok", pods, status, T0 + beat.t,
-                        Progress(step=beat.step) if beat.step is not None else None, existing=existing)
+                        ProgressReading(step=beat.step) if beat.step is not None else None, existing=existing)
         existing |= {(o["kind"], o["metadata"]["name"]) for o in act.create if o["kind"] != "Pod"}
         status = act.status
-        by_cluster = {"events": [e[1] for e in act.events], "state": act.status["state"],
-                      "restarts": act.status["restarts"],
+        by_cluster = {"events": [e[1] for e in act.events], "state": act.status.state,
+                      "restarts": act.status.restarts,
                       "start": sorted(o["metadata"]["name"][2:] for o in act.create if o["kind"] == "Pod"),
                       "stop": sorted(p[2:] for p in act.delete_pods)}
         # This machine: a killed group's process is seen failed, and started again by the backend.
@@ -253,3 +258,39 @@ def test_the_drivers_replace_a_lost_replica_group_alone_alike(tmp_path):
         if "ReplicaGroupLost" in by_cluster["events"]:
             # Locally the lost group alone stops and starts again; no other replica is touched.
             assert mine["stop"] == ["ddp-1"], mine
+
+
+# --- refusals: the operator's refusals are inputs of the engine, decided alike by both drivers ----------
+#
+# The controller refuses a job whose pods its pod-security allowances forbid (PodSecurity) or whose gang
+# no scheduler serves (GangSchedulingDisabled); the engine decides what that does to the status, in both
+# drivers: Failed with the reason, completionTime, the active-time clock paused, the replicas stopped.
+
+REFUSALS = [engine.Refusal("PodSecurity", "podTemplate: privileged containers are not allowed."),
+            engine.Refusal("GangSchedulingDisabled", "spec.runPolicy.schedulingPolicy: no gang scheduler is served.")]
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=[r.reason for r in REFUSALS])
+@pytest.mark.parametrize("when", [0, 2], ids=["new", "running"])
+def test_a_refused_job_fails_alike_in_both_drivers(tmp_path, refusal, when):
+    j = job("ParameterServer")
+    cluster, local = Cluster(), Local(j, tmp_path)
+    story = [Beat(0, {}), Beat(1, {n: R for n in PS}, step=5)][:when]
+    for beat in story:
+        assert cluster.round(j, beat, PS) == local.round(j, beat, PS)
+    refused = Beat(when, {n: R for n in PS} if when else {}, step=6 if when else None)
+    by_cluster, by_local = cluster.round(j, refused, PS, refusal), local.round(j, refused, PS, refusal)
+    assert by_cluster == by_local
+    assert by_cluster["state"] == "Failed" and by_cluster["events"] == [refusal.reason]
+    assert by_cluster["stop"] == (PS if when else []) and by_cluster["start"] == []
+    cluster_status = {k: v for k, v in to_dict(cluster.status).items() if k != "selector"}
+    assert cluster_status == {k: v for k, v in to_dict(local.backend.status).items() if k != "selector"}
+    failed = next(c for c in cluster_status["conditions"] if c["type"] == "Failed")
+    assert (failed["status"], failed["reason"], failed["message"]) == ("True", refusal.reason, refusal.message)
+    assert cluster_status["completionTime"] == iso(T0 + when)
+    memory = cluster_status["memory"]
+    assert "activeSince" not in memory and memory["activeSeconds"] == when  # the clock is paused
+    # Failed for good: a later round changes nothing, refused or not.
+    later = Beat(when + 5, {})
+    assert cluster.round(j, later, PS)["state"] == local.round(j, later, PS, refusal)["state"] == "Failed"
+    assert to_dict(cluster.status)["completionTime"] == to_dict(local.backend.status)["completionTime"] == iso(T0 + when)

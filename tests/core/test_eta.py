@@ -6,7 +6,9 @@ import pytest
 
 from kubetrain_operator.core import eta
 from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.reconcile import Progress, iso, reconcile
+from kubetrain_operator.core.engine import ProgressReading
+from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.api.status import to_dict
 from test_reconcile import T0, job
 
 
@@ -45,17 +47,17 @@ def test_the_engine_writes_the_eta_into_the_status_from_the_steps_it_reads():
     j = job("Single")
     status = {"state": "Running", "startTime": iso(T0)}
     pods = {"single-0": Pod("single-0", "Running")}
-    first = reconcile(j, "u", "t", pods, status, T0 + 5, Progress(step=10, total_steps=1010))
-    assert "etaSeconds" not in first.status["progress"]  # one reading is no rate yet
-    second = reconcile(j, "u", "t", pods, first.status, T0 + 10, Progress(step=60, total_steps=1010))
-    assert second.status["progress"]["etaSeconds"] == 95  # 950 steps left at 10 steps/s
-    assert second.status["memory"]["stepsPerSecond"] == 10.0
+    first = reconcile(j, "u", "t", pods, status, T0 + 5, ProgressReading(step=10, total_steps=1010))
+    assert "etaSeconds" not in to_dict(first.status)["progress"]  # one reading is no rate yet
+    second = reconcile(j, "u", "t", pods, first.status, T0 + 10, ProgressReading(step=60, total_steps=1010))
+    assert to_dict(second.status)["progress"]["etaSeconds"] == 95  # 950 steps left at 10 steps/s
+    assert to_dict(second.status)["memory"]["stepsPerSecond"] == 10.0
     # No new step: the status is not rewritten (the ETA of the last step stands).
-    same = reconcile(j, "u", "t", pods, second.status, T0 + 12, Progress(step=60, total_steps=1010))
-    assert same.status["progress"] == second.status["progress"]
+    same = reconcile(j, "u", "t", pods, second.status, T0 + 12, ProgressReading(step=60, total_steps=1010))
+    assert to_dict(same.status)["progress"] == to_dict(second.status)["progress"]
     done = {"single-0": Pod("single-0", "Succeeded", exit_code=0)}
-    end = reconcile(j, "u", "t", done, second.status, T0 + 20, Progress(step=1010, total_steps=1010))
-    assert end.status["state"] == "Succeeded" and end.status["progress"]["etaSeconds"] == 0
+    end = reconcile(j, "u", "t", done, second.status, T0 + 20, ProgressReading(step=1010, total_steps=1010))
+    assert to_dict(end.status)["state"] == "Succeeded" and to_dict(end.status)["progress"]["etaSeconds"] == 0
     failed = reconcile(j, "u", "t", {"single-0": Pod("single-0", "Failed", exit_code=2)}, second.status, T0 + 20,
-                       Progress(step=60, total_steps=1010))
-    assert failed.status["state"] == "Failed" and "etaSeconds" not in failed.status["progress"]
+                       ProgressReading(step=60, total_steps=1010))
+    assert to_dict(failed.status)["state"] == "Failed" and "etaSeconds" not in to_dict(failed.status)["progress"]

@@ -13,7 +13,9 @@ from kubetrain_operator.api.spec import FT_PORT
 from kubetrain_operator.core.children import ClusterEndpoints, children
 from kubetrain_operator.core import engine
 from kubetrain_operator.core.plan import plan_replicas, replica_names
-from kubetrain_operator.core.reconcile import Progress, iso, reconcile
+from kubetrain_operator.core.engine import ProgressReading
+from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.api.status import to_dict
 
 from core.test_reconcile import T0, Pod, created_pods
 
@@ -149,12 +151,12 @@ def test_a_lost_group_is_replaced_alone_and_the_job_trains_on():
     status = active(checkpointAtLastRestart=0)
     status["lastCheckpoint"] = {"step": 100}
     pods["ddp-1"] = Pod("ddp-1", "Running", uid="ddp-1-1", restart_count=1, last_exit_code=137)
-    act = reconcile(ft_job(), "u", "tok", pods, status, T0 + 5, Progress(step=120, checkpoint_step=100),
+    act = reconcile(ft_job(), "u", "tok", pods, status, T0 + 5, ProgressReading(step=120, checkpoint_step=100),
                     existing=EXISTING)
-    assert act.status["restarts"] == 1 and act.events[0][:2] == ("Warning", "ReplicaGroupLost")
+    assert to_dict(act.status)["restarts"] == 1 and act.events[0][:2] == ("Warning", "ReplicaGroupLost")
     assert "the other replica groups train on" in act.events[0][2]
     assert act.delete_pods == [] and act.scale_statefulset is None and created_pods(act) == []
-    assert act.status["state"] != "Failed"
+    assert to_dict(act.status)["state"] != "Failed"
 
 
 def test_a_group_that_keeps_failing_without_progress_backs_off_but_one_lost_while_the_job_progresses_does_not():
@@ -165,12 +167,12 @@ def test_a_group_that_keeps_failing_without_progress_backs_off_but_one_lost_whil
     status["lastCheckpoint"] = {"step": 400}
     status["memory"]["checkpointAtLastRestart"] = 300
     act = reconcile(ft_job(), "u", "tok", pods, status, T0, existing=EXISTING)
-    assert act.status["memory"]["pendingRestarts"]["ddp-2"] == pytest.approx(T0)  # at once
+    assert to_dict(act.status)["memory"]["pendingRestarts"]["ddp-2"] == pytest.approx(T0)  # at once
     pods["ddp-2"] = Pod("ddp-2", "Failed", exit_code=1, uid="ddp-2-2")
-    act = reconcile(ft_job(), "u", "tok", pods, {**act.status, "memory": {**act.status["memory"],
+    act = reconcile(ft_job(), "u", "tok", pods, {**to_dict(act.status), "memory": {**to_dict(act.status)["memory"],
                                                                             "pendingRestarts": {}}},
                     T0 + 1, existing=EXISTING)
-    assert act.status["memory"]["pendingRestarts"]["ddp-2"] == pytest.approx(T0 + 2)  # no new checkpoint: 1 s
+    assert to_dict(act.status)["memory"]["pendingRestarts"]["ddp-2"] == pytest.approx(T0 + 2)  # no new checkpoint: 1 s
 
 
 def test_a_lost_lighthouse_is_replaced_and_the_groups_are_left_alone():
@@ -190,7 +192,7 @@ def test_the_job_succeeds_when_its_groups_did_and_its_lighthouse_is_stopped_what
     pods = {n: Pod(n, "Running", exit_code=0, uid=f"{n}-1") for n in GROUPS}  # exited 0, restarted in place
     pods[LIGHTHOUSE] = Pod(LIGHTHOUSE, "Running", uid="lh-1")
     act = reconcile(job, "u", "tok", pods, active(), T0 + 1, existing=EXISTING)
-    assert act.status["state"] == "Succeeded" and act.delete_pods == ["j-lighthouse-0"]
+    assert to_dict(act.status)["state"] == "Succeeded" and act.delete_pods == ["j-lighthouse-0"]
 
 
 def test_a_group_still_running_when_another_finished_is_stopped_and_the_job_succeeds():
@@ -200,19 +202,19 @@ def test_a_group_still_running_when_another_finished_is_stopped_and_the_job_succ
     pods = {"ddp-1": Pod("ddp-1", "Succeeded", exit_code=0, uid="b", final={"steps": 300, "eval_accuracy": 0.97}),
             "ddp-2": Pod("ddp-2", "Running", uid="c"), LIGHTHOUSE: Pod(LIGHTHOUSE, "Running", uid="d")}
     act = reconcile(ft_job(), "u", "tok", pods, active(), T0, existing=EXISTING)
-    assert act.status["state"] == "Succeeded"
-    assert act.status["progress"]["step"] == 300 and act.status["progress"]["evalAccuracy"] == 0.97
+    assert to_dict(act.status)["state"] == "Succeeded"
+    assert to_dict(act.status)["progress"]["step"] == 300 and to_dict(act.status)["progress"]["evalAccuracy"] == 0.97
     assert "ddp-2 was stopped with nothing left to train" in next(e[2] for e in act.events if e[1] == "Completed")
     assert act.scale_statefulset == 0 and act.delete_pods == ["j-lighthouse-0"]
 
 
 def test_the_status_shows_the_quorum_read_from_a_group():
-    act = reconcile(ft_job(), "u", "tok", up(*GROUPS, LIGHTHOUSE), active(), T0 + 1, Progress(step=50, quorum=2),
+    act = reconcile(ft_job(), "u", "tok", up(*GROUPS, LIGHTHOUSE), active(), T0 + 1, ProgressReading(step=50, quorum=2),
                     existing=EXISTING)
-    assert act.status["quorum"]["participants"] == 2 and act.status["quorum"]["groups"] == 3
-    again = reconcile(ft_job(), "u", "tok", up(*GROUPS, LIGHTHOUSE), act.status, T0 + 2, Progress(step=60, quorum=2),
+    assert to_dict(act.status)["quorum"]["participants"] == 2 and to_dict(act.status)["quorum"]["groups"] == 3
+    again = reconcile(ft_job(), "u", "tok", up(*GROUPS, LIGHTHOUSE), act.status, T0 + 2, ProgressReading(step=60, quorum=2),
                       existing=EXISTING)
-    assert again.status["quorum"] == act.status["quorum"]  # unchanged: not written again
+    assert to_dict(again.status)["quorum"] == to_dict(act.status)["quorum"]  # unchanged: not written again
 
 
 def test_scaling_down_and_up_adds_and_removes_groups_without_touching_the_others():
@@ -224,18 +226,18 @@ def test_scaling_down_and_up_adds_and_removes_groups_without_touching_the_others
     assert act.events[0][1] == "Resized" and "ddp-2 leaves" in act.events[0][2]
     assert act.delete_pods == ["j-ddp-2"] and act.scale_statefulset is None
     sts = next(o for o in act.replace if o["kind"] == "StatefulSet")
-    assert sts["spec"]["replicas"] == 2 and act.status["restarts"] == 0 and act.status["state"] == "Running"
+    assert sts["spec"]["replicas"] == 2 and to_dict(act.status)["restarts"] == 0 and to_dict(act.status)["state"] == "Running"
     del pods["ddp-2"]
     bigger = ft_job(nodes=3, minNodes=2, maxNodes=3)
     act = reconcile(bigger, "u", "tok", pods, act.status, T0 + 2, existing=EXISTING)
     assert "ddp-2 joins" in act.events[0][2] and act.delete_pods == []
     assert next(o for o in act.replace if o["kind"] == "StatefulSet")["spec"]["replicas"] == 3
-    assert act.status["restarts"] == 0 and act.status["memory"]["identities"] == {
+    assert to_dict(act.status)["restarts"] == 0 and to_dict(act.status)["memory"]["identities"] == {
         n: f"{n}-1" for n in ("ddp-0", "ddp-1", LIGHTHOUSE)}  # the same incarnations: none restarted
     # The StatefulSet makes ddp-2 again: a new member of the job, not a replacement of the one that left.
     pods["ddp-2"] = Pod("ddp-2", "Running", uid="ddp-2-2")
     act = reconcile(bigger, "u", "tok", pods, act.status, T0 + 3, existing=EXISTING)
-    assert act.status["restarts"] == 0 and act.events == [] and act.status["state"] == "Running"
+    assert to_dict(act.status)["restarts"] == 0 and act.events == [] and to_dict(act.status)["state"] == "Running"
 
 
 def test_under_kueue_a_resize_stops_every_group_until_the_new_size_is_admitted():

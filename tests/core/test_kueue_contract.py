@@ -6,6 +6,7 @@ from kubetrain_operator.core import kueue
 from kubetrain_operator.core.children import NODE_LOST_TAINTS, Settings
 from kubetrain_operator.core.reconcile import PodObservation as Pod
 from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.api.status import to_dict
 
 T0 = 1_800_000_000.0
 NOW = "2027-01-15T08:00:00Z"
@@ -102,14 +103,14 @@ def test_a_queued_job_creates_no_pod_and_is_suspended_with_kueues_message():
     queued = kueue.admission(workload_status(("QuotaReserved", "False", "Pending", "insufficient quota")))
     act = reconcile(j, "u", "tok", {}, {}, T0, admission=queued)
     assert [o for o in act.create if o["kind"] == "Pod"] == []
-    assert act.status["state"] == "Suspended"
-    cond = next(c for c in act.status["conditions"] if c["type"] == "Suspended")
+    assert to_dict(act.status)["state"] == "Suspended"
+    cond = next(c for c in to_dict(act.status)["conditions"] if c["type"] == "Suspended")
     assert cond["reason"] == "QueuedForAdmission"
     assert cond["message"] == "Waiting for Kueue to admit the job in LocalQueue team: insufficient quota"
     assert ("Normal", "QueuedForAdmission") in [e[:2] for e in act.events]
     # The next round, still queued: no second Event, the clock still stopped.
     again = reconcile(j, "u", "tok", {}, act.status, T0 + 30, admission=queued)
-    assert again.events == [] and again.status["memory"].get("activeSince") is None
+    assert again.events == [] and to_dict(again.status)["memory"].get("activeSince") is None
 
 
 def test_admitted_pods_start_with_the_admissions_node_selectors_and_tolerations():
@@ -135,10 +136,10 @@ def test_eviction_stops_every_replica_gracefully_and_readmission_resumes_the_job
     evicted = kueue.admission(workload_status(("Evicted", "True", "Preempted", "Preempted by a higher priority Workload")))
     act = reconcile(j, "u", "tok", running, status, T0 + 60, admission=evicted)
     assert sorted(act.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"] and act.create == []
-    assert act.status["state"] == "Suspended"
+    assert to_dict(act.status)["state"] == "Suspended"
     assert ("Warning", "Preempted") in [e[:2] for e in act.events]
-    assert act.status["memory"]["activeSeconds"] == 60 and act.status["memory"].get("activeSince") is None
-    assert act.status["restarts"] == 0  # no restart counted against the backoff limit
+    assert to_dict(act.status)["memory"]["activeSeconds"] == 60 and to_dict(act.status)["memory"].get("activeSince") is None
+    assert to_dict(act.status)["restarts"] == 0  # no restart counted against the backoff limit
     back = reconcile(j, "u", "tok", {}, act.status, T0 + 300, admission=kueue.admission(ADMITTED), existing=set())
     assert sorted(o["metadata"]["name"] for o in back.create if o["kind"] == "Pod") == ["j-ps-0", "j-worker-0", "j-worker-1"]
     assert ("Normal", "Resumed") in [e[:2] for e in back.events]
@@ -200,18 +201,18 @@ def test_a_resized_job_has_its_workload_made_again_and_waits_for_kueue_to_admit_
     status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0, "size": 2}}
     held = reconcile(at_3, "u", "tok", running, status, T0 + 60, admission=kueue.resizing(at_3))
     assert sorted(held.delete_pods) == ["j-ps-0", "j-worker-0", "j-worker-1"] and held.create == []
-    assert held.status["state"] == "Suspended" and held.status["restarts"] == 0
-    suspended = next(c for c in held.status["conditions"] if c["type"] == "Suspended")
+    assert to_dict(held.status)["state"] == "Suspended" and to_dict(held.status)["restarts"] == 0
+    suspended = next(c for c in to_dict(held.status)["conditions"] if c["type"] == "Suspended")
     assert suspended["reason"] == "Resizing"
     assert suspended["message"].startswith("Resized to 3 workers: the job's Kueue Workload is made again")
-    assert held.status["replicas"] == 2  # still the size it ran at
+    assert to_dict(held.status)["replicas"] == 2  # still the size it ran at
     # The new Workload queued: Kueue's words, and what the job waits for at which size.
     too_big = kueue.admission(workload_status(("QuotaReserved", "False", "Pending", "couldn't assign flavors to pod "
                                                "set worker: insufficient quota for cpu in flavor f, ... > maximum "
                                                "capacity (4)")))
     queued = reconcile(at_3, "u", "tok", {}, held.status, T0 + 70, admission=too_big)
-    waiting = next(c for c in queued.status["conditions"] if c["type"] == "Suspended")
-    assert waiting["reason"] == "QueuedForAdmission" and queued.create == [] and queued.status["replicas"] == 2
+    waiting = next(c for c in to_dict(queued.status)["conditions"] if c["type"] == "Suspended")
+    assert waiting["reason"] == "QueuedForAdmission" and queued.create == [] and to_dict(queued.status)["replicas"] == 2
     assert waiting["message"] == ("Resized from 2 to 3 workers, not admitted at the new size yet. Waiting for Kueue "
                                   "to admit the job in LocalQueue team: couldn't assign flavors to pod set worker: "
                                   "insufficient quota for cpu in flavor f, ... > maximum capacity (4)")
@@ -222,7 +223,7 @@ def test_a_resized_job_has_its_workload_made_again_and_waits_for_kueue_to_admit_
     back = reconcile(at_3, "u", "tok", {}, held.status, T0 + 90, admission=kueue.admission(admitted), existing=set())
     assert sorted(o["metadata"]["name"] for o in back.create if o["kind"] == "Pod") == [
         "j-ps-0", "j-worker-0", "j-worker-1", "j-worker-2"]
-    assert [o["kind"] for o in back.replace] == ["ConfigMap"] and back.status["replicas"] == 3
+    assert [o["kind"] for o in back.replace] == ["ConfigMap"] and to_dict(back.status)["replicas"] == 3
     assert [e[1] for e in back.events] == ["Resumed", "Resized"]
     assert back.events[1][2].startswith("Resized from 2 to 3 workers while stopped: the job resumes at the new size")
-    assert back.status["restarts"] == 0
+    assert to_dict(back.status)["restarts"] == 0

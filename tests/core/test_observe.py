@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kubetrain_operator.controller import observe
+from kubetrain_operator.api.status import to_dict
 from kubetrain_operator.controller.observe import (owned_by, owner_of, parse_metrics, pod_observation, progress_from,
                                                    termination_results)
 
@@ -126,8 +127,8 @@ def test_a_huge_number_in_the_final_results_costs_the_round_nothing():
                              "spec": {}, "status": {"phase": "Succeeded", "containerStatuses": [
                                  {"name": "trainer", "state": {"terminated": {"exitCode": 0, "message": message}}}]}})
     act = reconcile(job, "u", "t", {"single-0": ended}, {"state": "Running"}, 1000.0, None)
-    assert act.status["state"] == "Succeeded"
-    assert act.status["progress"]["step"] == 7 and act.status["progress"]["loss"] == 0.25
+    assert to_dict(act.status)["state"] == "Succeeded"
+    assert to_dict(act.status)["progress"]["step"] == 7 and to_dict(act.status)["progress"]["loss"] == 0.25
 
 
 def test_a_pod_belongs_to_the_job_that_owns_it_not_to_the_one_its_labels_name():
@@ -144,9 +145,9 @@ def test_a_pod_belongs_to_the_job_that_owns_it_not_to_the_one_its_labels_name():
 
 
 def test_the_operators_index_files_a_pod_under_its_owner():
-    from kubetrain_operator.controller import handlers
+    from kubetrain_operator.controller.index import Index, observed_pod
 
-    index = handlers.Index()
+    index = Index()
     key = ("ns", "victim")
     labels = {"kubetrain.dev/job-name": "victim", "kubetrain.dev/replica": "single-0"}
 
@@ -155,9 +156,9 @@ def test_the_operators_index_files_a_pod_under_its_owner():
                              "ownerReferences": [{"kind": "TrainingJob", "name": "x", "uid": owner_uid, "controller": True}]},
                 "spec": {}, "status": {"phase": phase}}
 
-    index.set_pod(key, "victim-single-0", handlers._observed_pod(raw("victim-single-0", "u-victim", "Running")))
+    index.set_pod(key, "victim-single-0", observed_pod(raw("victim-single-0", "u-victim", "Running")))
     # Another job's pod labelled as the victim's replica, seen later (it used to win the replica).
-    index.set_pod(key, "forged", handlers._observed_pod(raw("forged", "u-attacker", "Succeeded")))
+    index.set_pod(key, "forged", observed_pod(raw("forged", "u-attacker", "Succeeded")))
     seen = index.replicas(key, "u-victim")
     assert list(seen) == ["single-0"] and seen["single-0"].phase == "Running" and seen["single-0"].uid == "victim-single-0"
 

@@ -4,7 +4,9 @@ import pytest
 
 from kubetrain_operator.api import from_object
 from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.reconcile import Progress, iso, reconcile
+from kubetrain_operator.core.engine import ProgressReading
+from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.api.status import to_dict
 
 T0 = 1_800_000_000.0
 
@@ -29,18 +31,18 @@ def test_new_job_creates_every_child_and_reports_created():
     act = reconcile(job(), "u", "tok", {}, {}, T0)
     kinds = [o["kind"] for o in act.create]
     assert kinds.count("Pod") == 3 and "ConfigMap" in kinds and "Secret" in kinds
-    assert act.status["state"] == "Created"
-    assert act.status["startTime"] == iso(T0)
-    assert act.status["observedGeneration"] == 3
-    assert act.status["workers"] == 2
+    assert to_dict(act.status)["state"] == "Created"
+    assert to_dict(act.status)["startTime"] == iso(T0)
+    assert to_dict(act.status)["observedGeneration"] == 3
+    assert to_dict(act.status)["workers"] == 2
 
 
 def test_existing_children_are_not_created_again():
     existing = {("ConfigMap", "j-config"), ("Secret", "j-token"), ("Service", "j-ps-0"), ("PersistentVolumeClaim", "j-ckpt-ps-0")}
     act = reconcile(job(), "u", "tok", running(*PS_PODS), {"state": "Running", "startTime": iso(T0)}, T0 + 1, existing=existing)
     assert act.create == []
-    assert act.status["state"] == "Running"
-    assert act.status["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
+    assert to_dict(act.status)["state"] == "Running"
+    assert to_dict(act.status)["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
 
 
 def test_failed_worker_is_deleted_then_recreated_after_backoff():
@@ -49,16 +51,16 @@ def test_failed_worker_is_deleted_then_recreated_after_backoff():
     status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(), "u", "tok", pods, status, T0 + 5)
     assert act.delete_pods == ["j-worker-1"]
-    assert act.status["restarts"] == 1
-    assert act.status["state"] == "Restarting"
+    assert to_dict(act.status)["restarts"] == 1
+    assert to_dict(act.status)["state"] == "Restarting"
     assert act.events[0][:2] == ("Warning", "Killed")
-    assert "worker-1" in act.status["memory"]["pendingRestarts"]
+    assert "worker-1" in to_dict(act.status)["memory"]["pendingRestarts"]
     # Next round: the pod is gone; the first restart is at once.
     del pods["worker-1"]
     act2 = reconcile(job(), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
     assert "j-worker-1" in created_pods(act2)
-    assert act2.status["memory"]["pendingRestarts"] == {}
-    assert act2.status["restarts"] == 1
+    assert to_dict(act2.status)["memory"]["pendingRestarts"] == {}
+    assert to_dict(act2.status)["restarts"] == 1
     # A second failure waits its backoff (1 s) before the pod comes back.
     pods["worker-1"] = Pod("worker-1", "Failed", exit_code=1)
     act3 = reconcile(job(), "u", "tok", pods, act2.status, T0 + 10)
@@ -73,7 +75,7 @@ def test_failed_worker_is_deleted_then_recreated_after_backoff():
 def test_deleted_pod_counts_as_a_restart():
     pods = running("ps-0", "worker-0")
     act = reconcile(job(), "u", "tok", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
-    assert act.status["restarts"] == 1
+    assert to_dict(act.status)["restarts"] == 1
     assert act.events[0][1] == "Deleted"
 
 
@@ -82,9 +84,9 @@ def test_restart_policies(policy, code, state):
     pods = running(*PS_PODS)
     pods["worker-0"] = Pod("worker-0", "Failed", exit_code=code)
     act = reconcile(job(restartPolicy={"policy": policy}), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
-    assert act.status["state"] == state
+    assert to_dict(act.status)["state"] == state
     if state == "Failed":
-        assert act.status["completionTime"] == iso(T0 + 1)
+        assert to_dict(act.status)["completionTime"] == iso(T0 + 1)
         assert set(act.delete_pods) == {"j-ps-0", "j-worker-1"}  # cleanPodPolicy Running
 
 
@@ -93,7 +95,7 @@ def test_eviction_is_a_restart_with_its_reason():
     pods["ps-0"] = Pod("ps-0", "Failed", reason="Evicted")
     act = reconcile(job(), "u", "t", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
     assert act.events[0][1] == "Evicted"
-    assert act.status["conditions"][-1]["reason"] == "Evicted"
+    assert to_dict(act.status)["conditions"][-1]["reason"] == "Evicted"
 
 
 def test_backoff_limit_fails_the_job():
@@ -101,8 +103,8 @@ def test_backoff_limit_fails_the_job():
     pods["worker-0"] = Pod("worker-0", "Failed", exit_code=1)
     status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}, "restarts": 6}
     act = reconcile(job(), "u", "t", pods, status, T0 + 1)
-    assert act.status["state"] == "Failed"
-    assert [c for c in act.status["conditions"] if c["type"] == "Failed"][0]["reason"] == "BackoffLimitExceeded"
+    assert to_dict(act.status)["state"] == "Failed"
+    assert [c for c in to_dict(act.status)["conditions"] if c["type"] == "Failed"][0]["reason"] == "BackoffLimitExceeded"
 
 
 def test_restarts_without_progress_fail_the_job():
@@ -112,7 +114,7 @@ def test_restarts_without_progress_fail_the_job():
               "restartsWithoutProgress": 3, "lastCheckpoint": {"step": 50, "time": iso(T0)},
               "memory": {"activeSince": T0, "checkpointAtLastRestart": 50}}
     act = reconcile(job(), "u", "t", pods, status, T0 + 1)
-    assert act.status["state"] == "Failed"
+    assert to_dict(act.status)["state"] == "Failed"
     assert act.events[-1][1] == "NoProgress"
 
 
@@ -120,13 +122,13 @@ def test_progress_is_recorded_and_a_stall_is_a_hang():
     j = job(runPolicy={"progressDeadlineSeconds": 60})
     status = {"state": "Running", "startTime": iso(T0)}
     act = reconcile(j, "u", "t", running(*PS_PODS), status, T0 + 10,
-                    Progress(step=40, total_steps=200, loss=0.5, checkpoint_step=25, checkpoint_time=T0 + 8))
-    assert act.status["progress"]["step"] == 40
-    assert act.status["lastCheckpoint"] == {"step": 25, "time": iso(T0 + 8)}
-    act2 = reconcile(j, "u", "t", running(*PS_PODS), act.status, T0 + 50, Progress(step=40))
-    assert act2.status["restarts"] == 0
-    act3 = reconcile(j, "u", "t", running(*PS_PODS), act2.status, T0 + 71, Progress(step=40))
-    assert act3.status["restarts"] == 1
+                    ProgressReading(step=40, total_steps=200, loss=0.5, checkpoint_step=25, checkpoint_time=T0 + 8))
+    assert to_dict(act.status)["progress"]["step"] == 40
+    assert to_dict(act.status)["lastCheckpoint"] == {"step": 25, "time": iso(T0 + 8)}
+    act2 = reconcile(j, "u", "t", running(*PS_PODS), act.status, T0 + 50, ProgressReading(step=40))
+    assert to_dict(act2.status)["restarts"] == 0
+    act3 = reconcile(j, "u", "t", running(*PS_PODS), act2.status, T0 + 71, ProgressReading(step=40))
+    assert to_dict(act3.status)["restarts"] == 1
     assert act3.events[0][1] == "Hung"
     assert act3.delete_pods == ["j-worker-0"]
 
@@ -136,14 +138,14 @@ def test_workers_done_then_shards_done_is_success_with_clean_pod_policy():
             "worker-1": Pod("worker-1", "Succeeded", exit_code=0)}
     st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(), "u", "t", pods, st, T0 + 1)
-    assert act.status["state"] == "Running" and act.delete_pods == []
+    assert to_dict(act.status)["state"] == "Running" and act.delete_pods == []
     drained = reconcile(job(), "u", "t", pods, act.status, T0 + 200)
     # Drained too long: the shard is stopped gracefully and the job has succeeded.
-    assert drained.delete_pods == ["j-ps-0"] and drained.status["state"] == "Succeeded"
+    assert drained.delete_pods == ["j-ps-0"] and to_dict(drained.status)["state"] == "Succeeded"
     assert "were stopped" in drained.events[-1][2]
     pods["ps-0"] = Pod("ps-0", "Succeeded", exit_code=0)
     act = reconcile(job(runPolicy={"cleanPodPolicy": "All"}), "u", "t", pods, act.status, T0 + 21)
-    assert act.status["state"] == "Succeeded"
+    assert to_dict(act.status)["state"] == "Succeeded"
     assert set(act.delete_pods) == {"j-ps-0", "j-worker-0", "j-worker-1"}
 
 
@@ -151,19 +153,19 @@ def test_suspend_stops_pods_and_resume_recreates_them():
     st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(runPolicy={"suspend": True}), "u", "t", running(*PS_PODS), st, T0 + 1)
     assert set(act.delete_pods) == {"j-ps-0", "j-worker-0", "j-worker-1"}
-    assert act.status["state"] == "Suspended"
+    assert to_dict(act.status)["state"] == "Suspended"
     act = reconcile(job(runPolicy={"suspend": True}), "u", "t", {}, act.status, T0 + 2)
     assert act.create == [] or all(o["kind"] != "Pod" for o in act.create)
     act = reconcile(job(), "u", "t", {}, act.status, T0 + 3)
     assert sorted(created_pods(act)) == ["j-ps-0", "j-worker-0", "j-worker-1"]
-    assert act.status["restarts"] == 0
+    assert to_dict(act.status)["restarts"] == 0
     assert act.events[0][1] == "Resumed"
 
 
 def test_active_deadline_fails_with_deadline_exceeded():
     act = reconcile(job(runPolicy={"activeDeadlineSeconds": 30}), "u", "t", running(*PS_PODS),
                     {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 31)
-    assert act.status["state"] == "Failed"
+    assert to_dict(act.status)["state"] == "Failed"
     assert act.events[-1][1] == "DeadlineExceeded"
 
 
@@ -178,7 +180,7 @@ def test_ttl_deletes_a_finished_job():
 def test_image_pull_failure_is_reported():
     pods = {n: Pod(n, "Pending", waiting_reason="ImagePullBackOff", waiting_message="not found") for n in PS_PODS}
     act = reconcile(job(), "u", "t", pods, {"state": "Created", "startTime": iso(T0)}, T0 + 1)
-    cond = act.status["conditions"][0]
+    cond = to_dict(act.status)["conditions"][0]
     assert cond["reason"] == "ImagePullFailed" and "ImagePullBackOff" in cond["message"]
 
 
@@ -186,12 +188,12 @@ def test_ddp_rank_restart_in_place_is_counted_and_success_scales_down():
     j = job("DDP")
     pods = {"ddp-0": Pod("ddp-0", "Running"), "ddp-1": Pod("ddp-1", "Running", restart_count=1, last_exit_code=1)}
     act = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}, T0 + 1)
-    assert act.status["restarts"] == 1
+    assert to_dict(act.status)["restarts"] == 1
     act = reconcile(j, "u", "t", pods, act.status, T0 + 2)
-    assert act.status["restarts"] == 1  # the same restart is not counted twice
+    assert to_dict(act.status)["restarts"] == 1  # the same restart is not counted twice
     done = {n: Pod(n, "Running", restart_count=2, last_exit_code=0) for n in ("ddp-0", "ddp-1")}
     act = reconcile(j, "u", "t", done, act.status, T0 + 3)
-    assert act.status["state"] == "Succeeded"
+    assert to_dict(act.status)["state"] == "Succeeded"
     assert act.scale_statefulset == 0
 
 
@@ -200,32 +202,32 @@ def test_ddp_pod_replaced_by_its_statefulset_is_one_restart_with_reason_deleted(
     st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
     act = reconcile(j, "u", "t", pods, st, T0 + 1)
-    assert act.status["restarts"] == 0
+    assert to_dict(act.status)["restarts"] == 0
 
     # ddp-1 deleted and recreated under the same name between two rounds.
     pods["ddp-1"] = Pod("ddp-1", "Pending", uid="ddp-1-b")
     act = reconcile(j, "u", "t", pods, act.status, T0 + 2)
-    assert act.status["restarts"] == 1
+    assert to_dict(act.status)["restarts"] == 1
     assert [e[1] for e in act.events if e[0] == "Warning"] == ["Deleted"]
-    assert "ddp-1 was deleted" in act.status["conditions"][0]["message"] or any(
+    assert "ddp-1 was deleted" in to_dict(act.status)["conditions"][0]["message"] or any(
         "ddp-1 was deleted" in e[2] for e in act.events)
     assert act.delete_pods == [] and act.scale_statefulset is None  # the StatefulSet already replaced it
 
     act = reconcile(j, "u", "t", pods, act.status, T0 + 3)
-    assert act.status["restarts"] == 1  # seen once, counted once
+    assert to_dict(act.status)["restarts"] == 1  # seen once, counted once
 
 
 def test_ddp_hung_rank_deleted_by_the_operator_is_not_counted_again_when_replaced():
     j = job("DDP", runPolicy={"progressDeadlineSeconds": 60})
     pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
     st = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0)}, T0,
-                   progress=Progress(step=5)).status
+                   progress=ProgressReading(step=5)).status
     act = reconcile(j, "u", "t", pods, st, T0 + 61)
-    assert act.status["restarts"] == 1 and act.delete_pods == ["j-ddp-0"]
+    assert to_dict(act.status)["restarts"] == 1 and act.delete_pods == ["j-ddp-0"]
 
     pods["ddp-0"] = Pod("ddp-0", "Running", uid="ddp-0-b")
     act = reconcile(j, "u", "t", pods, act.status, T0 + 62)
-    assert act.status["restarts"] == 1
+    assert to_dict(act.status)["restarts"] == 1
 
 
 def test_ddp_pods_back_after_suspend_are_not_restarts():
@@ -236,7 +238,7 @@ def test_ddp_pods_back_after_suspend_are_not_restarts():
     st = reconcile(suspended, "u", "t", {}, st, T0 + 1).status
     back = {n: Pod(n, "Running", uid=f"{n}-b") for n in ("ddp-0", "ddp-1")}
     act = reconcile(j, "u", "t", back, st, T0 + 2)
-    assert act.status["restarts"] == 0 and act.status["state"] == "Running"
+    assert to_dict(act.status)["restarts"] == 0 and to_dict(act.status)["state"] == "Running"
 
 
 @pytest.mark.parametrize("mode, final_pods, step, checkpoint", [
@@ -261,13 +263,13 @@ def test_success_takes_the_final_step_accuracy_and_checkpoint_from_the_terminati
 
     act = reconcile(j, "u", "t", pods, old, T0 + 1)
 
-    assert act.status["state"] == "Succeeded"
-    progress = act.status["progress"]
+    assert to_dict(act.status)["state"] == "Succeeded"
+    progress = to_dict(act.status)["progress"]
     assert progress["step"] == progress["totalSteps"] == step
     assert progress["evalAccuracy"] == final_pods[{"Single": "single-0", "ParameterServer": "worker-0",
                                                    "DDP": "ddp-0"}[mode]]["eval_accuracy"]
-    assert act.status["lastCheckpoint"] == {"step": checkpoint, "time": iso(T0)}
-    counts = act.status["replicaStatuses"]
+    assert to_dict(act.status)["lastCheckpoint"] == {"step": checkpoint, "time": iso(T0)}
+    counts = to_dict(act.status)["replicaStatuses"]
     assert all(c["active"] == 0 and c["succeeded"] > 0 for c in counts.values()), counts
 
 
@@ -276,26 +278,26 @@ def test_ddp_ranks_that_exited_zero_count_as_succeeded_not_active():
     # restartPolicy Always: a rank that exited 0 shows phase Running, its container terminated (0).
     pods = {n: Pod(n, "Running", exit_code=0, uid=n) for n in ("ddp-0", "ddp-1")}
     act = reconcile(j, "u", "t", pods, {"state": "Running", "startTime": iso(T0)}, T0 + 1)
-    assert act.status["state"] == "Succeeded"
-    assert act.status["replicaStatuses"] == {"ddp": {"active": 0, "succeeded": 2, "failed": 0}}
+    assert to_dict(act.status)["state"] == "Succeeded"
+    assert to_dict(act.status)["replicaStatuses"] == {"ddp": {"active": 0, "succeeded": 2, "failed": 0}}
 
 
 def test_success_without_termination_messages_keeps_the_last_progress_read():
     pods = {n: Pod(n, "Succeeded", exit_code=0) for n in ("single-0",)}
     old = {"state": "Running", "startTime": iso(T0), "progress": {"step": 200, "totalSteps": 230}}
     act = reconcile(job("Single"), "u", "t", pods, old, T0 + 1)
-    assert act.status["state"] == "Succeeded" and act.status["progress"] == {"step": 200, "totalSteps": 230, "etaSeconds": 0}
+    assert to_dict(act.status)["state"] == "Succeeded" and to_dict(act.status)["progress"] == {"step": 200, "totalSteps": 230, "etaSeconds": 0}
 
 
 def test_a_scripts_reported_values_become_status_progress_metrics():
     j = job("Single", script={"command": ["python", "train.py"]})
     status = {"state": "Running", "startTime": iso(T0)}
     act = reconcile(j, "u", "t", running("single-0"), status, T0 + 10,
-                    Progress(step=7, total_steps=10, loss=0.5, metrics={"acc": 0.9, "lr": 0.01}))
-    assert act.status["progress"]["metrics"] == {"acc": 0.9, "lr": 0.01}
-    assert act.status["progress"]["loss"] == 0.5
-    act2 = reconcile(j, "u", "t", running("single-0"), act.status, T0 + 11, Progress(step=8))
-    assert "metrics" not in act2.status["progress"]
+                    ProgressReading(step=7, total_steps=10, loss=0.5, metrics={"acc": 0.9, "lr": 0.01}))
+    assert to_dict(act.status)["progress"]["metrics"] == {"acc": 0.9, "lr": 0.01}
+    assert to_dict(act.status)["progress"]["loss"] == 0.5
+    act2 = reconcile(j, "u", "t", running("single-0"), act.status, T0 + 11, ProgressReading(step=8))
+    assert "metrics" not in to_dict(act2.status)["progress"]
 
 
 def test_a_script_job_runs_the_script_role_in_every_replica():
@@ -320,9 +322,9 @@ def test_a_scripts_last_reported_values_reach_the_status_from_its_termination_me
     old = {"state": "Running", "startTime": iso(T0),
            "progress": {"step": 290, "totalSteps": 300, "metrics": {"lr": 0.01}}}
     act = reconcile(j, "u", "t", pods, old, T0 + 1)
-    assert act.status["state"] == "Succeeded"
-    assert act.status["progress"]["step"] == 300
-    assert act.status["progress"]["metrics"] == {"lr": 0.01, "weight_norm": 5.9}
+    assert to_dict(act.status)["state"] == "Succeeded"
+    assert to_dict(act.status)["progress"]["step"] == 300
+    assert to_dict(act.status)["progress"]["metrics"] == {"lr": 0.01, "weight_norm": 5.9}
 
 
 def test_a_pod_listens_on_every_interface_and_a_local_replica_on_loopback_only(tmp_path):
@@ -353,7 +355,7 @@ def test_a_job_with_a_standby_worker_creates_its_pod_running_the_standby_role_wi
     assert standby["resources"] == worker["resources"] and standby["resources"]["requests"]["cpu"] == "3"
     env = {e["name"]: e.get("value") for e in standby["env"]}
     assert env["KUBETRAIN_REPLICA"] == "standby-0" and env["KUBETRAIN_PS_ADDRS"]
-    assert act.status["workers"] == 2  # the job's size: standbys are not workers
+    assert to_dict(act.status)["workers"] == 2  # the job's size: standbys are not workers
 
 
 def test_with_standbys_the_shards_success_ends_the_job_and_stops_a_replacement_still_standing_by():
@@ -363,12 +365,12 @@ def test_with_standbys_the_shards_success_ends_the_job_and_stops_a_replacement_s
             "worker-1": Pod("worker-1", "Running"), "standby-0": Pod("standby-0", "Succeeded", exit_code=0)}
     st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(**STANDBY), "u", "t", pods, st, T0 + 1)
-    assert act.status["state"] == "Succeeded"
+    assert to_dict(act.status)["state"] == "Succeeded"
     assert act.delete_pods == ["j-worker-1"]
     # Without standbys a running worker still holds its own place: the job is not done.
     del pods["standby-0"]
     act = reconcile(job(), "u", "t", pods, st, T0 + 1)
-    assert act.status["state"] == "Running" and act.delete_pods == []
+    assert to_dict(act.status)["state"] == "Running" and act.delete_pods == []
 
 
 def test_a_failed_standby_pod_is_replaced_as_any_replica():
@@ -376,7 +378,7 @@ def test_a_failed_standby_pod_is_replaced_as_any_replica():
     pods["standby-0"] = Pod("standby-0", "Failed", exit_code=137)
     status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(**STANDBY), "u", "tok", pods, status, T0 + 5)
-    assert act.delete_pods == ["j-standby-0"] and act.status["restarts"] == 1
+    assert act.delete_pods == ["j-standby-0"] and to_dict(act.status)["restarts"] == 1
     del pods["standby-0"]
     again = reconcile(job(**STANDBY), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
     assert "j-standby-0" in created_pods(again)

@@ -15,6 +15,7 @@ from kubetrain_contract.exitcodes import EXIT_RELEASED
 from kubetrain_operator.api.load import InvalidSpec
 from kubetrain_operator.core.engine import RELEASE_GRACE_SECONDS
 from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.api.status import to_dict
 
 from core.test_reconcile import PS_PODS, T0, Pod, created_pods, job, running
 
@@ -25,7 +26,7 @@ EXISTING = {("ConfigMap", "j-config"), ("Secret", "j-token"), ("Service", "j-ps-
 
 
 def condition(status, ctype):
-    return next(c for c in status["conditions"] if c["type"] == ctype)
+    return next(c for c in to_dict(status)["conditions"] if c["type"] == ctype)
 
 
 def job_file(obj):
@@ -77,16 +78,16 @@ def test_a_scale_up_is_live_the_job_file_rendered_again_the_shards_annotated_and
     assert act.annotate_pods == {"j-ps-0": SIZE_3}  # the kubelet remounts the job file ps-0 reads
     assert act.events == [("Normal", "Resized", "Resized from 2 to 3 workers, live: worker-2 joins; ps-0 deals the "
                                                 "rest of the epoch again among the 3; nothing restarts.")]
-    assert act.status["state"] == "Running" and not any(c["type"] == "Restarting" for c in act.status["conditions"])
-    assert act.status["replicas"] == 3 and act.status["restarts"] == 0 and act.status["workers"] == 3
-    assert act.status["memory"]["size"] == 3 and act.status["memory"]["resizeTime"] == T0 + 10
+    assert to_dict(act.status)["state"] == "Running" and not any(c["type"] == "Restarting" for c in to_dict(act.status)["conditions"])
+    assert to_dict(act.status)["replicas"] == 3 and to_dict(act.status)["restarts"] == 0 and to_dict(act.status)["workers"] == 3
+    assert to_dict(act.status)["memory"]["size"] == 3 and to_dict(act.status)["memory"]["resizeTime"] == T0 + 10
     # The next round sees worker-2 Pending (the operator's expectation of the pod it created): no restart,
     # nothing rendered again, nobody annotated again.
     pods = {**running(*PS_PODS), "worker-2": Pod("worker-2", "Pending")}
     steady = reconcile(j, "u", "t", pods, act.status, T0 + 11, existing=EXISTING)
     assert steady.replace == [] and steady.annotate_pods == {} and steady.delete_pods == [] and created_pods(steady) == []
-    assert steady.events == [] and steady.status["restarts"] == 0 and steady.status["state"] == "Running"
-    assert steady.status["replicaStatuses"]["worker"] == {"active": 3, "succeeded": 0, "failed": 0}
+    assert steady.events == [] and to_dict(steady.status)["restarts"] == 0 and to_dict(steady.status)["state"] == "Running"
+    assert to_dict(steady.status)["replicaStatuses"]["worker"] == {"active": 3, "succeeded": 0, "failed": 0}
 
 
 def test_a_scale_down_is_live_the_workers_above_the_size_are_left_to_leave_by_themselves():
@@ -99,8 +100,8 @@ def test_a_scale_down_is_live_the_workers_above_the_size_are_left_to_leave_by_th
                                                 "after their step; ps-0 deals the rest of the epoch again among the "
                                                 "1; nothing restarts.")]
     # Counted at the job's size only: the departing ones are no part of it.
-    assert act.status["replicas"] == 1 and act.status["state"] == "Running"
-    assert act.status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
+    assert to_dict(act.status)["replicas"] == 1 and to_dict(act.status)["state"] == "Running"
+    assert to_dict(act.status)["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
     # The leaving workers' exits bring rounds of their own (pod events); the safety net is the period.
     assert act.requeue_after is not None and act.requeue_after <= MAX_REQUEUE_SECONDS
 
@@ -114,8 +115,8 @@ def test_a_departing_worker_that_ended_or_never_ran_is_deleted_and_never_counted
     j = job(replicas=1, restartPolicy={"policy": "Never"})
     act = reconcile(j, "u", "t", pods, at_1, T0 + 12, existing=EXISTING)
     assert act.delete_pods == ["j-worker-1"]  # worker-2 still runs: left alone
-    assert act.status["state"] == "Running" and act.status["restarts"] == 0 and act.events == []
-    assert act.status["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
+    assert to_dict(act.status)["state"] == "Running" and to_dict(act.status)["restarts"] == 0 and act.events == []
+    assert to_dict(act.status)["replicaStatuses"]["worker"] == {"active": 1, "succeeded": 0, "failed": 0}
     assert created_pods(act) == [] and act.restarted == []
 
 
@@ -125,24 +126,24 @@ def test_a_worker_released_and_wanted_again_rejoins_without_a_restart():
     is, but nothing is counted; worker-2, still running (never released), is left alone."""
     at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
     at_3 = reconcile(job(replicas=3), "u", "t", running(*AT_3), at_1, T0 + 11, existing=EXISTING)
-    assert at_3.delete_pods == [] and created_pods(at_3) == [] and at_3.status["replicas"] == 3
+    assert at_3.delete_pods == [] and created_pods(at_3) == [] and to_dict(at_3.status)["replicas"] == 3
     released = {**running("ps-0", "worker-0", "worker-2"), "worker-1": Pod("worker-1", "Failed", exit_code=EXIT_RELEASED)}
     act = reconcile(job(replicas=3), "u", "t", released, at_3.status, T0 + 12, existing=EXISTING)
     assert act.delete_pods == ["j-worker-1"] and created_pods(act) == []  # started once its pod is gone
     assert act.events == [("Normal", "Rejoining", "worker-1 was released by ps-0 at a resize and the job has 3 "
                                                   "workers again: it starts again and joins; no restart is counted.")]
-    assert act.status["restarts"] == 0 and act.restarted == [] and act.status["state"] == "Running"
-    assert act.status["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
+    assert to_dict(act.status)["restarts"] == 0 and act.restarted == [] and to_dict(act.status)["state"] == "Running"
+    assert to_dict(act.status)["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
     # Being deleted: waited for, once, with no second event.
     going = {**released, "worker-1": Pod("worker-1", "Failed", exit_code=EXIT_RELEASED, terminating=True)}
     wait = reconcile(job(replicas=3), "u", "t", going, act.status, T0 + 13, existing=EXISTING)
     assert wait.delete_pods == [] and created_pods(wait) == [] and wait.events == []
     gone = reconcile(job(replicas=3), "u", "t", running("ps-0", "worker-0", "worker-2"), wait.status, T0 + 14,
                      existing=EXISTING)
-    assert created_pods(gone) == ["j-worker-1"] and gone.events == [] and gone.status["restarts"] == 0
-    assert gone.status["memory"].get("pendingRestarts", {}) == {}
+    assert created_pods(gone) == ["j-worker-1"] and gone.events == [] and to_dict(gone.status)["restarts"] == 0
+    assert to_dict(gone.status)["memory"].get("pendingRestarts", {}) == {}
     steady = reconcile(job(replicas=3), "u", "t", running(*AT_3), gone.status, T0 + 15, existing=EXISTING)
-    assert steady.events == [] and created_pods(steady) == [] and steady.status["restarts"] == 0
+    assert steady.events == [] and created_pods(steady) == [] and to_dict(steady.status)["restarts"] == 0
 
 
 def test_a_departing_worker_still_running_after_the_grace_is_deleted_with_a_warning():
@@ -155,7 +156,7 @@ def test_a_departing_worker_still_running_after_the_grace_is_deleted_with_a_warn
     assert sorted(after.delete_pods) == ["j-worker-1", "j-worker-2"]
     assert [e[:2] for e in after.events] == [("Warning", "ReleaseTimeout")] * 2
     assert "worker-1 is above the job's size (1 workers) and still ran 120 s after the resize" in after.events[0][2]
-    assert after.status["restarts"] == 0 and after.status["state"] == "Running"
+    assert to_dict(after.status)["restarts"] == 0 and to_dict(after.status)["state"] == "Running"
     # Being deleted (its grace period): left to go.
     going = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Running", terminating=True)}
     assert reconcile(job(replicas=1), "u", "t", going, after.status, T0 + 200, existing=EXISTING).delete_pods == []
@@ -166,9 +167,9 @@ def test_the_job_succeeds_on_its_own_replicas_while_a_departing_worker_still_run
     pods = {"ps-0": Pod("ps-0", "Succeeded", exit_code=0), "worker-0": Pod("worker-0", "Succeeded", exit_code=0),
             "worker-1": Pod("worker-1", "Running")}
     act = reconcile(job(replicas=1), "u", "t", pods, at_1, T0 + 20, existing=EXISTING)
-    assert act.status["state"] == "Succeeded"
+    assert to_dict(act.status)["state"] == "Succeeded"
     assert act.delete_pods == ["j-worker-1"]  # cleanPodPolicy Running: what still runs is stopped
-    assert act.status["replicaStatuses"]["worker"] == {"active": 0, "succeeded": 1, "failed": 0}
+    assert to_dict(act.status)["replicaStatuses"]["worker"] == {"active": 0, "succeeded": 1, "failed": 0}
 
 
 def test_a_departing_worker_finished_is_not_the_job_finishing():
@@ -177,15 +178,15 @@ def test_a_departing_worker_finished_is_not_the_job_finishing():
     pods = {**running("ps-0", "worker-0"), "worker-1": Pod("worker-1", "Succeeded", exit_code=0),
             "worker-2": Pod("worker-2", "Succeeded", exit_code=0)}
     act = reconcile(job(replicas=1), "u", "t", pods, at_1, T0 + 20, existing=EXISTING)
-    assert act.status["state"] == "Running" and act.status["memory"].get("workersDoneTime") is None
+    assert to_dict(act.status)["state"] == "Running" and to_dict(act.status)["memory"].get("workersDoneTime") is None
 
 
 def test_a_restart_due_for_a_worker_above_the_new_size_is_dropped():
     pending = {**ACTIVE_AT_3, "state": "Restarting",
                "memory": {**ACTIVE_AT_3["memory"], "pendingRestarts": {"worker-2": T0 + 30, "worker-0": T0 + 30}}}
     act = reconcile(job(replicas=2), "u", "t", running("ps-0", "worker-1"), pending, T0 + 10, existing=EXISTING)
-    assert act.status["memory"]["pendingRestarts"] == {"worker-0": T0 + 30}
-    assert created_pods(act) == [] and act.status["restarts"] == 0
+    assert to_dict(act.status)["memory"]["pendingRestarts"] == {"worker-0": T0 + 30}
+    assert created_pods(act) == [] and to_dict(act.status)["restarts"] == 0
 
 
 def test_a_scale_down_before_a_new_worker_ran_deletes_its_pod():
@@ -195,7 +196,7 @@ def test_a_scale_down_before_a_new_worker_ran_deletes_its_pod():
     down = reconcile(job(replicas=2), "u", "t", pods, up.status, T0 + 11, existing=EXISTING)
     assert down.delete_pods == ["j-worker-2"] and created_pods(down) == []
     assert job_file(down.replace[0])["spec"]["parameterServer"]["workers"] == 2
-    assert down.status["restarts"] == 0 and down.status["replicas"] == 2
+    assert to_dict(down.status)["restarts"] == 0 and to_dict(down.status)["replicas"] == 2
 
 
 def test_a_scale_down_starts_only_the_smaller_set():
@@ -203,7 +204,7 @@ def test_a_scale_down_starts_only_the_smaller_set():
     act = reconcile(j, "u", "t", {}, ACTIVE_AT_2, T0 + 10, existing=EXISTING)
     assert sorted(created_pods(act)) == ["j-ps-0", "j-worker-0"]
     assert job_file(act.replace[0])["spec"]["parameterServer"]["workers"] == 1
-    assert act.status["replicas"] == 1 and act.annotate_pods == {}
+    assert to_dict(act.status)["replicas"] == 1 and act.annotate_pods == {}
 
 
 def test_a_resize_asked_while_suspended_takes_effect_when_the_job_resumes():
@@ -216,7 +217,7 @@ def test_a_resize_asked_while_suspended_takes_effect_when_the_job_resumes():
     assert [e for e in resumed.events if e[1] == "Resized"] == [(
         "Normal", "Resized", "Resized from 2 to 3 workers while stopped: the job resumes at the new size from its "
         "newest checkpoint.")]
-    assert resumed.status["restarts"] == 0
+    assert to_dict(resumed.status)["restarts"] == 0
 
 
 def test_suspending_stops_the_departing_workers_too():
@@ -229,7 +230,7 @@ def test_suspending_stops_the_departing_workers_too():
 def test_a_job_from_before_sizes_were_remembered_runs_at_its_spec_size():
     old = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(job(), "u", "t", running(*PS_PODS), old, T0 + 10, existing=EXISTING)
-    assert act.delete_pods == [] and act.status["memory"]["size"] == 2 and act.status["replicas"] == 2
+    assert act.delete_pods == [] and to_dict(act.status)["memory"]["size"] == 2 and to_dict(act.status)["replicas"] == 2
 
 
 # --- a DDP job: 2 -> 1 -> 2 nodes ---------------------------------------------------------
@@ -252,15 +253,15 @@ def test_a_ddp_resize_scales_the_group_to_zero_then_renders_its_statefulset_at_t
     command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--nnodes") + 1] == "1"
     assert job_file(kinds["ConfigMap"])["spec"]["ddp"]["nodes"] == 1
-    assert done.status["replicas"] == 1
-    assert done.status["selector"] == "kubetrain.dev/job-name=j,kubetrain.dev/role=ddp"
+    assert to_dict(done.status)["replicas"] == 1
+    assert to_dict(done.status)["selector"] == "kubetrain.dev/job-name=j,kubetrain.dev/role=ddp"
     # And back to 2.
     at_1 = reconcile(ddp(1), "u", "t", running("ddp-0"), done.status, T0 + 13, existing=EXISTING)
     grow = reconcile(ddp(2), "u", "t", running("ddp-0"), at_1.status, T0 + 20, existing=EXISTING)
     assert grow.scale_statefulset == 0
     grown = reconcile(ddp(2), "u", "t", {}, grow.status, T0 + 22, existing=EXISTING)
     sts = next(o for o in grown.replace if o["kind"] == "StatefulSet")
-    assert sts["spec"]["replicas"] == 2 and grown.status["replicas"] == 2
+    assert sts["spec"]["replicas"] == 2 and to_dict(grown.status)["replicas"] == 2
 
 
 def test_a_ddp_rank_that_failed_before_the_resize_is_stopped_too_and_no_restart_is_counted():
@@ -269,8 +270,8 @@ def test_a_ddp_rank_that_failed_before_the_resize_is_stopped_too_and_no_restart_
     pods = {**running("ddp-0"), "ddp-1": Pod("ddp-1", "Failed", exit_code=137)}
     status = {**ACTIVE_AT_2, "memory": {**ACTIVE_AT_2["memory"], "pendingRestarts": {"ddp-1": T0 + 30}}}
     act = reconcile(ddp(1), "u", "t", pods, status, T0 + 10, existing=EXISTING)
-    assert act.scale_statefulset == 0 and act.status["restarts"] == 0
-    assert act.status["memory"].get("pendingRestarts", {}) == {}
+    assert act.scale_statefulset == 0 and to_dict(act.status)["restarts"] == 0
+    assert to_dict(act.status)["memory"].get("pendingRestarts", {}) == {}
     assert condition(act.status, "Restarting")["reason"] == "Resizing"
 
 
@@ -314,4 +315,4 @@ def test_76_from_a_replica_other_than_a_worker_is_a_failure():
     single = job("Single", script={"command": ["python", "train.py"]}, restartPolicy={"policy": "Never"})
     status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
     act = reconcile(single, "u", "t", {"single-0": Pod("single-0", "Failed", exit_code=EXIT_RELEASED)}, status, T0 + 5)
-    assert act.status["state"] == "Failed" and "exited with code 76" in condition(act.status, "Failed")["message"]
+    assert to_dict(act.status)["state"] == "Failed" and "exited with code 76" in condition(act.status, "Failed")["message"]

@@ -8,6 +8,7 @@ from kubetrain_operator.controller.observe import pod_observation
 from kubetrain_operator.core.children import NODE_LOST_TAINTS, NODE_LOST_TOLERATION_SECONDS, children
 from kubetrain_operator.core.reconcile import FORCE_DELETE_AFTER_SECONDS, iso, reconcile
 from kubetrain_operator.core.reconcile import PodObservation as Pod
+from kubetrain_operator.api.status import to_dict
 
 from core.test_reconcile import PS_PODS, T0, created_pods, job, running
 
@@ -20,7 +21,7 @@ def unschedulable(*names, message=NO_NODE):
 
 
 def condition(status, ctype):
-    return next(c for c in status["conditions"] if c["type"] == ctype)
+    return next(c for c in to_dict(status)["conditions"] if c["type"] == ctype)
 
 
 def test_an_unschedulable_pod_is_the_reason_on_the_condition_with_the_schedulers_message():
@@ -29,7 +30,7 @@ def test_an_unschedulable_pod_is_the_reason_on_the_condition_with_the_schedulers
     assert cond["reason"] == "Unschedulable"
     assert cond["message"] == f"ps-0, worker-0, worker-1 cannot be scheduled: {NO_NODE}"
     assert act.events == [("Warning", "Unschedulable", cond["message"])]
-    assert act.status["memory"]["unschedulableSince"] == T0 + 1
+    assert to_dict(act.status)["memory"]["unschedulableSince"] == T0 + 1
 
 
 def test_the_waiting_event_is_recorded_once_while_the_reason_lasts():
@@ -40,7 +41,7 @@ def test_the_waiting_event_is_recorded_once_while_the_reason_lasts():
     # Once scheduled, the plain reason is back and the clock is cleared.
     third = reconcile(job(), "u", "t", running(*PS_PODS), second.status, T0 + 12)
     assert condition(third.status, "Running")["reason"] == "Running"
-    assert third.status["memory"].get("unschedulableSince") is None
+    assert to_dict(third.status)["memory"].get("unschedulableSince") is None
 
 
 @pytest.mark.parametrize("waited, failed", [(59, False), (60, True)])
@@ -50,7 +51,7 @@ def test_scheduling_timeout_fails_the_job_with_unschedulable_at_its_edge(waited,
     # Looked at again when the timeout runs out (or at MAX_REQUEUE_SECONDS, the safety net, if sooner).
     assert first.requeue_after == pytest.approx(min(MAX_REQUEUE_SECONDS, 60))
     act = reconcile(j, "u", "t", unschedulable(*PS_PODS), first.status, T0 + waited)
-    assert (act.status["state"] == "Failed") is failed
+    assert (to_dict(act.status)["state"] == "Failed") is failed
     if failed:
         cond = condition(act.status, "Failed")
         assert cond["reason"] == "Unschedulable"
@@ -65,15 +66,15 @@ def test_the_scheduling_clock_starts_again_once_every_pod_was_placed():
     act = reconcile(j, "u", "t", unschedulable("worker-1") | running("ps-0", "worker-0"), ACTIVE, T0)
     act = reconcile(j, "u", "t", running(*PS_PODS), act.status, T0 + 50)
     act = reconcile(j, "u", "t", unschedulable("worker-1") | running("ps-0", "worker-0"), act.status, T0 + 100)
-    assert act.status["state"] == "Running"  # a running job whose replacement waits stays Running
+    assert to_dict(act.status)["state"] == "Running"  # a running job whose replacement waits stays Running
     assert condition(act.status, "Running")["reason"] == "Unschedulable"
-    assert act.status["memory"]["unschedulableSince"] == T0 + 100
+    assert to_dict(act.status)["memory"]["unschedulableSince"] == T0 + 100
 
 
 def test_without_a_scheduling_timeout_a_job_waits_as_long_as_it_takes():
     act = reconcile(job(), "u", "t", unschedulable(*PS_PODS), {"state": "Created", "startTime": iso(T0),
                     "memory": {"unschedulableSince": T0}}, T0 + 86400)
-    assert act.status["state"] == "Created"
+    assert to_dict(act.status)["state"] == "Created"
 
 
 def test_a_pod_the_scheduler_reports_is_observed_with_its_message():
@@ -109,19 +110,19 @@ def test_a_worker_on_a_lost_node_is_a_nodelost_restart_counted_once():
     pods = running(*PS_PODS)
     pods["worker-1"] = lost("worker-1")
     act = reconcile(job(), "u", "t", pods, ACTIVE, T0 + 5)
-    assert act.status["restarts"] == 1
+    assert to_dict(act.status)["restarts"] == 1
     assert act.events[0][:2] == ("Warning", "NodeLost")
     assert "worker-1's node stopped answering" in act.events[0][2]
     assert [r.reason for r in act.restarted] == ["NodeLost"]
     # It lingers, Terminating: no second restart, and no replacement under its name yet.
     again = reconcile(job(), "u", "t", pods, act.status, T0 + 10, existing=set())
-    assert again.status["restarts"] == 1 and again.restarted == []
+    assert to_dict(again.status)["restarts"] == 1 and again.restarted == []
     assert "j-worker-1" not in created_pods(again)
     # Gone (forcibly deleted): replaced.
     del pods["worker-1"]
     gone = reconcile(job(), "u", "t", pods, again.status, T0 + 71, existing=set())
     assert "j-worker-1" in created_pods(gone)
-    assert gone.status["restarts"] == 1
+    assert to_dict(gone.status)["restarts"] == 1
 
 
 @pytest.mark.parametrize("after, forced", [(FORCE_DELETE_AFTER_SECONDS - 1, False), (FORCE_DELETE_AFTER_SECONDS, True)])
@@ -150,16 +151,16 @@ def test_a_ddp_rank_on_a_lost_node_is_one_nodelost_restart_and_its_new_incarnati
     pods = {"ddp-0": Pod("ddp-0", "Running", uid="a"),
             "ddp-1": Pod("ddp-1", "Running", uid="b", terminating=True, node_lost=True, deletion_due=T0 + 1)}
     act = reconcile(j, "u", "t", pods, status, T0 + 5)
-    assert act.status["restarts"] == 1 and [r.reason for r in act.restarted] == ["NodeLost"]
+    assert to_dict(act.status)["restarts"] == 1 and [r.reason for r in act.restarted] == ["NodeLost"]
     act = reconcile(j, "u", "t", pods, act.status, T0 + 1 + FORCE_DELETE_AFTER_SECONDS)
-    assert act.force_delete_pods == ["j-ddp-1"] and act.status["restarts"] == 1
+    assert act.force_delete_pods == ["j-ddp-1"] and to_dict(act.status)["restarts"] == 1
     # The StatefulSet makes ddp-1 again (a new uid) on another node: the restart already counted.
     pods["ddp-1"] = Pod("ddp-1", "Running", uid="c", node="kwok-node-2")
     act = reconcile(j, "u", "t", pods, act.status, T0 + 20)
     act = reconcile(j, "u", "t", pods, act.status, T0 + 21)
-    assert act.status["restarts"] == 1
-    assert act.status["memory"]["identities"]["ddp-1"] == "c"
-    assert act.status["state"] == "Running"
+    assert to_dict(act.status)["restarts"] == 1
+    assert to_dict(act.status)["memory"]["identities"]["ddp-1"] == "c"
+    assert to_dict(act.status)["state"] == "Running"
 
 
 @pytest.mark.parametrize("mode", ["ParameterServer", "DDP"])
@@ -191,14 +192,14 @@ def test_a_replica_marked_lost_before_its_deletion_is_counted_once():
     pods = running(*PS_PODS)
     pods["worker-1"] = Pod("worker-1", "Running", node_lost=True)
     act = reconcile(job(), "u", "t", pods, ACTIVE, T0 + 5)
-    assert act.status["restarts"] == 1 and act.delete_pods == ["j-worker-1"]
+    assert to_dict(act.status)["restarts"] == 1 and act.delete_pods == ["j-worker-1"]
     pods["worker-1"] = lost("worker-1")
     act = reconcile(job(), "u", "t", pods, act.status, T0 + 6)
-    assert act.status["restarts"] == 1 and act.restarted == []
+    assert to_dict(act.status)["restarts"] == 1 and act.restarted == []
 
 
 def test_every_replica_of_a_lost_node_is_restarted_without_using_up_max_restarts_without_progress():
     pods = {n: lost(n) for n in PS_PODS}
     act = reconcile(job(restartPolicy={"maxRestartsWithoutProgress": 1}), "u", "t", pods, ACTIVE, T0 + 5)
-    assert act.status["state"] == "Restarting"
-    assert act.status["restarts"] == 3 and act.status.get("restartsWithoutProgress", 0) == 0
+    assert to_dict(act.status)["state"] == "Restarting"
+    assert to_dict(act.status)["restarts"] == 3 and to_dict(act.status).get("restartsWithoutProgress", 0) == 0

@@ -107,7 +107,7 @@ def test_report_shows_the_restart_and_its_recovery(compared):
     assert number(row["steps lost"]) == failed - resumed
     assert 0 < number(row["recovery seconds"]) < 120
     state = json.loads((runs[-1] / "state.json").read_text())
-    assert state["restarts"] == 1
+    assert state["status"]["restarts"] == 1
 
 
 @pytest.mark.slow

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kubetrain_operator.controller import handlers, kube
+from kubetrain_operator.controller import kube
+from kubetrain_operator.controller.reporting import REPORT_AFTER_FAILURES
+from kubetrain_operator.controller.state import Controller, OperatorConfig
+from kubetrain_operator.controller.workers import process
+from kubetrain_operator.core.children import Settings
 
 BODY = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
         "metadata": {"name": "j", "namespace": "ns", "uid": "0123456789", "generation": 1},
@@ -26,46 +30,41 @@ def api(monkeypatch):
 
     monkeypatch.setattr(kube, "patch_status", lambda ns, name, status: calls["patch"].append(status))
     monkeypatch.setattr(kube, "record_event", lambda body, t, reason, message: calls["event"].append((t, reason, message)))
-    monkeypatch.setattr(handlers.CONFIG, "scrape", False)
-    key = ("ns", "j")
-    handlers.INDEX.jobs[key] = BODY
-    handlers.JOBS.pop(key, None)
-    handlers.QUEUE.forget(key)
-    yield refuse, calls
-    handlers.INDEX.forget(key)
-    handlers.JOBS.pop(key, None)
-    handlers.QUEUE.discard(key)
+    ctl = Controller(OperatorConfig(scrape=False), scrape_tick=None)
+    ctl.index.jobs[("ns", "j")] = BODY
+    yield ctl, refuse, calls
+    ctl.close()
 
 
 @pytest.mark.parametrize("status, reason", [(422, "ApiInvalid"), (429, "ApiThrottled"), (503, "ApiError")])
 def test_api_errors_show_on_the_job_after_retries(api, status, reason):
-    refuse, calls = api
+    ctl, refuse, calls = api
     refuse(status, "Unprocessable" if status == 422 else "Too Many Requests" if status == 429 else "Unavailable")
-    for n in range(1, handlers.REPORT_AFTER_FAILURES):
-        handlers._process(("ns", "j"))
+    for n in range(1, REPORT_AFTER_FAILURES):
+        process(ctl, ("ns", "j"))
         assert not [e for e in calls["event"] if e[1] == reason], f"reported after only {n} failures"
-    handlers._process(("ns", "j"))
+    process(ctl, ("ns", "j"))
     events = [e for e in calls["event"] if e[1] == reason]
     assert len(events) == 1 and events[0][0] == "Warning"
-    assert f"{status}" in events[0][2] and f"failed {handlers.REPORT_AFTER_FAILURES} times in a row" in events[0][2]
+    assert f"{status}" in events[0][2] and f"failed {REPORT_AFTER_FAILURES} times in a row" in events[0][2]
     condition = next(c for c in calls["patch"][-1]["conditions"] if c["reason"] == reason)
     assert condition["type"] == "Created" and condition["status"] == "True"
     # Retried with a growing backoff, and reported once, not once per round.
-    assert handlers.QUEUE.failures(("ns", "j")) == handlers.REPORT_AFTER_FAILURES
-    handlers._process(("ns", "j"))
+    assert ctl.queue.failures(("ns", "j")) == REPORT_AFTER_FAILURES
+    process(ctl, ("ns", "j"))
     assert len([e for e in calls["event"] if e[1] == reason]) == 1
 
 
 def test_a_pod_template_beyond_the_operators_allowances_fails_the_job_without_pods(api, monkeypatch):
     """The chart's admission policy refuses it at the API; an operator in a cluster without the
     policy refuses it too, from its own --pod-security-allow."""
-    _, calls = api
+    ctl, _, calls = api
     created = []
     monkeypatch.setattr(kube, "create", lambda obj: created.append(obj["kind"]))
     privileged = {**BODY, "spec": {"mode": "Single", "podTemplate": {"spec": {"containers": [
         {"name": "trainer", "securityContext": {"privileged": True}}]}}}}
-    handlers.INDEX.jobs[("ns", "j")] = privileged
-    handlers._process(("ns", "j"))
+    ctl.index.jobs[("ns", "j")] = privileged
+    process(ctl, ("ns", "j"))
     assert created == []
     status = calls["patch"][-1]
     assert status["state"] == "Failed" and status["completionTime"]
@@ -73,17 +72,48 @@ def test_a_pod_template_beyond_the_operators_allowances_fails_the_job_without_po
     assert failed["reason"] == "PodSecurity" and "privileged containers are not allowed" in failed["message"]
     assert [e[1] for e in calls["event"]] == ["PodSecurity"]
     # Allowed by this installation: the job gets its children.
-    monkeypatch.setattr(handlers.CONFIG, "settings", handlers.Settings(pod_security_allow=frozenset({"privileged"})))
-    handlers.JOBS.pop(("ns", "j"), None)
-    handlers._process(("ns", "j"))
+    ctl.config.settings = Settings(pod_security_allow=frozenset({"privileged"}))
+    ctl.forget_job(("ns", "j"))
+    process(ctl, ("ns", "j"))
     assert "Pod" in created
 
 
 def test_a_spec_the_crd_let_through_but_kubetrain_refuses_fails_with_invalid_spec(api):
-    _, calls = api
-    handlers.INDEX.jobs[("ns", "j")] = {**BODY, "spec": {"mode": "Single", "training": {"epochs": "many"}}}
-    handlers._process(("ns", "j"))
+    ctl, _, calls = api
+    ctl.index.jobs[("ns", "j")] = {**BODY, "spec": {"mode": "Single", "training": {"epochs": "many"}}}
+    process(ctl, ("ns", "j"))
     status = calls["patch"][-1]
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert status["state"] == "Failed" and failed["reason"] == "InvalidSpec"
     assert "spec.training.epochs" in failed["message"]
+    # Decided by the engine, as every failure is: it ended (completionTime), with an Event, once.
+    assert status["completionTime"] and "activeSince" not in status["memory"]
+    assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
+    process(ctl, ("ns", "j"))
+    assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
+
+
+def test_a_running_job_the_installation_refuses_now_fails_through_the_engine(api, monkeypatch):
+    """Refused after it ran (its template changed to one beyond the allowances): the engine fails it as
+    any failure, its clock paused and its running pod deleted (cleanPodPolicy Running)."""
+    ctl, _, calls = api
+    deleted = []
+    monkeypatch.setattr(kube, "delete_pod", lambda ns, pod, force=False: deleted.append(pod))
+    privileged = {**BODY, "spec": {"mode": "Single", "podTemplate": {"spec": {"containers": [
+        {"name": "trainer", "securityContext": {"privileged": True}}]}}},
+        "status": {"state": "Running", "startTime": "2026-01-01T00:00:00Z",
+                   "memory": {"activeSince": 1_000.0, "activeSeconds": 5.0}}}
+    ctl.index.jobs[("ns", "j")] = privileged
+    pod = {"metadata": {"name": "j-single-0", "namespace": "ns", "uid": "p1",
+                        "labels": {"kubetrain.dev/job-name": "j", "kubetrain.dev/replica": "single-0"},
+                        "ownerReferences": [{"kind": "TrainingJob", "name": "j", "uid": BODY["metadata"]["uid"],
+                                             "controller": True}]},
+           "spec": {}, "status": {"phase": "Running"}}
+    ctl.index.index_pod("ADDED", pod)
+    process(ctl, ("ns", "j"))
+    status = calls["patch"][-1]
+    assert status["state"] == "Failed" and status["completionTime"]
+    # Paused, and written so: a merge patch keeps a key it does not name null, and a restarted operator
+    # would read the clock as running.
+    assert status["memory"]["activeSince"] is None and status["memory"]["activeSeconds"] > 5.0
+    assert deleted == ["j-single-0"] and [e[1] for e in calls["event"]] == ["PodSecurity"]

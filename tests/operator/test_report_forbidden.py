@@ -12,7 +12,16 @@ import logging
 
 from kubernetes.client.rest import ApiException
 
-from kubetrain_operator.controller import handlers, kube
+from kubetrain_operator.api.status import to_dict
+from kubetrain_operator.controller import kube
+from kubetrain_operator.controller.reporting import report_forbidden
+from kubetrain_operator.controller.state import Controller, JobState
+
+
+def controller() -> Controller:
+    ctl = Controller(scrape_tick=None)
+    ctl.close()  # no worker runs here: the report alone is under test
+    return ctl
 
 
 def forbidden() -> kube.KubeError:
@@ -28,10 +37,10 @@ def test_forbidden_goes_to_the_log_and_the_condition_of_the_current_state(monkey
     monkeypatch.setattr(kube, "record_event", lambda body, type_, reason, message: None)
     body = {"metadata": {"namespace": "ml", "name": "j", "uid": "u", "generation": 2},
             "status": {"state": "Created"}}
-    state = handlers.JobState()
+    state = JobState()
 
     with caplog.at_level(logging.ERROR, logger="kubetrain.operator"):
-        handlers._report_forbidden(body, state, forbidden())
+        report_forbidden(controller(), body, state, forbidden())
 
     (ns, name, status), = patches
     (condition,) = status["conditions"]
@@ -41,7 +50,7 @@ def test_forbidden_goes_to_the_log_and_the_condition_of_the_current_state(monkey
                                            '"system:serviceaccount:ml:kubetrain" cannot create resource "pods"')
     assert "lacks this permission" in condition["message"] and "rbac.yaml" in condition["message"]
     assert f"ml/j: {condition['message']}" in caplog.text
-    assert state.status == status  # the next round starts from what was written
+    assert to_dict(state.status) == status  # the next round starts from what was written
 
 
 def test_a_status_patch_refused_too_is_logged_not_raised(monkeypatch, caplog):
@@ -50,5 +59,5 @@ def test_a_status_patch_refused_too_is_logged_not_raised(monkeypatch, caplog):
 
     monkeypatch.setattr(kube, "patch_status", refuse)
     with caplog.at_level(logging.ERROR, logger="kubetrain.operator"):
-        handlers._report_forbidden({"metadata": {"namespace": "ml", "name": "j"}}, handlers.JobState(), forbidden())
+        report_forbidden(controller(), {"metadata": {"namespace": "ml", "name": "j"}}, JobState(), forbidden())
     assert "cannot report that in the status either" in caplog.text

@@ -175,7 +175,7 @@ def test_the_wait_of_each_key_is_told_by_lane():
     assert waits == [("urgent", 1.0), ("routine", 3.0)]
 
 
-# --- the index's resync (controller/handlers.py Index.resync): what a missed watch event leaves right ----
+# --- the index's resync (controller/index.py Index.resync): what a missed watch event leaves right ----
 
 def _seen(replica: str, phase: str = "Running"):
     from kubetrain_operator.controller import observe
@@ -185,7 +185,7 @@ def _seen(replica: str, phase: str = "Running"):
 
 
 def test_a_resync_adds_a_missed_pod_drops_a_gone_one_and_takes_a_newer_version():
-    from kubetrain_operator.controller.handlers import Index
+    from kubetrain_operator.controller.index import Index
 
     index = Index()
     key = ("ns", "j")
@@ -202,7 +202,7 @@ def test_a_resync_adds_a_missed_pod_drops_a_gone_one_and_takes_a_newer_version()
 
 
 def test_a_resync_keeps_what_the_watch_wrote_after_the_list_began():
-    from kubetrain_operator.controller.handlers import Index
+    from kubetrain_operator.controller.index import Index
 
     index = Index()
     key = ("ns", "j")

@@ -1,4 +1,4 @@
-"""A job's conditions as a pure function of the old list, the observed state and the time.
+"""A job's conditions (`api.status.Condition`) as a pure function of the old list, the observed state and the time.
 
 A merge patch replaces lists whole, so the whole list is computed here.
 `lastTransitionTime` is kept when a condition's status does not change; every
@@ -8,7 +8,8 @@ condition carries the generation it was computed for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from ..api.status import Condition
 
 CONDITION_TYPES = ("Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 STATES = CONDITION_TYPES  # the state is the condition that is True, last one wins
@@ -32,9 +33,7 @@ def _true_types(state: str) -> set[str]:
     return {"Created", state}
 
 
-def conditions(
-    old: list[dict[str, Any]] | None, observed: Observed, now: str, generation: int
-) -> list[dict[str, Any]]:
+def conditions(old: list[Condition] | None, observed: Observed, now: str, generation: int) -> list[Condition]:
     """The new conditions list.
 
     A condition appears once it has been True and stays (False) afterwards, so
@@ -43,7 +42,7 @@ def conditions(
     """
     if observed.state not in STATES:
         raise ValueError(f"unknown state {observed.state!r}; expected one of {', '.join(STATES)}")
-    by_type = {c["type"]: c for c in old or []}
+    by_type = {c.type: c for c in old or []}
     true_types = _true_types(observed.state)
     out = []
     for ctype in CONDITION_TYPES:
@@ -54,33 +53,26 @@ def conditions(
         status = "True" if is_true else "False"
         if ctype == observed.state:
             reason, message = observed.reason, observed.message
-        elif before is not None and is_true and before.get("reason") in PROBLEM_REASONS:
+        elif before is not None and is_true and before.reason in PROBLEM_REASONS:
             reason, message = ctype, f"The job is {ctype.lower()}."
-        elif before is not None and (before.get("status") == status or not is_true):
+        elif before is not None and (before.status == status or not is_true):
             # Unchanged, or no longer true: the last reason stays readable
             # (Restarting=False, reason Killed: the last restart and why).
-            reason, message = before.get("reason", ctype), before.get("message", "")
+            reason, message = before.reason or ctype, before.message
         else:
             reason, message = ctype, f"The job is {ctype.lower()}."
-        changed = before is None or before.get("status") != status
-        out.append(
-            {
-                "type": ctype,
-                "status": status,
-                "reason": reason,
-                "message": message,
-                "lastTransitionTime": now if changed else before["lastTransitionTime"],
-                "observedGeneration": generation,
-            }
-        )
+        changed = before is None or before.status != status
+        out.append(Condition(type=ctype, status=status, reason=reason, message=message,
+                             last_transition_time=now if changed or before is None else before.last_transition_time,
+                             observed_generation=generation))
     return out
 
 
-def state_of(conds: list[dict[str, Any]] | None) -> str | None:
+def state_of(conds: list[Condition] | None) -> str | None:
     """The state recorded in a conditions list: the last True type in CONDITION_TYPES order."""
     state = None
     for c in conds or []:
-        if c.get("status") == "True" and c.get("type") in CONDITION_TYPES:
-            if state is None or CONDITION_TYPES.index(c["type"]) > CONDITION_TYPES.index(state):
-                state = c["type"]
+        if c.status == "True" and c.type in CONDITION_TYPES:
+            if state is None or CONDITION_TYPES.index(c.type) > CONDITION_TYPES.index(state):
+                state = c.type
     return state

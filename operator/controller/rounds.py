@@ -1,0 +1,231 @@
+"""One reconcile round of a job, in phases: read its spec (a spec that does not parse is refused),
+judge what the installation refuses, observe its replicas and progress, ask its queue, let the pure
+core decide (`core.reconcile`, over `core.engine`), carry the decisions out, count them, write the
+status. The engine is the only writer of the status: each phase only gathers its inputs or carries
+out what it decided."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..api import InvalidSpec, TrainingJob, from_spec_dict
+from ..api.status import JobStatus
+from ..core import engine
+from ..core.conditions import TERMINAL
+from ..core.engine import ProgressReading, Refusal, ReplicaObservation
+from ..core.plan import chief
+from ..core.reconcile import ClusterActions, reconcile
+from . import kube, metrics, observe, queueing, refusals
+from .index import Key
+from .reporting import last_status, write_status
+from .state import Controller, JobState
+
+log = logging.getLogger("kubetrain.operator")
+
+EXPECTATION_SECONDS = 30.0
+"""A pod this operator created is taken as Pending for up to this long before the watch shows it,
+so a round that runs before the watch event does not take it for deleted."""
+
+
+def reconcile_once(ctl: Controller, body: dict[str, Any], state: JobState) -> float | None:
+    """One round of the job `body`; the seconds after which it wants another (None: only on an event)."""
+    meta = body["metadata"]
+    key, uid = (meta["namespace"], meta["name"]), meta["uid"]
+    old = last_status(body, state)
+    job = _parse(ctl, body, state, old)
+    if job is None:
+        return None
+    refusal = refusals.refusal(ctl, job, state)
+    if refusal is not None and old.state not in TERMINAL:
+        _refuse(ctl, body, state, job, old, refusal)
+        return None
+    _count_created(state, job, fresh=state.status is None and not body.get("status"))
+    pods, progress = _observe(ctl, job, state, old)
+    pvc_pending = ctl.index.pending_claims(key) if old.state == "Created" and pods else None
+    workload, admission, placements = queueing.queue(ctl, job, uid, state, old, pods)
+    act = reconcile(job, uid, state.token, pods, old, time.time(), progress, ctl.config.settings, pvc_pending,
+                    state.existing, admission, placements)
+    _carry_out(ctl, body, job, state, pods, act)
+    _count_outcome(job, old, act)
+    write_status(ctl, key, state, old, act.status)
+    state.problem = None
+    if workload is not None:
+        queueing.tell_kueue(workload, admission, act.status, pods, act.delete_pods)
+    if act.delete_job:
+        kube.delete_job(*key)
+    return act.requeue_after
+
+
+def _parse(ctl: Controller, body: dict[str, Any], state: JobState, old: JobStatus) -> TrainingJob | None:
+    """The job's spec, read; None for one kubetrain refuses (InvalidSpec: the engine fails it, written)."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    try:
+        job = from_spec_dict(key[1], dict(body["spec"]), key[0])
+    except InvalidSpec as err:
+        # The CRD's schema catches nearly all of this; what is left is reported, not retried.
+        refused = engine.refuse(old, Refusal("InvalidSpec", "; ".join(err.shown())), time.time(),
+                                meta.get("generation", 0))
+        for type_, reason, message in refused.actions.events:
+            kube.record_event(body, type_, reason, message)
+        write_status(ctl, key, state, old, refused.status)
+        return None
+    job.metadata.generation = meta.get("generation", 0)
+    job.metadata.uid = meta["uid"]
+    job.metadata.labels = dict(meta.get("labels") or {})
+    return job
+
+
+def _refuse(ctl: Controller, body: dict[str, Any], state: JobState, job: TrainingJob, old: JobStatus,
+            refusal: Refusal) -> None:
+    """A job the installation refuses: the engine fails it (its replicas, if any, stopped as any
+    failed job's are); nothing is created."""
+    key = (job.metadata.namespace, job.name)
+    pods = ctl.index.replicas(key, job.metadata.uid)
+    act = reconcile(job, job.metadata.uid, state.token, pods, old, time.time(), settings=ctl.config.settings,
+                    existing=state.existing, refusal=refusal)
+    _carry_out(ctl, body, job, state, pods, act)
+    write_status(ctl, key, state, old, act.status)
+
+
+def _count_created(state: JobState, job: TrainingJob, fresh: bool) -> None:
+    """The job's series start at 0, and a new job (no status yet) is counted created, once."""
+    if not state.counted_created:
+        state.counted_created = True
+        if fresh:
+            metrics.start_counting(job.metadata.namespace, job.spec.mode)
+            metrics.JOBS_CREATED.labels(job.metadata.namespace, job.spec.mode).inc()
+
+
+def _observe(ctl: Controller, job: TrainingJob, state: JobState,
+             old: JobStatus) -> tuple[dict[str, ReplicaObservation], ProgressReading | None]:
+    """The job's replicas and its chief's progress; a finished job's replicas alone (nothing is scraped)."""
+    key = (job.metadata.namespace, job.name)
+    if old.state in TERMINAL:
+        ctl.scrapes.unfollow(key)
+        return ctl.index.replicas(key, job.metadata.uid), None
+    pods = observed_replicas(ctl, key, job.metadata.uid, state)
+    return pods, _progress(ctl, job, pods)
+
+
+def observed_replicas(ctl: Controller, key: Key, uid: str, state: JobState) -> dict[str, ReplicaObservation]:
+    """The job's replicas from the index, with the pods this operator just created and the watch
+    has not shown yet taken as Pending."""
+    now = time.monotonic()
+    replicas = ctl.index.replicas(key, uid)
+    for replica, created in list(state.expected.items()):
+        if replica in replicas or now - created > EXPECTATION_SECONDS:
+            del state.expected[replica]
+        else:
+            replicas[replica] = ReplicaObservation(replica, "Pending")
+    return replicas
+
+
+def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: JobState,
+               pods: dict[str, ReplicaObservation], act: ClusterActions) -> None:
+    """What the round decided, done: children rendered again, pods annotated, created, deleted, the
+    StatefulSet scaled, the Events recorded."""
+    ns, name = job.metadata.namespace, job.name
+    for restarted in act.restarted:  # before its pod goes: tests/e2e time the operator's reaction from here
+        log.info("%s/%s: %s failed (%s); restarting it in %.1f s", ns, name, restarted.replica, restarted.reason,
+                 restarted.delay_seconds)
+    for obj in act.replace:  # a resize: the job file and StatefulSet at the new size, before its pods
+        kube.replace(obj)
+        state.existing.add((obj["kind"], obj["metadata"]["name"]))
+        log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
+                 act.status.replicas)
+    for pod, annotations in act.annotate_pods.items():  # after the job file: the kubelet remounts it
+        kube.annotate_pod(ns, pod, annotations)
+        log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
+                 ", ".join(f"{k}={v}" for k, v in sorted(annotations.items())))
+    for obj, created in _create_all(ctl, act.create):
+        if obj["kind"] == "Pod":
+            state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
+            if created:
+                log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
+        else:
+            state.existing.add((obj["kind"], obj["metadata"]["name"]))
+    for pod in act.delete_pods:
+        seen = pods.get(pod[len(name) + 1 :])
+        # A dead trainer (not a DDP rank: its StatefulSet pod restarts in place) needs no grace.
+        dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
+        kube.delete_pod(ns, pod, force=dead)
+        if dead:
+            # Deleted with no grace, the pod is gone from the API when the call returns: its replacement
+            # is made by the next round at once (queued urgent, after this one), not after the watch's
+            # DELETED event, a hop through the watch and the queue. A pod that is somehow still there
+            # makes the create answer 409, and its DELETED event brings the round that makes it.
+            ctl.index.set_pod((ns, name), pod, None)
+            ctl.queue.add((ns, name), urgent=True)
+    for pod in act.force_delete_pods:
+        kube.delete_pod(ns, pod, force=True)
+    if act.scale_statefulset is not None:
+        kube.scale_statefulset(ns, f"{name}-ddp", act.scale_statefulset)
+    for type_, reason, message in act.events:
+        kube.record_event(body, type_, reason, message)
+
+
+def _count_outcome(job: TrainingJob, old: JobStatus, act: ClusterActions) -> None:
+    """The restarts the round decided, and the job's end if it ended in this round."""
+    ns, mode = job.metadata.namespace, job.spec.mode
+    for restarted in act.restarted:
+        metrics.REPLICA_RESTARTS.labels(ns, mode, restarted.reason).inc()
+    before, after = old.state, act.status.state
+    if after != before and after == "Succeeded":
+        metrics.JOBS_SUCCEEDED.labels(ns, mode).inc()
+    if after != before and after == "Failed":
+        metrics.JOBS_FAILED.labels(ns, mode).inc()
+
+
+def _create_all(ctl: Controller, objs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
+    """Create `objs` in two waves, each side by side (state.CREATE_THREADS): everything but pods, then the
+    pods (the job's NetworkPolicy and Secret exist before any pod that they guard or that mounts them).
+    Returns (object, created) in order; the first failure is raised once its wave is done."""
+    done: list[tuple[dict[str, Any], bool]] = []
+    for wave in ([o for o in objs if o["kind"] != "Pod"], [o for o in objs if o["kind"] == "Pod"]):
+        if len(wave) == 1:
+            done.append((wave[0], kube.create(wave[0])))
+            continue
+        futures = [ctl.creators.submit(kube.create, obj) for obj in wave]
+        for obj, future in zip(wave, futures):
+            done.append((obj, future.result()))  # raises the first failure, after waiting for it
+        # (the wave's other creates still finish: a later round finds them existing)
+    return done
+
+
+def _progress(ctl: Controller, job: TrainingJob, pods: dict[str, ReplicaObservation]) -> ProgressReading | None:
+    """Progress from the chief's metrics (and, for a PS job, ps-0, which counts the global step), as
+    the job's latest scrape read them: scrapes run in a pool of their own (scrapes.py), so a round
+    never waits for a tenant's /metrics."""
+    port = job.spec.metrics.port
+    if not ctl.config.scrape or not port:
+        return None
+    replicas = [chief(job)] + (["ps-0"] if job.spec.mode == "ParameterServer" else [])
+    if job.spec.fault_tolerant:
+        replicas += sorted(name for name in pods if name.startswith("ddp-") and name != replicas[0])
+    ips = {}
+    for replica in replicas:
+        p = pods.get(replica)
+        if p is not None and p.phase == "Running" and observe.scrape_allowed(p.ip, ctl.config.scrape_networks):
+            ips[replica] = p.ip
+    if not ips:
+        ctl.scrapes.unfollow((job.metadata.namespace, job.name))
+        return None
+
+    def samples(replica: str) -> dict[str, float] | None:
+        text = kube.scrape(ips[replica], port) if replica in ips else None
+        return observe.parse_metrics(text) if text is not None else None
+
+    def read() -> ProgressReading | None:
+        head = samples(replicas[0])
+        if head is None and job.spec.fault_tolerant:
+            # The chief's group is lost and the others train on: any live group speaks for the job.
+            head = next((found for name in replicas[1:] if name in ips and (found := samples(name))), None)
+        shard = samples("ps-0") if job.spec.mode == "ParameterServer" else None
+        if head is None and shard is None:
+            return None
+        return observe.progress_from(head or {}, shard)
+
+    return ctl.scrapes.latest((job.metadata.namespace, job.name), read)

@@ -1,0 +1,107 @@
+"""The operator process's state, made once at start-up (`Controller`) and passed to the handlers, the
+workers and every phase of a round: its configuration, the index of what the watches showed, the work
+queue, the scrape pool, and what it remembers of each job (`JobState`). No module globals: a test
+makes a Controller of its own.
+
+Three objects hold a job's state, each for one purpose:
+- `api.status.JobStatus`: the job's status as users read it, with what the engine remembers between
+  rounds (`memory`); the only copy that survives a restart (the API server's, or a run directory's).
+- `JobState` (here): what this operator process keeps of a job beside its status, a cache rebuilt
+  after a restart (the status last written, children known to exist, pods just created).
+- `local.rundir.RunState`: what only a local run keeps beside the status (wall time, invocations,
+  the restart log).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api.status import JobStatus
+from ..core.children import Settings
+from . import metrics, scrapes
+from .index import Index, Key
+from .workqueue import WorkQueue
+
+WORKERS = 8
+"""Reconcile workers. A round is a few API calls at most (milliseconds each), so 8 keep up with
+thousands of jobs; more would only multiply concurrent calls against the API server."""
+MAX_WORKERS = 64
+"""The most `--workers` takes: the rounds share one interpreter (the GIL), and each worker holds an
+API connection of its own; beyond this they only contend."""
+CREATE_THREADS = 16
+"""Threads that create a round's objects side by side, shared by every worker: a job's Secret,
+NetworkPolicy, Services and claims at once, then its pods at once, instead of one round trip after
+another (a ParameterServer job of 8 workers is a dozen creates). With 8 workers at most 16 creates
+are in flight, far below the API server's default of 400 requests in flight; beyond that a round
+waits for a thread."""
+
+
+@dataclass
+class OperatorConfig:
+    """The operator's settings, from its command line (controller/run.py)."""
+
+    settings: Settings = field(default_factory=Settings)
+    scrape_networks: list[str] = field(default_factory=list)  # empty: scrape any pod IP
+    scrape: bool = True
+    namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    workers: int = WORKERS
+    kueue: bool = False  # jobs labelled kueue.x-k8s.io/queue-name wait for Kueue's admission (handlers.register watches their Workloads)
+
+
+@dataclass
+class JobState:
+    """What this operator process remembers of a job beside its status: a cache, rebuilt after a restart
+    (what must survive one is in the status's memory, `api.status.JobMemory`)."""
+
+    status: JobStatus | None = None  # the last status written: the watch's copy may lag behind
+    existing: set[tuple[str, str]] = field(default_factory=set)  # (kind, name) of children known to exist
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    counted_created: bool = False
+    expected: dict[str, float] = field(default_factory=dict)  # replica -> when its pod was created (monotonic)
+    problem: str | None = None  # the API problem reason shown on the job, if any
+    placements: tuple[str, dict[str, Any]] | None = None  # (the Workload's admission as JSON, role -> Placement)
+    pod_security: tuple[tuple[str, int], list[str]] | None = None  # ((uid, generation), its refusals)
+
+
+class Controller:
+    """The operator's state: made at start-up (controller/run.py), given to the kopf handlers
+    (`handlers.register`), the workers and every round."""
+
+    def __init__(self, config: OperatorConfig | None = None, scrape_tick: float | None = scrapes.TICK_SECONDS):
+        """`scrape_tick`: the scrape ticker's period; None starts none (a test's controller)."""
+        self.config = config or OperatorConfig()
+        self.index = Index()
+        self.queue = WorkQueue(on_wait=lambda lane, seconds: metrics.WORKQUEUE_WAIT_SECONDS.labels(lane).observe(seconds))
+        for lane in ("urgent", "routine"):
+            metrics.WORKQUEUE_DEPTH.labels(lane).set_function(lambda lane=lane: self.queue.depth()[lane])
+        self.scrapes = scrapes.Scrapes(on_change=self.queue.add, tick=scrape_tick)
+        self.jobs: dict[Key, JobState] = {}
+        self.jobs_lock = threading.Lock()
+        self.workers: list[threading.Thread] = []
+        self.creators = ThreadPoolExecutor(max_workers=CREATE_THREADS, thread_name_prefix="create")
+
+    def job_state(self, key: Key) -> JobState:
+        with self.jobs_lock:
+            return self.jobs.setdefault(key, JobState())
+
+    def known_job(self, key: Key) -> JobState | None:
+        """The job's state if a round made one; None otherwise (never makes one)."""
+        with self.jobs_lock:
+            return self.jobs.get(key)
+
+    def forget_job(self, key: Key) -> None:
+        with self.jobs_lock:
+            self.jobs.pop(key, None)
+
+    def job_states(self) -> list[tuple[Key, JobState]]:
+        with self.jobs_lock:
+            return list(self.jobs.items())
+
+    def close(self) -> None:
+        """Stop the workers (after their round) and the scrape pool."""
+        self.queue.close()
+        self.scrapes.close()
