@@ -30,8 +30,8 @@ from typing import Any
 
 import yaml
 
-from .api.launch import SLOWDOWN_VAR
-from .local.progress import JsonlTail
+from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_operator.local.progress import JsonlTail
 
 POLL_SECONDS = 0.1
 """How often the benchmark reads the run directory while a variant runs (the kill clock's resolution)."""
@@ -101,7 +101,7 @@ class Variant:
         env = dict(os.environ)
         if slowdown > 1:
             env[SLOWDOWN_VAR] = ",".join(f"{g}:{slowdown:g}" for g in self.groups)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir",
                                      str(self.dir), "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=env)
         return self
