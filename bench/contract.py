@@ -27,15 +27,16 @@ from kubetrain_operator.api import from_object
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 
+from . import manifest
+
 # The script `bench contract` times (script.py): a plain DDP loop.
 SCRIPT_MODULE = "kubetrain_bench.script"
 
 
 def _job(name: str, steps: int, report: bool) -> dict[str, Any]:
     args = ["--steps", str(steps)] + ([] if report else ["--no-report"])
-    return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"mode": "DDP", "ddp": {"nodes": 2, "procsPerNode": 1},
-                     "script": {"command": ["python", "-m", SCRIPT_MODULE], "args": args}}}
+    return manifest(name, {"mode": "DDP", "ddp": {"nodes": 2, "procsPerNode": 1},
+                           "script": {"command": ["python", "-m", SCRIPT_MODULE], "args": args}})
 
 
 def bench_report(rounds: int, steps: int) -> dict[str, Any]:
@@ -83,9 +84,8 @@ def bench_save(mib: int, rounds: int) -> dict[str, Any]:
     state = {"weights": torch.randn(mib * (1 << 20) // 4, generator=torch.Generator().manual_seed(0)), "step": 1}
     with tempfile.TemporaryDirectory(prefix="kubetrain-bench-save-") as tmp:
         root = Path(tmp)
-        job = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "bench-save"},
-               "spec": {"mode": "Single", "script": {"command": ["python", "x.py"]}, "checkpoint": {"keepLast": 2},
-                        "metrics": {"port": 0}}}
+        job = manifest("bench-save", {"mode": "Single", "script": {"command": ["python", "x.py"]},
+                                      "checkpoint": {"keepLast": 2}, "metrics": {"port": 0}})
         (root / "job.yaml").write_text(yaml.safe_dump(job))
         session = userapi.Session({"KUBETRAIN_JOB_FILE": str(root / "job.yaml"), "KUBETRAIN_REPLICA": "single-0",
                                    "KUBETRAIN_RUN_DIR": str(root), "KUBETRAIN_CHECKPOINT_DIR": str(root / "ckpt"),

@@ -33,6 +33,8 @@ import yaml
 from kubetrain_operator.api.launch import SLOWDOWN_VAR
 from kubetrain_operator.local.progress import JsonlTail
 
+from . import manifest
+
 POLL_SECONDS = 0.1
 """How often the benchmark reads the run directory while a variant runs (the kill clock's resolution)."""
 START_TIMEOUT_SECONDS = 300
@@ -44,21 +46,18 @@ def job_doc(name: str, steps: int, groups: int, fault_tolerant: bool, hidden: in
     ddp: dict[str, Any] = {"nodes": groups, "procsPerNode": 1, "backend": "gloo"}
     if fault_tolerant:
         ddp["faultTolerance"] = {"heartbeatTimeoutSeconds": heartbeat}
-    return {
-        "apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-        "spec": {
-            "mode": "DDP",
-            "model": {"name": "mlp", "args": {"hidden": hidden}},
-            "dataset": {"name": "digits"},
-            "training": {"maxSteps": steps, "batchSize": 32, "seed": 0, "device": "cpu",
-                         "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
-            "ddp": ddp,
-            "checkpoint": {"intervalSteps": 100, "keepLast": 2},
-            # Kills every few seconds for minutes: neither budget may end the job.
-            "restartPolicy": {"backoffLimit": 1000, "maxRestartsWithoutProgress": 1000},
-            "metrics": {"port": 0},
-        },
-    }
+    return manifest(name, {
+        "mode": "DDP",
+        "model": {"name": "mlp", "args": {"hidden": hidden}},
+        "dataset": {"name": "digits"},
+        "training": {"maxSteps": steps, "batchSize": 32, "seed": 0, "device": "cpu",
+                     "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
+        "ddp": ddp,
+        "checkpoint": {"intervalSteps": 100, "keepLast": 2},
+        # Kills every few seconds for minutes: neither budget may end the job.
+        "restartPolicy": {"backoffLimit": 1000, "maxRestartsWithoutProgress": 1000},
+        "metrics": {"port": 0},
+    })
 
 
 def events(run: Path, replica: str) -> list[dict[str, Any]]:

@@ -25,6 +25,8 @@ from kubetrain_operator.api.launch import SLOWDOWN_VAR
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 
+from . import manifest
+
 MODE_LABELS = ("Single", "PS-Sync", "PS-Async", "DDP")
 CASES = ("small", "cnn", "straggler")
 # The compute-heavier model (issue 17: "the CNN at a size where a step takes
@@ -82,20 +84,15 @@ def mode_variants(case: str, epochs: int, batch: int, steps_per_epoch: int, hidd
     every = max(1, steps_per_epoch // CHECKPOINTS_PER_EPOCH)
 
     def doc(name: str, mode: str, per_replica_batch: int, max_steps: int, interval: int, **extra: Any) -> dict[str, Any]:
-        return {
-            "apiVersion": "kubetrain.dev/v1alpha1",
-            "kind": "TrainingJob",
-            "metadata": {"name": f"bench-{case}-{name}"},
-            "spec": {
-                "mode": mode,
-                "model": model,
-                "dataset": {"name": "digits"},
-                "training": {"maxSteps": max_steps, "batchSize": per_replica_batch, "seed": 0},
-                "checkpoint": {"intervalSteps": interval, "keepLast": KEEP_ALL},
-                "metrics": {"port": 0},
-                **extra,
-            },
-        }
+        return manifest(f"bench-{case}-{name}", {
+            "mode": mode,
+            "model": model,
+            "dataset": {"name": "digits"},
+            "training": {"maxSteps": max_steps, "batchSize": per_replica_batch, "seed": 0},
+            "checkpoint": {"intervalSteps": interval, "keepLast": KEEP_ALL},
+            "metrics": {"port": 0},
+            **extra,
+        })
 
     half = batch // REPLICAS
     staleness = 2 * steps if case == "straggler" else 4

@@ -31,8 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed PyTorch training from one TrainingJob manifest, locally or on Kubernetes.",
     )
     parser.add_argument("--version", action="version", version=f"kubetrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
+    sub = subcommands(parser, "command", "COMMAND")
     add_local_commands(sub)
     add_job_commands(sub)
     add_checkpoints_command(sub)
@@ -41,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: print(f"kubetrain {__version__}") or 0)
     add_bench_command(sub)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str) -> Subparsers:
+    """The commands under `parser`, one of which must be given (stored as `dest`)."""
+    sub = parser.add_subparsers(dest=dest, metavar=metavar)
+    sub.required = True
+    return sub
 
 
 def add_local_commands(sub: Subparsers) -> None:
@@ -128,8 +134,7 @@ def add_job_commands(sub: Subparsers) -> None:
 def add_checkpoints_command(sub: Subparsers) -> None:
     """checkpoints verify|compare|recovery|export."""
     p = sub.add_parser("checkpoints", help="validate, compare and export checkpoints")
-    csub = p.add_subparsers(dest="action", metavar="ACTION")
-    csub.required = True
+    csub = subcommands(p, "action", "ACTION")
     c = csub.add_parser("verify", help="check every checkpoint of a directory, load it, evaluate the newest")
     c.add_argument("dirs", nargs=1, metavar="DIR")
     c.add_argument("--job", help="the job's manifest (default: job.yaml of the run directory)")
@@ -202,8 +207,7 @@ def add_operator_command(sub: Subparsers) -> None:
 def add_bench_command(sub: Subparsers) -> None:
     """bench BENCH: the benchmarks (kubetrain_bench), each printing JSON."""
     p = sub.add_parser("bench", help="benchmarks that print JSON")
-    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
-    bsub.required = True
+    bsub = subcommands(p, "bench", "BENCH")
     b = bsub.add_parser("transport", help="PS transport throughput vs a raw loopback socket, in one run")
     b.add_argument("--bytes", default="64MiB", help="tensor size, e.g. 64MiB")
     add_bench_modes(bsub)
