@@ -13,13 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-from kubetrain_operator import __version__
 from kubetrain_operator.api import InvalidSpec, TrainingJob, load_file, load_one
 from kubetrain_operator.api.schema import MAX_SHOWN_PROBLEMS
 from kubetrain_operator.api.spec import DNS1123_PATTERN
-from kubetrain_operator.api.podtemplate import ALLOWANCES, parse_allowances
-from kubetrain_operator.client.api import ClientError
+from kubetrain_operator.api.podtemplate import parse_allowances
 from kubetrain_operator.core import podsecurity as pod_security
 from kubetrain_operator.core.children import Settings
 
