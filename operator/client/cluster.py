@@ -309,7 +309,7 @@ class ClusterBackend(Backend):
             if code != 0:
                 raise ClientError(f"{name}: export pod {pod_name}: cannot write the job file: {output.strip()}")
             code, output = self._exec(pod_name, [
-                "python", "-m", "kubetrain_operator.cli", "checkpoints", "export", EXPORT_ROOT, "--job", job_file,
+                "python", "-m", "kubetrain_cli", "checkpoints", "export", EXPORT_ROOT, "--job", job_file,
                 "--out", out], timeout=EXPORT_SECONDS)
             if code != 0:
                 raise ClientError(f"{name}: export failed: {output.strip().splitlines()[-1] if output.strip() else code}")

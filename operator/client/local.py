@@ -154,7 +154,7 @@ class LocalBackend(Backend):
         return job.name
 
     def _start(self, name: str, run: RunDir, launch: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", "kubetrain_operator.cli", "run", launch["manifest"], "--run-dir", str(run.path),
+        cmd = [sys.executable, "-m", "kubetrain_cli", "run", launch["manifest"], "--run-dir", str(run.path),
                "--code-dir", launch["code_dir"], "--quiet"]
         # PYTHONSAFEPATH: `-m` would put the working directory first on sys.path, where a folder named
         # operator/ (this repository's root) shadows the standard library's.
@@ -238,7 +238,7 @@ class LocalBackend(Backend):
 
     def export(self, name: str, path: Path) -> Path:
         run = self.run_dir(name)
-        done = subprocess.run([sys.executable, "-m", "kubetrain_operator.cli", "checkpoints", "export", str(run.path),
+        done = subprocess.run([sys.executable, "-m", "kubetrain_cli", "checkpoints", "export", str(run.path),
                                "--out", str(path)], capture_output=True, text=True,
                               env={**os.environ, "PYTHONSAFEPATH": "1"})
         if done.returncode != 0:

@@ -88,13 +88,13 @@ def test_the_operator_refuses_a_gang_scheduler_it_does_not_know_at_start(flag, s
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "kubetrain_operator.cli", "operator", "--gang-scheduler", flag],
+    done = subprocess.run([sys.executable, "-m", "kubetrain_cli", "operator", "--gang-scheduler", flag],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_gang_scheduler_flags_keep_their_order_and_default_scheduler_names():
-    from kubetrain_operator.cli import UsageError, parse_gang_schedulers
+    from kubetrain_cli.commands import UsageError, parse_gang_schedulers
 
     assert parse_gang_schedulers(["scheduler-plugins", "volcano=vc"]) == (
         ("scheduler-plugins", "scheduler-plugins-scheduler"), ("volcano", "vc"))

@@ -9,7 +9,7 @@ import yaml
 
 from kubetrain_operator.api.load import MAX_MANIFEST_BYTES, MAX_NESTING
 from kubetrain_operator.api.schema import MAX_SHOWN_PROBLEMS
-from kubetrain_operator.cli import main
+from kubetrain_cli import main
 
 HEAD = b"apiVersion: kubetrain.dev/v1alpha1\nkind: TrainingJob\nmetadata: {name: t}\nspec:\n  mode: Single\n"
 

@@ -21,7 +21,7 @@ import yaml
 
 from kubetrain_operator.api import crd, from_object, podtemplate
 from kubetrain_operator.api.podtemplate import ALLOWANCES, SECURITY_CHECKS, pod_security_problems
-from kubetrain_operator.cli import main
+from kubetrain_cli import main
 
 from helpers.kube import wait_established
 
@@ -243,7 +243,7 @@ def test_every_example_stays_within_bounds(example, capsys):
 
 def test_an_unknown_allowance_is_a_usage_error_listing_the_known_ones(tmp_path):
     path = write(tmp_path, manifest({}))
-    proc = subprocess.run([sys.executable, "-m", "kubetrain_operator.cli", "validate", "--allow", "privileged,sudo",
+    proc = subprocess.run([sys.executable, "-m", "kubetrain_cli", "validate", "--allow", "privileged,sudo",
                            str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown pod-security allowance 'sudo'" in proc.stderr
@@ -253,7 +253,7 @@ def test_an_unknown_allowance_is_a_usage_error_listing_the_known_ones(tmp_path):
 
 def test_validate_exits_2_without_traceback_as_a_command(tmp_path):
     path = write(tmp_path, manifest({"hostNetwork": True, "serviceAccountName": "admin"}))
-    proc = subprocess.run([sys.executable, "-m", "kubetrain_operator.cli", "validate", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "kubetrain_cli", "validate", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"{PT}.hostNetwork: " in proc.stderr and f"{PT}.serviceAccountName: " in proc.stderr

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from kubetrain_operator.api import dump_manifest, from_object, load_one
-from kubetrain_operator.cli import main
+from kubetrain_cli import main
 
 CUSTOM = sorted((Path(__file__).parents[2] / "examples" / "custom").glob("*.yaml"))
 

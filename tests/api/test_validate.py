@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetrain_operator.cli import main
+from kubetrain_cli import main
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 
@@ -205,7 +205,7 @@ def test_validate_command_exits_2_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(with_spec(training={"batchSize": 0})))
     proc = subprocess.run(
-        [sys.executable, "-m", "kubetrain_operator.cli", "validate", str(bad), str(tmp_path / "missing.yaml")],
+        [sys.executable, "-m", "kubetrain_cli", "validate", str(bad), str(tmp_path / "missing.yaml")],
         capture_output=True,
         text=True,
     )

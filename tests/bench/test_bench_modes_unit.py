@@ -13,7 +13,7 @@ import yaml
 
 from kubetrain_operator.api import from_object
 from kubetrain_contract.launch import SLOWDOWN_VAR
-from kubetrain_operator.benchcli import (
+from kubetrain_bench.modes import (
     CNN_ARGS,
     KEEP_ALL,
     MAX_EPOCHS,

@@ -11,7 +11,7 @@ import yaml
 
 from support import ROOT
 
-from kubetrain_operator.cli import parse_gang_schedulers, parse_metrics_from
+from kubetrain_cli.commands import parse_gang_schedulers, parse_metrics_from
 
 pytestmark = pytest.mark.cluster
 CHART = ROOT / "charts" / "kubetrain"

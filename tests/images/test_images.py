@@ -98,11 +98,23 @@ def test_operator_image_has_no_torch_and_imports_the_operator(images):
     with container(images["operator"]) as ctr:
         torch = run(ctr, "python", "-c", "import torch")
         operator = run(ctr, "python", "-c",
-                       "import sys, kopf, kubernetes, kubetrain_operator.controller.run; print('torch' in sys.modules)")
+                       "import sys, kopf, kubernetes, kubetrain_operator.controller.run, kubetrain_cli.commands; "
+                       "print('torch' in sys.modules)")
     assert torch.returncode != 0
     assert "No module named 'torch'" in torch.stderr
     assert operator.returncode == 0, operator.stderr
     assert operator.stdout.strip() == "False"
+
+
+def test_images_leave_the_benchmarks_out_and_say_so(images):
+    """kubetrain_bench is a development tool: no image carries it, and `kubetrain bench` says where it runs."""
+    for image in ("operator", "trainer"):
+        with container(images[image]) as ctr:
+            found = run(ctr, "python", "-c", "import importlib.util as u; print(u.find_spec('kubetrain_bench'))")
+            bench = run(ctr, "python", "-m", "kubetrain_cli", "bench", "transport")
+        assert found.returncode == 0 and found.stdout.strip() == "None", (image, found.stdout, found.stderr)
+        assert bench.returncode == 2, (image, bench.stdout, bench.stderr)
+        assert "kubetrain bench runs from a checkout" in bench.stderr and "Traceback" not in bench.stderr, bench.stderr
 
 
 @pytest.mark.parametrize("image", ["trainer", "operator"])

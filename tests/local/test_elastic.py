@@ -53,7 +53,7 @@ def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int]) -> tup
     """`kubetrain run`, and `kubetrain scale` to each size: the first once the chief passed
     FIRST_RESIZE_STEP, each next STEPS_BETWEEN_RESIZES steps after the previous resize was done (the run
     directory's status says the new size)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir", str(run),
+    proc = subprocess.Popen([sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run),
                              "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         at_step = FIRST_RESIZE_STEP

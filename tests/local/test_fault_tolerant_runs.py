@@ -67,7 +67,7 @@ class Run:
     def __init__(self, path: Path, run: Path, *args: str):
         self.path, self.dir = path, run
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir", str(run), "--quiet", *args],
+            [sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run), "--quiet", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, SLOWDOWN_VAR: SLOWDOWN})
 
     def events(self, replica: str, event: str | None = None) -> list[dict[str, Any]]:

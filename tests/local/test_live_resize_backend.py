@@ -15,7 +15,7 @@ import yaml
 
 from helpers.wait import wait_for
 from kubetrain_operator.api import from_object
-from kubetrain_operator.cli import main as kubetrain_main
+from kubetrain_cli import main as kubetrain_main
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 from support import job_doc

@@ -50,7 +50,7 @@ def test_a_local_parameter_server_job_trains_over_mutual_tls(tmp_path, write_job
                   parameterServer={"replicas": 2, "workers": 2, "aggregation": "Sync"})
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_operator.cli", "run", str(write_job(doc)), "--run-dir", str(run), "--quiet"],
+        [sys.executable, "-m", "kubetrain_cli", "run", str(write_job(doc)), "--run-dir", str(run), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

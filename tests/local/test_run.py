@@ -78,7 +78,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, write_job):
                   training={"maxSteps": 3000, "batchSize": 32}, checkpoint={"intervalSteps": 25})
     path = write_job(doc)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir", str(run), "--quiet"]
+    cmd = [sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run), "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = run / "checkpoints" / "single-0" / "latest"
     deadline = time.monotonic() + 120

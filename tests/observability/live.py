@@ -143,7 +143,7 @@ def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list
     run_dir = root / "runs" / name
     log = root / f"{name}.log"
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_operator.cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
+        [sys.executable, "-m", "kubetrain_cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
          *extra],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
         preexec_fn=(lambda: os.nice(nice)) if nice else None,

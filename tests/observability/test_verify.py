@@ -12,7 +12,7 @@ import yaml
 from support import job_doc
 
 from kubetrain_operator.api import from_object
-from kubetrain_operator.cli import UsageError, recovery_check
+from kubetrain_cli.commands import UsageError, recovery_check
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 from kubetrain_trainer.verify import (

@@ -155,7 +155,7 @@ def test_kubetrain_wait_and_logs_against_the_cluster(cluster, operator):
     client = kubetrain.Client(namespace=operator.namespace, api_client=api_client(cluster))
     name = client.create(manifest()).name
     env = {**cluster.env, "PYTHONSAFEPATH": "1"}
-    kubetrain_cli = (sys.executable, "-m", "kubetrain_operator.cli")
+    kubetrain_cli = (sys.executable, "-m", "kubetrain_cli")
     waited = run(*kubetrain_cli, "wait", name, "-n", operator.namespace, "--until", "Running", "--timeout", "60",
                  env=env, timeout=120, check=False)
     assert (waited.returncode, waited.stdout.strip()) == (0, f"{name}: Running"), waited.stderr

@@ -147,7 +147,7 @@ def test_the_certificates_come_from_the_environment(job_dir, tmp_path):
 
 @pytest.mark.slow
 def test_the_transport_benchmark_compares_tls_with_plaintext_in_one_run(job_dir):
-    from kubetrain_trainer.ps.bench import bench_transport
+    from kubetrain_bench.transport import bench_transport
 
     result = bench_transport(1 << 20, rounds=2, tls_dir=job_dir)
     for key in ("ps_push_tls_gb_per_s", "ps_pull_tls_gb_per_s", "tls_push_ratio", "tls_pull_ratio",

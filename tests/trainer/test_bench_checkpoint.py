@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kubetrain_operator.cli import main
+from kubetrain_cli import main
 
 
 def test_bench_checkpoint_measures_sync_and_background_saves_in_one_run(tmp_path, capsys):

@@ -12,7 +12,7 @@ import yaml
 
 from support import job_doc, kubetrain
 from kubetrain_operator.api import load_one
-from kubetrain_operator.cli import main
+from kubetrain_cli import main
 from kubetrain_trainer.checkpoint import CheckpointStore, read_valid
 from kubetrain_trainer.data import load_data
 from kubetrain_trainer.models import build_model

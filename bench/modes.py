@@ -1,52 +1,31 @@
-"""`kubetrain bench`: benchmarks that print JSON with ratios measured in one run.
+"""`kubetrain bench modes`: Single, PS Sync, PS Async and DDP on the same work, compared in one run.
 
-`modes` runs the same model on the same data for the same samples as
-Single, PS Sync, PS Async and DDP through the local backend, one after the
-other, in three cases (a small MLP, a compute-heavier CNN, the CNN with one
-straggler), and compares their throughput and their time to a target accuracy.
-`compression` (benchcompression.py) prints push and pull bytes per step of every
-compression algorithm. `transport` measures the parameter-server transport against a raw loopback
-socket, and over mutual TLS against plaintext, `contract` what
-kubetrain.report and kubetrain.save cost a user's script, `checkpoint` what
-a background checkpoint costs the training loop against a synchronous one
-(all three in the trainer package: they need torch).
+It runs the same model on the same data for the same samples in every mode
+through the local backend, one after the other, in three cases (a small MLP,
+a compute-heavier CNN, the CNN with one straggler), and compares their
+throughput and their time to a target accuracy.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from kubetrain_contract.launch import SLOWDOWN_VAR
+from kubetrain_operator.api import from_object
+from kubetrain_operator.local.backend import LocalBackend
+from kubetrain_operator.local.rundir import RunDir
 
-from .api import from_object
-from .core.certificates import job_certificates
-from .local.backend import LocalBackend, save_certificates
-from .local.rundir import RunDir
-
-UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]+)\s*([KMG]i?B|B)?\s*", text)
-    if not m or int(m[1]) <= 0:
-        raise ValueError(f"--bytes {text!r}: expected a size such as 64MiB")
-    return int(m[1]) * UNITS[m[2] or ""]
-
-
-# --- bench modes ------------------------------------------------------------------------
+from . import manifest
 
 MODE_LABELS = ("Single", "PS-Sync", "PS-Async", "DDP")
 CASES = ("small", "cnn", "straggler")
@@ -105,20 +84,15 @@ def mode_variants(case: str, epochs: int, batch: int, steps_per_epoch: int, hidd
     every = max(1, steps_per_epoch // CHECKPOINTS_PER_EPOCH)
 
     def doc(name: str, mode: str, per_replica_batch: int, max_steps: int, interval: int, **extra: Any) -> dict[str, Any]:
-        return {
-            "apiVersion": "kubetrain.dev/v1alpha1",
-            "kind": "TrainingJob",
-            "metadata": {"name": f"bench-{case}-{name}"},
-            "spec": {
-                "mode": mode,
-                "model": model,
-                "dataset": {"name": "digits"},
-                "training": {"maxSteps": max_steps, "batchSize": per_replica_batch, "seed": 0},
-                "checkpoint": {"intervalSteps": interval, "keepLast": KEEP_ALL},
-                "metrics": {"port": 0},
-                **extra,
-            },
-        }
+        return manifest(f"bench-{case}-{name}", {
+            "mode": mode,
+            "model": model,
+            "dataset": {"name": "digits"},
+            "training": {"maxSteps": max_steps, "batchSize": per_replica_batch, "seed": 0},
+            "checkpoint": {"intervalSteps": interval, "keepLast": KEEP_ALL},
+            "metrics": {"port": 0},
+            **extra,
+        })
 
     half = batch // REPLICAS
     staleness = 2 * steps if case == "straggler" else 4
@@ -363,89 +337,3 @@ def bench_modes(cases: list[str], epochs: int, batch: int, hidden: int = 128, sl
                   for case in cases},
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
-
-
-# The script `bench contract` times (trainer/bench_script.py): a plain DDP loop.
-SCRIPT_MODULE = "kubetrain_trainer.bench_script"
-
-
-def _job(name: str, steps: int, report: bool) -> dict[str, Any]:
-    args = ["--steps", str(steps)] + ([] if report else ["--no-report"])
-    return {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"mode": "DDP", "ddp": {"nodes": 2, "procsPerNode": 1},
-                     "script": {"command": ["python", "-m", SCRIPT_MODULE], "args": args}}}
-
-
-def bench_report(rounds: int, steps: int) -> dict[str, Any]:
-    """Samples/s of one DDP script (2 ranks, gloo, loopback) with kubetrain.report every step and without.
-
-    Alternating rounds (ABAB...), so that a slow spell of a shared machine
-    hits both variants; the ratio of the medians is the figure.
-    """
-    measured: dict[str, list[float]] = {"with_report": [], "without_report": []}
-    with tempfile.TemporaryDirectory(prefix="kubetrain-bench-contract-") as tmp:
-        for i in range(rounds):
-            for label, report in (("with_report", True), ("without_report", False)):
-                run = RunDir(Path(tmp) / f"{label}-{i}")
-                job = from_object(_job(f"bench-{label.replace('_', '-')}-{i}", steps, report))
-                code = LocalBackend(job, run, out=io.StringIO(), echo_logs=False, code_dir=Path(tmp)).run_job()
-                summary = run.read_summary() or {}
-                rate = (summary.get("metrics") or {}).get("loop_samples_per_second")
-                if code != 0 or rate is None:
-                    raise RuntimeError(f"{label} round {i}: the script failed (exit {code}); see {run.path}/logs")
-                measured[label].append(rate)
-    med = {k: statistics.median(v) for k, v in measured.items()}
-    return {
-        "script": f"python -m {SCRIPT_MODULE}: DDP 2 ranks x 1, gloo, MLP 64-256-10, batch 64 per rank, {steps} timed steps",
-        "rounds": rounds,
-        "samples_per_second": {k: [round(x) for x in v] for k, v in measured.items()},
-        "median_with_report": round(med["with_report"]),
-        "median_without_report": round(med["without_report"]),
-        "ratio_with_to_without": round(med["with_report"] / med["without_report"], 4),
-        "aim": "ratio >= 0.98",
-    }
-
-
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    if args.bench == "transport":
-        try:
-            from kubetrain_trainer.ps.bench import bench_transport
-        except ImportError as err:
-            raise SystemExit(f"kubetrain bench transport needs the trainer's dependencies (torch, grpcio): {err}")
-        # The same transport over mutual TLS in the same rounds (tls_push_ratio, tls_pull_ratio), with
-        # certificates made as for a job; the shards of kubetrain's own jobs always speak it.
-        with tempfile.TemporaryDirectory(prefix="kubetrain-bench-tls-") as tmp:
-            files = job_certificates("bench", "default", [], datetime.now(timezone.utc))
-            return bench_transport(parse_bytes(args.bytes), tls_dir=save_certificates(Path(tmp) / "tls", files))
-    if args.bench == "contract":
-        try:
-            from kubetrain_trainer.bench_contract import bench_save
-        except ImportError as err:
-            raise SystemExit(f"kubetrain bench contract needs the trainer's dependencies (torch): {err}")
-        if args.rounds < 1 or args.steps < 1 or args.save_mib < 1:
-            raise ValueError("--rounds, --steps and --save-mib must be at least 1")
-        return {"benchmark": "contract", "report": bench_report(args.rounds, args.steps),
-                "save": bench_save(args.save_mib, args.rounds)}
-    if args.bench == "compression":
-        from .benchcompression import bench_compression
-
-        return bench_compression(args.manifest, [a for a in args.algorithms.split(",") if a], args.ratio, args.rank,
-                                 args.min_tensor_bytes)
-    if args.bench == "ft":
-        from .benchft import bench_ft
-
-        return bench_ft(args.steps, args.groups, args.kill_every, args.model_hidden, args.heartbeat, args.slowdown,
-                        args.rounds, args.keep)
-    if args.bench == "checkpoint":
-        try:
-            from kubetrain_trainer.bench_checkpoint import bench_checkpoint
-            from kubetrain_trainer.bench_sharded import bench_sharded
-        except ImportError as err:
-            raise SystemExit(f"kubetrain bench checkpoint needs the trainer's dependencies (torch): {err}")
-        if args.sharded:
-            return bench_sharded(args.gib, args.dir)
-        return bench_checkpoint(args.model_mb, args.steps, args.every, args.rounds, args.dir)
-    modes = [m for m in args.modes.split(",") if m] if args.modes else None
-    cases = list(CASES) if args.case == "all" else [args.case]
-    return bench_modes(cases, args.epochs, args.batch, args.model_hidden, args.slow_factor, args.target, modes,
-                       args.rounds)

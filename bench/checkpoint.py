@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointStore, capture_rng_state
-from .device import make_deterministic
+from kubetrain_trainer.checkpoint import CheckpointStore, capture_rng_state
+from kubetrain_trainer.device import make_deterministic
 
 # Square layers of this width: 2048x2048 floats are 16 MiB a layer, so a
 # 100 MB model is 6 of them; wider layers would make a step slow on 2 cores.
@@ -45,73 +45,87 @@ def build(model_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+class _Loop:
+    """The training loop under measure: the model, its optimizer, one fixed batch, and the step count."""
+
+    def __init__(self, model_mb: int):
+        self.model, self.optimizer = build(model_mb)
+        self.x, self.target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+        self.step = 0
+
+    def train_one(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(self.model(self.x), self.target).backward()
+        self.optimizer.step()
+        self.step += 1
+
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": capture_rng_state(), "samples": self.step * BATCH, "loss": 0.0}
+
+
+def _sync_saves(loop: _Loop, root: Path, rounds: int) -> tuple[list[float], int]:
+    """Seconds of each synchronous save, and the checkpoint file's bytes."""
+    store = CheckpointStore(root, keep_last=2, spec_hash="bench", background=False)
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        store.save(loop.step, loop.state())
+        times.append(time.perf_counter() - started)
+    return times, store.list()[-1].bytes
+
+
+def _background_saves(loop: _Loop, root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
+    """Rounds of `steps` steps without checkpoints and with one every `every` steps, alternated (ABAB):
+    the loop's seconds per step of each ("loop"), and the stalls, waits and final waits of its saves."""
+    store = CheckpointStore(root, keep_last=2, spec_hash="bench", background=True)
+    out: dict[str, Any] = {"stalls": [], "waits": [], "final_waits": [], "loop": {"none": [], "checkpoints": []}}
+    for _ in range(rounds):
+        for variant in ("none", "checkpoints"):
+            started = time.perf_counter()
+            for i in range(1, steps + 1):
+                loop.train_one()
+                if variant == "checkpoints" and i % every == 0:
+                    before = time.perf_counter()
+                    store.wait()  # what save() would wait for first, timed apart
+                    waited = time.perf_counter()
+                    store.save(loop.step, loop.state())
+                    out["stalls"].append(time.perf_counter() - before)
+                    out["waits"].append(waited - before)
+            out["loop"][variant].append((time.perf_counter() - started) / steps)
+            before = time.perf_counter()
+            store.wait()  # outside the timed loop: the end of a run waits once
+            if variant == "checkpoints":
+                out["final_waits"].append(time.perf_counter() - before)
+    return out
+
+
 def bench_checkpoint(model_mb: int, steps: int, every: int, rounds: int, directory: str | None = None) -> dict[str, Any]:
     if model_mb < 100 or steps < 1 or every < 1 or rounds < 1:
         raise ValueError("--model-mb must be at least 100, --steps, --every and --rounds at least 1")
     if directory is not None and not Path(directory).is_dir():
         raise ValueError(f"--dir {directory}: not a directory")
     threads = make_deterministic()
-    model, optimizer = build(model_mb)
-    x, target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    step = 0
-
-    def train_one() -> None:
-        nonlocal step
-        optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), target).backward()
-        optimizer.step()
-        step += 1
-
-    def state() -> dict[str, Any]:
-        return {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "rng": capture_rng_state(), "samples": step * BATCH, "loss": 0.0}
-
+    loop = _Loop(model_mb)
     for _ in range(3):  # momentum buffers exist after the first step: the state is whole from here on
-        train_one()
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        loop.train_one()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in loop.model.parameters())
     state_bytes = parameter_bytes + sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        v.numel() * v.element_size() for s in loop.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     with tempfile.TemporaryDirectory(prefix="kubetrain-bench-ckpt-", dir=directory) as tmp:
-        sync_store = CheckpointStore(Path(tmp) / "sync", keep_last=2, spec_hash="bench", background=False)
-        sync_times = []
-        for _ in range(rounds):
-            started = time.perf_counter()
-            sync_store.save(step, state())
-            sync_times.append(time.perf_counter() - started)
-        file_bytes = sync_store.list()[-1].bytes
-
-        store = CheckpointStore(Path(tmp) / "async", keep_last=2, spec_hash="bench", background=True)
-        stalls: list[float] = []
-        waits: list[float] = []
-        loop: dict[str, list[float]] = {"none": [], "checkpoints": []}
-        final_waits = []
-        for _ in range(rounds):
-            for variant in ("none", "checkpoints"):
-                started = time.perf_counter()
-                for i in range(1, steps + 1):
-                    train_one()
-                    if variant == "checkpoints" and i % every == 0:
-                        before = time.perf_counter()
-                        store.wait()  # what save() would wait for first, timed apart
-                        waited = time.perf_counter()
-                        store.save(step, state())
-                        stalls.append(time.perf_counter() - before)
-                        waits.append(waited - before)
-                loop[variant].append((time.perf_counter() - started) / steps)
-                before = time.perf_counter()
-                store.wait()  # outside the timed loop: the end of a run waits once
-                if variant == "checkpoints":
-                    final_waits.append(time.perf_counter() - before)
+        sync_times, file_bytes = _sync_saves(loop, Path(tmp) / "sync", rounds)
+        background = _background_saves(loop, Path(tmp) / "async", steps, every, rounds)
+    stalls = background["stalls"]
     sync = statistics.median(sync_times)
     steady = stalls[1:] or stalls  # the first background save also allocates its buffers
     stall = statistics.median(steady)
-    per_step = {k: statistics.median(v) for k, v in loop.items()}
+    per_step = {k: statistics.median(v) for k, v in background["loop"].items()}
     return {
         "benchmark": "checkpoint",
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch_threads": threads,
-        "model": f"{len(model)} x Linear({WIDTH}, {WIDTH}), SGD momentum 0.9, batch {BATCH}",
+        "model": f"{len(loop.model)} x Linear({WIDTH}, {WIDTH}), SGD momentum 0.9, batch {BATCH}",
         "parameter_bytes": parameter_bytes,
         "state_bytes": state_bytes,
         "file_bytes": file_bytes,
@@ -123,9 +137,9 @@ def bench_checkpoint(model_mb: int, steps: int, every: int, rounds: int, directo
         "stall_seconds": round(stall, 4),
         "stall_seconds_max": round(max(steady), 4),
         "stall_seconds_first": round(stalls[0], 4),
-        "stall_wait_seconds_max": round(max(waits), 4),
+        "stall_wait_seconds_max": round(max(background["waits"]), 4),
         "checkpoints_in_background": len(stalls),
-        "final_wait_seconds": round(statistics.median(final_waits), 4),
+        "final_wait_seconds": round(statistics.median(background["final_waits"]), 4),
         "ratio_stall_to_sync": round(stall / sync, 4),
         "step_seconds": {k: round(v, 4) for k, v in per_step.items()},
         "step_overhead": round(per_step["checkpoints"] / per_step["none"] - 1, 4),

@@ -1,4 +1,4 @@
-"""Benchmarks of the parameter-server runtime: transport throughput against a raw socket, training modes.
+"""`kubetrain bench transport`: the parameter-server transport's throughput against a raw socket, in one run.
 
 `bench_transport(nbytes)` sends one float32 tensor of `nbytes` to a server
 process on loopback through the PS transport (Push: frames, chunking, the
@@ -33,14 +33,14 @@ import torch
 
 from kubetrain_contract.tls_files import TLS_DIR_VAR
 
-from ..compression import as_bytes
-from . import ps_pb2 as pb
-from .client import PSClient
-from .job import chunk_bytes as configured_chunk_bytes
-from .credentials import TlsFiles
-from .credentials import from_env as tls_from_env
-from .dataplane import DataServer
-from .transport import (
+from kubetrain_trainer.compression import as_bytes
+from kubetrain_trainer.ps import ps_pb2 as pb
+from kubetrain_trainer.ps.client import PSClient
+from kubetrain_trainer.ps.job import chunk_bytes as configured_chunk_bytes
+from kubetrain_trainer.ps.credentials import TlsFiles
+from kubetrain_trainer.ps.credentials import from_env as tls_from_env
+from kubetrain_trainer.ps.dataplane import DataServer
+from kubetrain_trainer.ps.transport import (
     GRPC_OPTIONS,
     Assembler,
     Backoff,
@@ -157,7 +157,7 @@ def _with_sink(kind: str, nbytes: int, chunk: int, tls_dir: Path | None = None) 
     if tls_dir is not None:
         env[TLS_DIR_VAR] = str(tls_dir)
     process = subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_trainer.ps.bench", "--sink", kind, str(nbytes), str(chunk)],
+        [sys.executable, "-m", "kubetrain_bench.transport", "--sink", kind, str(nbytes), str(chunk)],
         stdout=subprocess.PIPE, text=True, env=env,
     )
     line = process.stdout.readline().split()
@@ -165,6 +165,91 @@ def _with_sink(kind: str, nbytes: int, chunk: int, tls_dir: Path | None = None) 
         process.kill()
         raise RuntimeError(f"bench sink {kind!r} did not start (exit {process.wait()})")
     return process, [int(p) for p in line]
+
+
+def _start_sinks(nbytes: int, chunk: int, tls_dir: Path | None) -> list[tuple[subprocess.Popen, list[int]]]:
+    """The receivers, in this order: the raw socket's, the transport's, the transport's that checks that
+    gradients are finite, and with `tls_dir` the transport's over mutual TLS."""
+    kinds = ["socket", "transport", "transport-checked"]
+    sinks = [_with_sink(kind, nbytes, chunk) for kind in kinds]
+    if tls_dir is not None:
+        sinks.append(_with_sink("transport-tls", nbytes, chunk, tls_dir))
+    return sinks
+
+
+def _clients(sinks: list[tuple[subprocess.Popen, list[int]]], chunk: int, tls_dir: Path | None) -> dict[str, PSClient]:
+    """What a worker uses (the data plane: "ps"), and gRPC's own Push and Pull beside it ("grpc"); with
+    `tls_dir` both again over mutual TLS ("ps_tls", "grpc_tls")."""
+    (_, [grpc_port, data_port]), (_, [checked_grpc, checked_data]) = sinks[1], sinks[2]
+    grpc_addrs = [f"127.0.0.1:{grpc_port}", f"127.0.0.1:{checked_grpc}"]
+    clients = {
+        "ps": PSClient(grpc_addrs, TOKEN, chunk, Backoff(budget=30.0),
+                       data_addrs=[f"127.0.0.1:{data_port}", f"127.0.0.1:{checked_data}"]),
+        "grpc": PSClient(grpc_addrs, TOKEN, chunk, Backoff(budget=30.0)),
+    }
+    if tls_dir is not None:
+        tls_grpc, tls_data = sinks[3][1]
+        clients["ps_tls"] = PSClient([f"127.0.0.1:{tls_grpc}"], TOKEN, chunk, Backoff(budget=30.0),
+                                     tls=TlsFiles.load(tls_dir), data_addrs=[f"127.0.0.1:{tls_data}"])
+        clients["grpc_tls"] = PSClient([f"127.0.0.1:{tls_grpc}"], TOKEN, chunk, Backoff(budget=30.0),
+                                       tls=TlsFiles.load(tls_dir))
+    return clients
+
+
+def _ways(clients: dict[str, PSClient], sinks: list[tuple[subprocess.Popen, list[int]]], tensor: torch.Tensor,
+          conn: socket.socket, chunk: int, targets: dict[str, torch.Tensor],
+          ) -> tuple[dict[str, Callable[[], Any]], dict[str, int]]:
+    """Each way of moving `tensor` once (name -> call), and who receives it (name -> pid): a sink
+    process for the socket and pushes, this process for pulls (into `targets`, checked afterwards)."""
+    nbytes = tensor.numel() * 4
+    payload = memoryview(as_bytes(tensor).numpy())
+    out = [OutTensor("t", "float32", tuple(tensor.shape), "None", as_bytes(tensor))]
+    header = pb.PushHeader(worker=0, worker_step=1)
+    expected = {"t": Expected.of(tensor)}
+    scratch: dict = {}
+
+    def raw() -> None:
+        # In pieces of the chunk size, as the transport sends: one sendall of 64 MiB reached 2.5 GB/s
+        # on loopback where 1 MiB pieces reached 4.3 (the copies stay in the caches), and the
+        # socket is the best a transport could do, not a handicapped one.
+        for offset in range(0, nbytes, chunk):
+            conn.sendall(payload[offset : offset + chunk])
+        conn.recv(1)
+
+    def push(via: PSClient, shard: int = 0) -> Callable[[], Any]:
+        return lambda: via.push(shard, header, out)
+
+    def pull(way: str, via: PSClient) -> Callable[[], Any]:
+        target = targets.setdefault(way, torch.empty_like(tensor))
+        return lambda: via.pull(0, pb.PullRequest(worker=0), lambda: Assembler(expected, scratch, {"t": target}))
+
+    ways = {"raw_socket": raw, "ps_push": push(clients["ps"]), "ps_pull": pull("ps_pull", clients["ps"]),
+            "grpc_push": push(clients["grpc"]), "grpc_pull": pull("grpc_pull", clients["grpc"]),
+            "ps_push_checked": push(clients["ps"], 1)}
+    receiver = {"raw_socket": sinks[0][0].pid, "ps_push": sinks[1][0].pid, "grpc_push": sinks[1][0].pid,
+                "ps_push_checked": sinks[2][0].pid, "ps_pull": os.getpid(), "grpc_pull": os.getpid()}
+    if "ps_tls" in clients:
+        for way in ("ps", "grpc"):
+            ways[f"{way}_push_tls"] = push(clients[f"{way}_tls"])
+            ways[f"{way}_pull_tls"] = pull(f"{way}_pull_tls", clients[f"{way}_tls"])
+            receiver[f"{way}_push_tls"], receiver[f"{way}_pull_tls"] = sinks[3][0].pid, os.getpid()
+    return ways, receiver
+
+
+def _measure(ways: dict[str, Callable[[], Any]], receiver: dict[str, int], rounds: int, nbytes: int,
+             ) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Every way in turn, round after round: (bytes per second of each round, the receiver's CPU seconds in all)."""
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, float] = {name: 0.0 for name in ways}
+    for round_ in range(rounds + 1):
+        for name, once in ways.items():
+            cpu_before = _cpu_seconds(receiver[name])
+            started = time.perf_counter()
+            once()
+            if round_:  # the first round warms up connections and buffers
+                rates[name].append(nbytes / (time.perf_counter() - started))
+                cpu[name] += _cpu_seconds(receiver[name]) - cpu_before
+    return rates, cpu
 
 
 def bench_transport(
@@ -180,84 +265,31 @@ def bench_transport(
     chunk = chunk_bytes or configured_chunk_bytes()
     nbytes -= nbytes % 4
     tensor = _tensor(nbytes)
-    payload = memoryview(as_bytes(tensor).numpy())
-    sinks = [_with_sink(kind, nbytes, chunk) for kind in ("socket", "transport", "transport-checked")]
-    (_, [socket_port]), (_, [grpc_port, data_port]), (_, [checked_grpc, checked_data]) = sinks
-    grpc_addrs = [f"127.0.0.1:{grpc_port}", f"127.0.0.1:{checked_grpc}"]
-    # What a worker uses (the data plane), and gRPC's own Push and Pull beside it.
-    client = PSClient(grpc_addrs, TOKEN, chunk, Backoff(budget=30.0),
-                      data_addrs=[f"127.0.0.1:{data_port}", f"127.0.0.1:{checked_data}"])
-    grpc_client = PSClient(grpc_addrs, TOKEN, chunk, Backoff(budget=30.0))
-    tls_client = grpc_tls_client = None
-    if tls_dir is not None:
-        sinks.append(_with_sink("transport-tls", nbytes, chunk, tls_dir))
-        tls_grpc, tls_data = sinks[-1][1]
-        tls_client = PSClient([f"127.0.0.1:{tls_grpc}"], TOKEN, chunk, Backoff(budget=30.0),
-                              tls=TlsFiles.load(tls_dir), data_addrs=[f"127.0.0.1:{tls_data}"])
-        grpc_tls_client = PSClient([f"127.0.0.1:{tls_grpc}"], TOKEN, chunk, Backoff(budget=30.0),
-                                   tls=TlsFiles.load(tls_dir))
+    sinks = _start_sinks(nbytes, chunk, tls_dir)
+    clients: dict[str, PSClient] = {}
     targets: dict[str, torch.Tensor] = {}
     try:
-        conn = socket.create_connection(("127.0.0.1", socket_port))
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        out = [OutTensor("t", "float32", tuple(tensor.shape), "None", as_bytes(tensor))]
-        header = pb.PushHeader(worker=0, worker_step=1)
-        expected = {"t": Expected.of(tensor)}
-        scratch: dict = {}
-
-        def raw() -> None:
-            # In pieces of the chunk size, as the transport sends: one sendall of 64 MiB reached 2.5 GB/s
-            # on loopback where 1 MiB pieces reached 4.3 (the copies stay in the caches), and the
-            # socket is the best a transport could do, not a handicapped one.
-            for offset in range(0, nbytes, chunk):
-                conn.sendall(payload[offset : offset + chunk])
-            conn.recv(1)
-
-        def pull(way: str, via: PSClient) -> Callable[[], Any]:
-            target = targets.setdefault(way, torch.empty_like(tensor))
-            return lambda: via.pull(0, pb.PullRequest(worker=0), lambda: Assembler(expected, scratch, {"t": target}))
-
-        ways: dict[str, Callable[[], Any]] = {
-            "raw_socket": raw,
-            "ps_push": lambda: client.push(0, header, out),
-            "ps_pull": pull("ps_pull", client),
-            "grpc_push": lambda: grpc_client.push(0, header, out),
-            "grpc_pull": pull("grpc_pull", grpc_client),
-            "ps_push_checked": lambda: client.push(1, header, out),
-        }
-        if tls_client is not None:
-            ways["ps_push_tls"] = lambda: tls_client.push(0, header, out)
-            ways["ps_pull_tls"] = pull("ps_pull_tls", tls_client)
-            ways["grpc_push_tls"] = lambda: grpc_tls_client.push(0, header, out)
-            ways["grpc_pull_tls"] = pull("grpc_pull_tls", grpc_tls_client)
-        # Who receives: a sink process for the socket and pushes, this process for pulls.
-        receiver = {"raw_socket": sinks[0][0].pid, "ps_push": sinks[1][0].pid, "grpc_push": sinks[1][0].pid,
-                    "ps_push_checked": sinks[2][0].pid, "ps_pull": os.getpid(), "grpc_pull": os.getpid(),
-                    "ps_pull_tls": os.getpid(), "grpc_pull_tls": os.getpid()}
-        if tls_client is not None:
-            receiver["ps_push_tls"] = receiver["grpc_push_tls"] = sinks[3][0].pid
-        rates: dict[str, list[float]] = {name: [] for name in ways}
-        cpu: dict[str, float] = {name: 0.0 for name in ways}
-        for round_ in range(rounds + 1):
-            for name, once in ways.items():
-                cpu_before = _cpu_seconds(receiver[name])
-                started = time.perf_counter()
-                once()
-                if round_:  # the first round warms up connections and buffers
-                    rates[name].append(nbytes / (time.perf_counter() - started))
-                    cpu[name] += _cpu_seconds(receiver[name]) - cpu_before
-        conn.close()
+        clients = _clients(sinks, chunk, tls_dir)
+        with socket.create_connection(("127.0.0.1", sinks[0][1][0])) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ways, receiver = _ways(clients, sinks, tensor, conn, chunk, targets)
+            rates, cpu = _measure(ways, receiver, rounds, nbytes)
         for way, target in targets.items():
             if not torch.equal(target, tensor):
                 raise RuntimeError(f"{way}: the pulled tensor differs from the one the sink served")
     finally:
-        for each in (client, grpc_client, tls_client, grpc_tls_client):
-            if each is not None:
-                each.close()
+        for each in clients.values():
+            each.close()
         for process, _ in sinks:
             process.kill()
             process.wait()
+    return _figures(rates, cpu, tensor, chunk, rounds)
 
+
+def _figures(rates: dict[str, list[float]], cpu: dict[str, float], tensor: torch.Tensor, chunk: int,
+             rounds: int) -> dict[str, Any]:
+    """bench_transport's JSON from the measured rates: the best rounds' throughput and ratios, and more."""
+    nbytes = tensor.numel() * 4
     best = {name: max(r) for name, r in rates.items()}
     paired = {
         way: statistics.median(p / s for p, s in zip(rates[way], rates["raw_socket"]))
@@ -289,7 +321,7 @@ def bench_transport(
         "finite_check_ratio": round(best["ps_push_checked"] / best["ps_push"], 3),
         "finite_check_ratio_median_of_rounds": round(checked, 3),
         "finite_check_gb_per_s": round(nbytes / check_seconds / 1e9, 2),
-        **(_tls_ratios(rates, best) if tls_client is not None else {}),
+        **(_tls_ratios(rates, best) if "ps_push_tls" in rates else {}),
     }
 
 
@@ -307,7 +339,7 @@ def _tls_ratios(rates: dict[str, list[float]], best: dict[str, float]) -> dict[s
 
 
 def main(argv: list[str]) -> None:
-    """`python -m kubetrain_trainer.ps.bench [NBYTES]` prints bench_transport's JSON."""
+    """`python -m kubetrain_bench.transport [NBYTES]` prints bench_transport's JSON."""
     if argv[:1] == ["--sink"]:
         kind, nbytes, chunk = argv[1], int(argv[2]), int(argv[3])
         SINKS[kind](nbytes, chunk)

@@ -31,8 +31,9 @@ from typing import Any
 import yaml
 
 from kubetrain_contract.launch import SLOWDOWN_VAR
+from kubetrain_operator.local.progress import JsonlTail
 
-from .local.progress import JsonlTail
+from . import manifest
 
 POLL_SECONDS = 0.1
 """How often the benchmark reads the run directory while a variant runs (the kill clock's resolution)."""
@@ -45,21 +46,18 @@ def job_doc(name: str, steps: int, groups: int, fault_tolerant: bool, hidden: in
     ddp: dict[str, Any] = {"nodes": groups, "procsPerNode": 1, "backend": "gloo"}
     if fault_tolerant:
         ddp["faultTolerance"] = {"heartbeatTimeoutSeconds": heartbeat}
-    return {
-        "apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
-        "spec": {
-            "mode": "DDP",
-            "model": {"name": "mlp", "args": {"hidden": hidden}},
-            "dataset": {"name": "digits"},
-            "training": {"maxSteps": steps, "batchSize": 32, "seed": 0, "device": "cpu",
-                         "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
-            "ddp": ddp,
-            "checkpoint": {"intervalSteps": 100, "keepLast": 2},
-            # Kills every few seconds for minutes: neither budget may end the job.
-            "restartPolicy": {"backoffLimit": 1000, "maxRestartsWithoutProgress": 1000},
-            "metrics": {"port": 0},
-        },
-    }
+    return manifest(name, {
+        "mode": "DDP",
+        "model": {"name": "mlp", "args": {"hidden": hidden}},
+        "dataset": {"name": "digits"},
+        "training": {"maxSteps": steps, "batchSize": 32, "seed": 0, "device": "cpu",
+                     "optimizer": {"name": "sgd", "learningRate": 0.05, "momentum": 0.9}},
+        "ddp": ddp,
+        "checkpoint": {"intervalSteps": 100, "keepLast": 2},
+        # Kills every few seconds for minutes: neither budget may end the job.
+        "restartPolicy": {"backoffLimit": 1000, "maxRestartsWithoutProgress": 1000},
+        "metrics": {"port": 0},
+    })
 
 
 def events(run: Path, replica: str) -> list[dict[str, Any]]:
@@ -102,7 +100,7 @@ class Variant:
         env = dict(os.environ)
         if slowdown > 1:
             env[SLOWDOWN_VAR] = ",".join(f"{g}:{slowdown:g}" for g in self.groups)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kubetrain_operator.cli", "run", str(path), "--run-dir",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir",
                                      str(self.dir), "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=env)
         return self

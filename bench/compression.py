@@ -19,9 +19,9 @@ from typing import Any
 
 import yaml
 
-from .api import from_object
-from .local.backend import LocalBackend
-from .local.rundir import RunDir
+from kubetrain_operator.api import from_object
+from kubetrain_operator.local.backend import LocalBackend
+from kubetrain_operator.local.rundir import RunDir
 
 ALGORITHMS = ("None", "FP16", "Int8", "TopK", "PowerSGD")
 

@@ -94,8 +94,8 @@ def worker(directory: str, layers: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from .checkpoint import CheckpointStore
-    from .sharded import ShardedStore
+    from kubetrain_trainer.checkpoint import CheckpointStore
+    from kubetrain_trainer.sharded import ShardedStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -164,7 +164,7 @@ def restore_alone(directory: str, layers: int, out: str) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .sharded import ShardedStore, complete
+    from kubetrain_trainer.sharded import ShardedStore, complete
 
     torch.set_num_threads(1)
     model = build(layers)

@@ -1,6 +1,6 @@
 """The script `kubetrain bench contract` times: a plain DDP loop, with `kubetrain.report` every step or not.
 
-    python -m kubetrain_trainer.bench_script --steps 400 [--no-report]
+    python -m kubetrain_bench.script --steps 400 [--no-report]
 
 Each rank trains an MLP on fixed random batches; after a warm-up the loop
 is timed, and the samples per second of the whole group (the slowest rank's

@@ -1,0 +1,116 @@
+"""`kubetrain bench`: benchmarks that print JSON with ratios measured in one run.
+
+The benchmarks are development tools, not part of the product: the operator
+and the trainer never import them (pyproject.toml's import contracts), and
+the images leave this package out. `kubetrain bench BENCH` (kubetrain_cli)
+calls `run_bench`, which loads only the benchmark asked for:
+
+- `modes` (modes.py): Single, PS Sync, PS Async and DDP on the same work,
+  through the local backend;
+- `compression` (compression.py): push and pull bytes per step and accuracy
+  of every compression algorithm;
+- `ft` (ft.py): fault-tolerant DDP under node kills against plain DDP;
+- `transport` (transport.py): the parameter-server transport against a raw
+  loopback socket, and over mutual TLS against plaintext;
+- `contract` (contract.py, script.py): what kubetrain.report and
+  kubetrain.save cost a user's script;
+- `checkpoint` (checkpoint.py, sharded.py): what a background checkpoint
+  costs the training loop against a synchronous one, or a sharded one.
+
+transport, contract and checkpoint import torch at module level: they are
+loaded inside `run_bench`, so that the others run without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kubetrain_operator.api import API_VERSION, KIND
+
+UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def manifest(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The TrainingJob manifest of a benchmark's job (a dict, as its YAML file would hold it)."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMG]i?B|B)?\s*", text)
+    if not m or int(m[1]) <= 0:
+        raise ValueError(f"--bytes {text!r}: expected a size such as 64MiB")
+    return int(m[1]) * UNITS[m[2] or ""]
+
+
+def _bench_transport(args: argparse.Namespace) -> dict[str, Any]:
+    from kubetrain_operator.core.certificates import job_certificates
+    from kubetrain_operator.local.backend import save_certificates
+
+    try:
+        from .transport import bench_transport
+    except ImportError as err:
+        raise SystemExit(f"kubetrain bench transport needs the trainer's dependencies (torch, grpcio): {err}")
+    # The same transport over mutual TLS in the same rounds (tls_push_ratio, tls_pull_ratio), with
+    # certificates made as for a job; the shards of kubetrain's own jobs always speak it.
+    with tempfile.TemporaryDirectory(prefix="kubetrain-bench-tls-") as tmp:
+        files = job_certificates("bench", "default", [], datetime.now(timezone.utc))
+        return bench_transport(parse_bytes(args.bytes), tls_dir=save_certificates(Path(tmp) / "tls", files))
+
+
+def _bench_contract(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        from .contract import bench_report, bench_save
+    except ImportError as err:
+        raise SystemExit(f"kubetrain bench contract needs the trainer's dependencies (torch): {err}")
+    if args.rounds < 1 or args.steps < 1 or args.save_mib < 1:
+        raise ValueError("--rounds, --steps and --save-mib must be at least 1")
+    return {"benchmark": "contract", "report": bench_report(args.rounds, args.steps),
+            "save": bench_save(args.save_mib, args.rounds)}
+
+
+def _bench_compression(args: argparse.Namespace) -> dict[str, Any]:
+    from .compression import bench_compression
+
+    return bench_compression(args.manifest, [a for a in args.algorithms.split(",") if a], args.ratio, args.rank,
+                             args.min_tensor_bytes)
+
+
+def _bench_ft(args: argparse.Namespace) -> dict[str, Any]:
+    from .ft import bench_ft
+
+    return bench_ft(args.steps, args.groups, args.kill_every, args.model_hidden, args.heartbeat, args.slowdown,
+                    args.rounds, args.keep)
+
+
+def _bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        from .checkpoint import bench_checkpoint
+        from .sharded import bench_sharded
+    except ImportError as err:
+        raise SystemExit(f"kubetrain bench checkpoint needs the trainer's dependencies (torch): {err}")
+    if args.sharded:
+        return bench_sharded(args.gib, args.dir)
+    return bench_checkpoint(args.model_mb, args.steps, args.every, args.rounds, args.dir)
+
+
+def _bench_modes(args: argparse.Namespace) -> dict[str, Any]:
+    from .modes import CASES, bench_modes
+
+    modes = [m for m in args.modes.split(",") if m] if args.modes else None
+    cases = list(CASES) if args.case == "all" else [args.case]
+    return bench_modes(cases, args.epochs, args.batch, args.model_hidden, args.slow_factor, args.target, modes,
+                       args.rounds)
+
+
+BENCHES = {"transport": _bench_transport, "contract": _bench_contract, "compression": _bench_compression,
+           "ft": _bench_ft, "checkpoint": _bench_checkpoint, "modes": _bench_modes}
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON of `kubetrain bench BENCH` (args.bench); ValueError names a bad argument."""
+    return BENCHES[args.bench](args)
