@@ -137,11 +137,9 @@ class ShardProcess:
         self.server: grpc.Server | None = None
         self.data: DataServer | None = None
         self.tls: Any = None  # the job's certificates (tls.py), None: plaintext
-        # The shard keeps the store's own interface (it saves under its lock and
-        # restores its parameters in place); the store is the one every replica uses.
-        store = JobCheckpoints(ctx, self.metrics, self.events).store
-        assert store is not None
-        self.store = store
+        # The job's checkpoints, as every replica's: the shard saves under its lock
+        # and restores its parameters in place.
+        self.store = JobCheckpoints(ctx, self.metrics, self.events)
         self.shard = self._build_shard()
 
     def _build_shard(self) -> ParameterShard:
