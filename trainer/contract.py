@@ -205,6 +205,11 @@ class JobCheckpoints:
             self.metrics.checkpoint_stall_seconds.observe(self.store.stall_seconds)
         self.step = step
 
+    @property
+    def durable_step(self) -> int | None:
+        """Step of the newest plain checkpoint this process wrote and verified, or restored; None: none yet."""
+        return self.store.durable_step if self.store is not None else None
+
     def wait(self) -> None:
         """The last save is durable on return (TransientError if it failed)."""
         if self.sharded is not None:

@@ -31,18 +31,20 @@ def _head(width: int, num_classes: int | None, output_shape: tuple[int, ...] | N
     return out
 
 
-def mlp(
-    input_shape: tuple[int, ...],
-    num_classes: int | None = None,
-    hidden: int = 128,
-    layers: int = 1,
-    output_shape: tuple[int, ...] | None = None,
-) -> nn.Module:
+def _check_sizes(model: str, **sizes: tuple[int, int]) -> None:
+    """A built-in model's sizes (`name=(value, least)`, from spec.model.args): ConfigError naming them all when one
+    is below its least."""
+    if all(value >= least for value, least in sizes.values()):
+        return
+    needs = " and ".join(f"{name} >= {least}" for name, (_, least) in sizes.items())
+    got = ", ".join(f"{name}={value}" for name, (value, _) in sizes.items())
+    raise ConfigError(f"spec.model.args: {model} needs {needs}, got {got}")
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int | None = None, hidden: int = 128, layers: int = 1,
+        output_shape: tuple[int, ...] | None = None) -> nn.Module:
     """Flatten, then `layers` ReLU layers of width `hidden`, then the class scores (or the regression output)."""
-    if hidden < 1 or layers < 0:
-        raise ConfigError(
-            f"spec.model.args: mlp needs hidden >= 1 and layers >= 0, got hidden={hidden}, layers={layers}"
-        )
+    _check_sizes("mlp", hidden=(hidden, 1), layers=(layers, 0))
     width = math.prod(input_shape)
     modules: list[nn.Module] = [nn.Flatten()]
     for _ in range(layers):
@@ -67,16 +69,10 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return (1, side, side)
 
 
-def cnn(
-    input_shape: tuple[int, ...],
-    num_classes: int | None = None,
-    channels: int = 16,
-    hidden: int = 64,
-    output_shape: tuple[int, ...] | None = None,
-) -> nn.Module:
+def cnn(input_shape: tuple[int, ...], num_classes: int | None = None, channels: int = 16, hidden: int = 64,
+        output_shape: tuple[int, ...] | None = None) -> nn.Module:
     """Two 3x3 convolutions (same padding), a ReLU layer of width `hidden`, then the class scores (or the output)."""
-    if channels < 1 or hidden < 1:
-        raise ConfigError(f"spec.model.args: cnn needs channels >= 1 and hidden >= 1, got {channels}, {hidden}")
+    _check_sizes("cnn", channels=(channels, 1), hidden=(hidden, 1))
     c, h, w = _image_shape(input_shape)
     return nn.Sequential(
         nn.Flatten(),

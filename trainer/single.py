@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
 
-from .checkpoint import capture_rng_state, restore_rng_state
 from .context import ReplicaContext
 from .contract import JobCheckpoints, ProgressReporter
 from .data import ShardCursor
@@ -17,12 +15,12 @@ from .events import EventLog, startup, write_result
 from .metrics import TrainerMetrics
 from .models import build_optimizer, evaluate, model_and_data
 from .slowdown import Slowdown
-from .training import planned_steps, train_step
+from .training import TrainState, planned_steps, train_step
 
 log = logging.getLogger(__name__)
 
 
-class SingleTrainer:
+class SingleTrainer(TrainState):
     """Owns the model, optimizer, cursor and checkpoints of one Single replica."""
 
     def __init__(self, ctx: ReplicaContext):
@@ -43,43 +41,20 @@ class SingleTrainer:
         self.events = EventLog(ctx.run_dir, ctx.replica)
         self.checkpoints = JobCheckpoints(ctx, self.metrics, self.events)
         self.reporter = ProgressReporter(ctx, self.metrics, self.events, self.total_steps)
-        self.step = 0
-        self.samples = 0
-        self.loss = float("nan")
-        self.eval_loss = float("nan")
-        self.eval_accuracy = float("nan")
-        self.eval_step = -1
-        self.checkpoint_step = -1
+        self.start_state()
         # Throughput of this process, for its results.
         self.run_samples, self.train_seconds = 0, 0.0
         self.slowdown = Slowdown.for_replica(ctx.replica)  # a benchmark's straggler (trainer/slowdown.py)
 
     # --- state -------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "cursor": self.cursor.state_dict(),
-            "rng": capture_rng_state(),
-            "samples": self.samples,
-            "loss": self.loss,
-        }
-
     def restore(self) -> bool:
         """Continue from the newest valid checkpoint, if there is one; True when resumed."""
         found = self.checkpoints.restore()
         if found is None:
             return False
-        self.step, state, _ = found
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.cursor.load_state_dict(state["cursor"])
-        restore_rng_state(state["rng"])
-        self.samples = state["samples"]
-        self.loss = state["loss"]
-        self.checkpoint_step = self.step
+        step, state, _ = found
+        self.load_state(step, state)
         return True
 
     def checkpoint(self) -> None:
@@ -87,16 +62,8 @@ class SingleTrainer:
         self.checkpoint_step = self.step
 
     def evaluate(self) -> None:
-        self.eval_loss, self.eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y,
-                                                      objective=self.data.objective)
         self.eval_step = self.step
-        self.metrics.eval_loss.set(self.eval_loss)
-        self.metrics.eval_accuracy.set(self.eval_accuracy)
-        self.events.write(
-            "eval", step=self.step, epoch=self.cursor.epoch, eval_loss=self.eval_loss, eval_accuracy=self.eval_accuracy
-        )
-        log.info("%s: step %d: eval accuracy %.4f, loss %.4f", self.ctx.replica, self.step,
-                 self.eval_accuracy, self.eval_loss)
+        self.record_eval(*evaluate(self.model, self.data.eval_x, self.data.eval_y, objective=self.data.objective))
 
     # --- the loop ------------------------------------------------------------
 

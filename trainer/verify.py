@@ -34,7 +34,6 @@ from kubetrain_operator.api import InvalidSpec, TrainingJob, load_one
 
 from . import sharded
 from .checkpoint import CheckpointStore, CorruptCheckpoint, spec_hash
-from .data import Data
 from .errors import TrainerError
 from .models import evaluate, model_and_data
 

@@ -232,22 +232,13 @@ def fields_of(cls: type) -> list[tuple[dataclasses.Field, TypeInfo]]:
 # --- parsing -----------------------------------------------------------------
 
 
+JSON_TYPE_NAMES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                   (list, "list"), (dict, "object"))
+"""The names errors give a value's type, tested in this order (a bool is an int too)."""
+
+
 def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "list"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for tp, name in JSON_TYPE_NAMES if isinstance(value, tp)), type(value).__name__)
 
 
 def _show(value: Any) -> str:

@@ -34,7 +34,7 @@ from ..core import kueue
 from ..core.children import LABEL_JOB
 from . import kube, observe
 from .reporting import update_state_gauge
-from .state import MAX_WORKERS, WORKERS, Controller  # noqa: F401  (WORKERS, MAX_WORKERS: the CLI's)
+from .state import Controller
 from .workers import resync_loop, start_workers
 
 DOMAIN = "kubetrain.dev"

@@ -136,10 +136,10 @@ def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: J
         state.existing.add((obj["kind"], obj["metadata"]["name"]))
         log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
                  act.status.replicas)
-    for pod, annotations in act.annotate_pods.items():  # after the job file: the kubelet remounts it
-        kube.annotate_pod(ns, pod, annotations)
+    for pod, wanted in act.annotate_pods.items():  # after the job file: the kubelet remounts it
+        kube.annotate_pod(ns, pod, wanted)
         log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
-                 ", ".join(f"{k}={v}" for k, v in sorted(annotations.items())))
+                 ", ".join(f"{k}={v}" for k, v in sorted(wanted.items())))
     for obj, created in _create_all(ctl, act.create):
         if obj["kind"] == "Pod":
             state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()

@@ -22,7 +22,7 @@ import kopf
 
 from ..core.children import Settings
 from . import handlers, leader, metrics
-from .state import Controller, OperatorConfig
+from .state import WORKERS, Controller, OperatorConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def run(
     metrics_from: tuple[dict[str, Any], ...] = (),
     kueue: bool = False,
     gang_schedulers: tuple[tuple[str, str], ...] = (),
-    workers: int = handlers.WORKERS,
+    workers: int = WORKERS,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))

@@ -89,6 +89,21 @@ def counter_total(points: list[tuple[float, float]]) -> float:
     return total
 
 
+class JobSeries:
+    """Range queries of one job's series (its `namespace` and `job` labels) over its run, by replica."""
+
+    def __init__(self, prom: Prometheus, namespace: str, name: str, start: float, end: float):
+        # A few more scrapes after the end: the last samples of the processes' final steps.
+        self.step = max(1.0, (end - start) / MAX_POINTS)
+        self.prom = prom
+        self.labels = f'namespace="{namespace}",job="{name}"'
+        self.start, self.until = start, end + 10 * self.step
+
+    def get(self, metric: str, extra: str = "") -> dict[str, list[tuple[float, float]]]:
+        labels = f"{self.labels},{extra}" if extra else self.labels
+        return _series(self.prom, metric, labels, self.start, self.until, self.step)
+
+
 def cluster_run(backend: Any, name: str, url: str, label: str | None = None) -> RunData:
     """A cluster TrainingJob (through the client's cluster backend) as a report's run; ReportError on a job
     that has not run or a Prometheus that cannot be read."""
@@ -97,24 +112,26 @@ def cluster_run(backend: Any, name: str, url: str, label: str | None = None) -> 
     start = parse_iso(status.start_time)
     if start is None:
         raise ReportError(f"tj/{name}: has not started (no status.startTime)")
-    end = parse_iso(status.completion_time) or time.time()
-    end = max(end, start + 1)
-    # A few more scrapes after the end: the last samples of the processes' final steps.
-    step = max(1.0, (end - start) / MAX_POINTS)
-    prom = Prometheus(url)
-    labels = f'namespace="{job.metadata.namespace}",job="{name}"'
-    until = end + 10 * step
-    steps = _series(prom, "kubetrain_training_step", labels, start, until, step)
+    end = max(parse_iso(status.completion_time) or time.time(), start + 1)
+    query = JobSeries(Prometheus(url), job.metadata.namespace, name, start, end)
+    steps = query.get("kubetrain_training_step")
     if not steps:
         raise ReportError(f"tj/{name}: Prometheus at {url} holds no kubetrain_training_step series of the job "
-                          f"({labels}) between its start and its end: does it scrape the job's pods?")
-    losses = _series(prom, "kubetrain_loss", labels, start, until, step)
-    samples = _series(prom, "kubetrain_samples_total", labels, start, until, step)
-    accuracy = _series(prom, "kubetrain_eval_accuracy", labels, start, until, step)
-    eval_loss = _series(prom, "kubetrain_eval_loss", labels, start, until, step)
-    starts = _series(prom, "process_start_time_seconds", labels, start, until, step)
+                          f"({query.labels}) between its start and its end: does it scrape the job's pods?")
     head = chief(job)
+    events = _events(steps, query.get("kubetrain_loss"), query.get("kubetrain_samples_total"),
+                     query.get("kubetrain_eval_accuracy"))
+    totals, results = _traffic(query)
+    summary = _summary(name, job, status, end - start, query.get("kubetrain_eval_loss").get(head), totals, results)
+    recoveries = _recoveries(backend, name, query.get("process_start_time_seconds"), steps, head)
+    return RunData(path=Path(f"tj/{name}"), label=label or name, job=job, summary=summary, results=results,
+                   events=events, recoveries=recoveries, start_time=start)
 
+
+def _events(steps: dict[str, list[tuple[float, float]]], losses: dict[str, list[tuple[float, float]]],
+            samples: dict[str, list[tuple[float, float]]],
+            accuracy: dict[str, list[tuple[float, float]]]) -> dict[str, list[dict[str, Any]]]:
+    """The `train` and `eval` events a local run writes, per replica, from its series."""
     events: dict[str, list[dict[str, Any]]] = {}
     for replica, points in steps.items():
         out: list[dict[str, Any]] = []
@@ -137,18 +154,26 @@ def cluster_run(backend: Any, name: str, url: str, label: str | None = None) -> 
                 last_accuracy = value
                 out.append({"time": t, "event": "eval", "step": int(_at(points, t) or 0), "eval_accuracy": value})
         events[replica] = sorted(out, key=lambda e: e["time"])
+    return events
 
-    totals = {what: sum(counter_total(p) for p in _series(
-        prom, "kubetrain_network_bytes_total", f'{labels},direction="{what}"', start, until, step).values())
-        for what in ("sent", "received")}
-    gradients = {stage: _series(prom, "kubetrain_gradient_bytes_total", f'{labels},stage="{stage}"', start, until,
-                                step) for stage in ("raw", "compressed")}
+
+def _traffic(query: JobSeries) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(network bytes sent and received by the whole job, each replica's raw and compressed gradient bytes)."""
+    totals = {what: sum(counter_total(p) for p in query.get(
+        "kubetrain_network_bytes_total", f'direction="{what}"').values()) for what in ("sent", "received")}
+    gradients = {stage: query.get("kubetrain_gradient_bytes_total", f'stage="{stage}"')
+                 for stage in ("raw", "compressed")}
     results = {r: {"raw_gradient_bytes": counter_total(gradients["raw"].get(r, [])),
                    "compressed_gradient_bytes": counter_total(gradients["compressed"].get(r, []))}
                for r in set(gradients["raw"]) | set(gradients["compressed"])}
+    return totals, results
+
+
+def _summary(name: str, job: Any, status: Any, seconds: float, head_eval_loss: list[tuple[float, float]] | None,
+             totals: dict[str, float], results: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The summary.json figures a local run writes, from the job's status and its traffic."""
     raw = sum(r["raw_gradient_bytes"] for r in results.values())
     compressed = sum(r["compressed_gradient_bytes"] for r in results.values())
-
     progress = status.progress
     summary: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
     summary.update({
@@ -157,10 +182,10 @@ def cluster_run(backend: Any, name: str, url: str, label: str | None = None) -> 
         "state": status.state,
         "steps": progress.step if progress is not None else None,
         "eval_accuracy": progress.eval_accuracy if progress is not None else None,
-        "eval_loss": eval_loss[head][-1][1] if eval_loss.get(head) else None,
+        "eval_loss": head_eval_loss[-1][1] if head_eval_loss else None,
         "final_train_loss": progress.loss if progress is not None else None,
         "samples_per_second": progress.samples_per_second if progress is not None else None,
-        "wall_seconds": round(end - start, 3) if status.completion_time else None,
+        "wall_seconds": round(seconds, 3) if status.completion_time else None,
         "restarts": status.restarts,
         "bytes_sent": int(totals["sent"]),
         "bytes_received": int(totals["received"]),
@@ -168,9 +193,7 @@ def cluster_run(backend: Any, name: str, url: str, label: str | None = None) -> 
     })
     if progress is not None and progress.metrics:
         summary["metrics"] = dict(progress.metrics)
-    return RunData(path=Path(f"tj/{name}"), label=label or name, job=job, summary=summary, results=results,
-                   events=events, recoveries=_recoveries(backend, name, starts, steps, head),
-                   start_time=start)
+    return summary
 
 
 def _recoveries(backend: Any, name: str, starts: dict[str, list[tuple[float, float]]],

@@ -70,94 +70,14 @@ def build_report(run_dirs: list[Path | RunData], out: Path) -> Path:
     A run is a local run directory, or a RunData read already (a cluster job: cluster.cluster_run). Raises
     ReportError naming the directory when one is not a finished run.
     """
-    if not run_dirs:
-        raise ReportError("no run directory given")
-    paths = [r.path if isinstance(r, RunData) else Path(r) for r in run_dirs]
-    runs = [r if isinstance(r, RunData) else load_run(p, label)
-            for r, p, label in zip(run_dirs, paths, _labels(paths))]
+    runs = _load_runs(run_dirs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    first = runs[0]
-
-    lines = [
-        "# kubetrain comparison report",
-        "",
-        f"{len(runs)} run(s), written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}. Ratios are to the first run, "
-        f"`{first.label}`. Figures are in base units (seconds, bytes); throughput is samples per second of all "
-        "workers together.",
-        "",
-        "## Runs",
-        "",
-        *_table(
-            ["run", "job", "mode", "compression", "state", "run directory"],
-            [[r.label, r.job.name, r.job.spec.mode, r.compression, str(r.summary.get("state")), f"`{r.path}`"]
-             for r in runs],
-        ),
-        "",
-        "## Summary",
-        "",
-    ]
-    header = ["figure", *(r.label for r in runs), *(f"{r.label} / {first.label}" for r in runs[1:])]
-    rows = []
-    table: dict[str, dict[str, Any]] = {}
-    for key in FIGURES:
-        values = [r.summary.get(key) for r in runs]
-        ratios = [ratio(v, values[0]) for v in values[1:]]
-        rows.append([key, *map(_number, values), *("-" if q is None else f"{q:.3f}" for q in ratios)])
-        table[key] = {"values": dict(zip((r.label for r in runs), values)),
-                      "ratios": dict(zip((r.label for r in runs[1:]), ratios))}
-    lines += _table(header, rows) + [""]
-
+    summary, table = _summary_section(runs)
     per_step = {r.label: bytes_per_step(r) for r in runs}
-    lines += ["## Bytes per step", "",
-              *_table(["run", "network bytes sent / step", "raw gradient bytes / step",
-                       "compressed gradient bytes / step"],
-                      [[label, *(_number(v) for v in figures.values())] for label, figures in per_step.items()]),
-              ""]
-
-    figures = {
-        "loss.png": plots.loss(runs, out / "loss.png"),
-        "accuracy.png": plots.accuracy(runs, out / "accuracy.png"),
-        "throughput.png": plots.throughput(runs, out / "throughput.png"),
-        "bytes_per_step.png": plots.bytes_per_step(
-            runs, {name: [per_step[r.label][name] for r in runs] for name in next(iter(per_step.values()))},
-            out / "bytes_per_step.png",
-        ),
-    }
-    lines += [
-        "## Plots",
-        "",
-        "Training loss of the chief replica against steps and against wall time:",
-        "",
-        "![loss](loss.png)",
-        "",
-        "Accuracy on the eval split (a parameter-server job evaluates once, at its end):",
-        "",
-        "![accuracy](accuracy.png)",
-        "",
-        "![throughput](throughput.png)",
-        "",
-        "![bytes per step](bytes_per_step.png)",
-        "",
-        "## Restarts and recovery",
-        "",
-    ]
-    recoveries = [(r, rec) for r in runs for rec in r.recoveries]
-    if recoveries:
-        figures["recovery.png"] = plots.recoveries(runs, out / "recovery.png")
-        lines += _table(
-            ["run", "replica", "reason", "exit code", "failed at step", "resumed from step", "steps lost",
-             "recovery seconds"],
-            [[r.label, rec.replica, rec.reason, _number(rec.exit_code), _number(rec.failed_step),
-              _number(rec.resumed_step), _number(rec.steps_lost), _number(rec.recovery_seconds)]
-             for r, rec in recoveries],
-        )
-        lines += ["", "Recovery time: from the supervisor seeing the failure to the first training step of the "
-                  "restarted replica (backoff, process start, checkpoint load included).", "",
-                  "![recovery](recovery.png)", ""]
-    else:
-        lines += ["No replica restarted.", ""]
-
+    figures = _plot(runs, per_step, out)
+    lines = [*_runs_section(runs), *summary, *_bytes_section(per_step), *PLOTS_SECTION,
+             *_recovery_section(runs, out, figures)]
     report = out / REPORT
     report.write_text("\n".join(lines))
     (out / "report.json").write_text(json.dumps({
@@ -168,3 +88,105 @@ def build_report(run_dirs: list[Path | RunData], out: Path) -> Path:
         "plots": sorted(figures),
     }, indent=2) + "\n")
     return report
+
+
+def _load_runs(run_dirs: list[Path | RunData]) -> list[RunData]:
+    """The runs, each labelled by its directory's name (made unique); ReportError for one that is not a run."""
+    if not run_dirs:
+        raise ReportError("no run directory given")
+    paths = [r.path if isinstance(r, RunData) else Path(r) for r in run_dirs]
+    return [r if isinstance(r, RunData) else load_run(p, label)
+            for r, p, label in zip(run_dirs, paths, _labels(paths))]
+
+
+def _runs_section(runs: list[RunData]) -> list[str]:
+    """The title, what the figures mean, and which runs are compared."""
+    return [
+        "# kubetrain comparison report",
+        "",
+        f"{len(runs)} run(s), written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}. Ratios are to the first run, "
+        f"`{runs[0].label}`. Figures are in base units (seconds, bytes); throughput is samples per second of all "
+        "workers together.",
+        "",
+        "## Runs",
+        "",
+        *_table(
+            ["run", "job", "mode", "compression", "state", "run directory"],
+            [[r.label, r.job.name, r.job.spec.mode, r.compression, str(r.summary.get("state")), f"`{r.path}`"]
+             for r in runs],
+        ),
+        "",
+    ]
+
+
+def _summary_section(runs: list[RunData]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """The summary figures of every run and their ratios to the first: as Markdown, and as report.json's table."""
+    first = runs[0]
+    header = ["figure", *(r.label for r in runs), *(f"{r.label} / {first.label}" for r in runs[1:])]
+    rows = []
+    table: dict[str, dict[str, Any]] = {}
+    for key in FIGURES:
+        values = [r.summary.get(key) for r in runs]
+        ratios = [ratio(v, values[0]) for v in values[1:]]
+        rows.append([key, *map(_number, values), *("-" if q is None else f"{q:.3f}" for q in ratios)])
+        table[key] = {"values": dict(zip((r.label for r in runs), values)),
+                      "ratios": dict(zip((r.label for r in runs[1:]), ratios))}
+    return ["## Summary", "", *_table(header, rows), ""], table
+
+
+def _bytes_section(per_step: dict[str, dict[str, float | None]]) -> list[str]:
+    return ["## Bytes per step", "",
+            *_table(["run", "network bytes sent / step", "raw gradient bytes / step",
+                     "compressed gradient bytes / step"],
+                    [[label, *(_number(v) for v in figures.values())] for label, figures in per_step.items()]),
+            ""]
+
+
+def _plot(runs: list[RunData], per_step: dict[str, dict[str, float | None]], out: Path) -> dict[str, Any]:
+    """The plots every report has, written into `out`, by file name."""
+    return {
+        "loss.png": plots.loss(runs, out / "loss.png"),
+        "accuracy.png": plots.accuracy(runs, out / "accuracy.png"),
+        "throughput.png": plots.throughput(runs, out / "throughput.png"),
+        "bytes_per_step.png": plots.bytes_per_step(
+            runs, {name: [per_step[r.label][name] for r in runs] for name in next(iter(per_step.values()))},
+            out / "bytes_per_step.png",
+        ),
+    }
+
+
+PLOTS_SECTION = [
+    "## Plots",
+    "",
+    "Training loss of the chief replica against steps and against wall time:",
+    "",
+    "![loss](loss.png)",
+    "",
+    "Accuracy on the eval split (a parameter-server job evaluates once, at its end):",
+    "",
+    "![accuracy](accuracy.png)",
+    "",
+    "![throughput](throughput.png)",
+    "",
+    "![bytes per step](bytes_per_step.png)",
+    "",
+]
+
+
+def _recovery_section(runs: list[RunData], out: Path, figures: dict[str, Any]) -> list[str]:
+    """Every restart of every run, and the recovery plot (added to `figures`) when there was one."""
+    lines = ["## Restarts and recovery", ""]
+    recoveries = [(r, rec) for r in runs for rec in r.recoveries]
+    if not recoveries:
+        return lines + ["No replica restarted.", ""]
+    figures["recovery.png"] = plots.recoveries(runs, out / "recovery.png")
+    lines += _table(
+        ["run", "replica", "reason", "exit code", "failed at step", "resumed from step", "steps lost",
+         "recovery seconds"],
+        [[r.label, rec.replica, rec.reason, _number(rec.exit_code), _number(rec.failed_step),
+          _number(rec.resumed_step), _number(rec.steps_lost), _number(rec.recovery_seconds)]
+         for r, rec in recoveries],
+    )
+    return lines + ["", "Recovery time: from the supervisor seeing the failure to the first training step of the "
+                    "restarted replica (backoff, process start, checkpoint load included).", "",
+                    "![recovery](recovery.png)", ""]

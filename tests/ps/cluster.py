@@ -17,6 +17,11 @@ import yaml
 
 from helpers.jsonl import read_events
 from helpers.net import free_ports
+from kubetrain_operator.api import from_object
+from kubetrain_trainer.context import ReplicaContext
+from kubetrain_trainer.contract import JobCheckpoints
+from kubetrain_trainer.events import EventLog
+from kubetrain_trainer.metrics import TrainerMetrics
 
 TOKEN = "test-token-0123456789"
 JOB_SECONDS = 120  # a job of the quickstart's size, 10 epochs, on a busy 2-core machine
@@ -59,6 +64,14 @@ def manifest(name: str, **ps_fields) -> dict:
             "metrics": {"port": 0},
         },
     }
+
+
+def shard_checkpoints(directory: Path, metrics: TrainerMetrics | None = None) -> JobCheckpoints:
+    """The job's checkpoints for a shard a test builds itself, as serve.py gives them to it: synchronous saves
+    into `directory`/checkpoints (keep 2), events into `directory`/metrics."""
+    job = from_object(manifest("shard", checkpoint={"intervalSteps": 20, "keepLast": 2}), "test")
+    ctx = ReplicaContext(job=job, replica="ps-0", run_dir=directory, checkpoint_dir=directory / "checkpoints")
+    return JobCheckpoints(ctx, metrics or TrainerMetrics(ctx), EventLog(directory, ctx.replica), background=False)
 
 
 @dataclass

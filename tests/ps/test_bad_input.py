@@ -8,9 +8,8 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN
+from cluster import TOKEN, shard_checkpoints
 from helpers.net import free_port
-from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps import ps_pb2_grpc
 from kubetrain_trainer.ps.server import ParameterShard, ShardConfig, build_server
@@ -25,7 +24,7 @@ def shard(tmp_path):
     config = ShardConfig(replica="ps-0", workers=1, aggregation="Sync", sync_timeout=5.0, max_staleness=4,
                          max_steps=None, interval_steps=1000, chunk_bytes=1 << 20)
     shard = ParameterShard(config, PARAMS, lambda p: torch.optim.SGD(p, lr=0.1),
-                           CheckpointStore(tmp_path, 2, "test", background=False))
+                           shard_checkpoints(tmp_path))
     server = build_server(shard, TOKEN, max_workers=8)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")

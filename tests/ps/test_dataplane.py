@@ -21,10 +21,9 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN, ticking
+from cluster import TOKEN, shard_checkpoints, ticking
 from helpers.wait import wait_for
 from kubetrain_operator.core.certificates import job_certificates
-from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import as_bytes
 from kubetrain_trainer.metrics import TrainerMetrics
 from kubetrain_trainer.ps import dataplane
@@ -65,7 +64,7 @@ def serving(tmp_path, tls_dir=None, max_connections=16, hello_seconds=5.0, idle_
                     max_steps=None, interval_steps=1000, chunk_bytes=CHUNK)
     settings.update(config)
     shard = ParameterShard(ShardConfig(**settings), {k: v.clone() for k, v in PARAMS.items()},
-                           lambda p: torch.optim.SGD(p, lr=LR), CheckpointStore(tmp_path, 2, "test", background=False))
+                           lambda p: torch.optim.SGD(p, lr=LR), shard_checkpoints(tmp_path))
     tls = TlsFiles.load(tls_dir) if tls_dir else None
     server = build_server(shard, TOKEN, max_workers=8)
     port = server.add_insecure_port("127.0.0.1:0") if tls is None else \

@@ -18,9 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster import TOKEN
+from cluster import TOKEN, shard_checkpoints
 from helpers.net import free_port
-from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import ALGORITHMS
 from kubetrain_trainer.ps import ps_pb2 as pb
 from kubetrain_trainer.ps.server import ParameterShard, ShardConfig, build_server
@@ -174,7 +173,7 @@ def shard_address(tmp_path_factory):
     config = ShardConfig(replica="ps-0", workers=2, aggregation="Async", sync_timeout=5.0, max_staleness=4,
                          max_steps=None, interval_steps=10**6, chunk_bytes=1 << 20, worker_steps=10**6)
     shard = ParameterShard(config, PARAMS, lambda p: torch.optim.SGD(p, lr=0.1),
-                           CheckpointStore(tmp_path_factory.mktemp("ckpt"), 2, "fuzz", background=False))
+                           shard_checkpoints(tmp_path_factory.mktemp("ckpt")))
     server = build_server(shard, TOKEN, max_workers=8)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")

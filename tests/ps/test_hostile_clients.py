@@ -19,12 +19,11 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN, Job, manifest, ticking
+from cluster import TOKEN, Job, manifest, shard_checkpoints, ticking
 from helpers.net import free_port
 from helpers.wait import wait_for
 from test_bad_input import pulled
 from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import GradientCompressor
 from kubetrain_trainer.errors import ConfigError
 from kubetrain_trainer.events import EventLog
@@ -50,7 +49,7 @@ def serving(tmp_path, coordinator=None, **config) -> Iterator[SimpleNamespace]:
     settings.update(config)
     metrics = TrainerMetrics(LABELS)
     shard = ParameterShard(ShardConfig(**settings), PARAMS, lambda p: torch.optim.SGD(p, lr=0.1),
-                           CheckpointStore(tmp_path, 2, "test", background=False), metrics=metrics,
+                           shard_checkpoints(tmp_path, metrics), metrics=metrics,
                            coordinator=coordinator)
     server = build_server(shard, TOKEN, max_workers=16)
     port = free_port()

@@ -14,11 +14,10 @@ import grpc
 import pytest
 import torch
 
-from cluster import TOKEN
+from cluster import TOKEN, shard_checkpoints
 from helpers.net import free_port
 from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
 from kubetrain_operator.core.certificates import job_certificates
-from kubetrain_trainer.checkpoint import CheckpointStore
 from kubetrain_trainer.compression import as_bytes
 from kubetrain_trainer.errors import ConfigError
 from kubetrain_trainer.ps import ps_pb2 as pb
@@ -58,7 +57,7 @@ def shard(tmp_path, job_dir):
     config = ShardConfig(replica="ps-0", workers=1, aggregation="Async", sync_timeout=5.0, max_staleness=4,
                          max_steps=None, interval_steps=1000, chunk_bytes=1 << 20)
     shard = ParameterShard(config, {k: v.clone() for k, v in PARAMS.items()}, lambda p: torch.optim.SGD(p, lr=0.5),
-                           CheckpointStore(tmp_path / "ckpt", 2, "test", background=False))
+                           shard_checkpoints(tmp_path / "ckpt"))
     server = build_server(shard, TOKEN, max_workers=8)
     port = free_port()
     server.add_secure_port(f"127.0.0.1:{port}", TlsFiles.load(job_dir).server_credentials())

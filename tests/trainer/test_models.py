@@ -37,6 +37,21 @@ def test_same_seed_same_weights() -> None:
     assert not torch.equal(next(a.parameters()), next(c.parameters()))
 
 
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (Model(name="mlp", args={"hidden": 0}), "mlp needs hidden >= 1 and layers >= 0, got hidden=0, layers=1"),
+        (Model(name="mlp", args={"layers": -1}), "mlp needs hidden >= 1 and layers >= 0, got hidden=128, layers=-1"),
+        (Model(name="cnn", args={"channels": 0}), "cnn needs channels >= 1 and hidden >= 1, got channels=0, hidden=64"),
+        (Model(name="cnn", args={"hidden": 0}), "cnn needs channels >= 1 and hidden >= 1, got channels=16, hidden=0"),
+    ],
+    ids=["mlp hidden 0", "mlp layers -1", "cnn channels 0", "cnn hidden 0"],
+)
+def test_builtin_model_sizes_below_their_least_name_the_args(spec: Model, message: str) -> None:
+    with pytest.raises(ConfigError, match="^spec.model.args: " + message + "$"):
+        build_model(spec, (64,), 4, seed=0)
+
+
 def test_cnn_on_flat_non_square_features_suggests_mlp() -> None:
     with pytest.raises(ConfigError, match=r"got shape \(32,\); use mlp for flat features"):
         build_model(Model(name="cnn"), (32,), 4, seed=0)

@@ -35,7 +35,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from kubetrain_contract.launch import fault_armed, rank_replica
 
-from ..checkpoint import capture_rng_state, restore_rng_state
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints, ProgressReporter
 from ..data import ShardCursor, resume_group_cursor
@@ -45,7 +44,7 @@ from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import build_optimizer, evaluate, model_and_data
 from ..slowdown import Slowdown
-from ..training import planned_steps, train_step
+from ..training import TrainState, planned_steps, train_step
 from . import fsdp
 from .hooks import CommHook
 
@@ -109,11 +108,14 @@ def select_ddp_device(spec: Any, local_rank: int) -> torch.device:
     return device
 
 
-class DDPTrainer:
+class DDPTrainer(TrainState):
     """Owns the model, optimizer, cursor, hook and (on rank 0) checkpoints of one rank."""
 
     reads_checkpoint_at_start = True
     """Read this node's newest checkpoint before joining the group (a fault-tolerant group may heal instead)."""
+    COUNTERS = (*TrainState.COUNTERS, "bytes_sent", "raw_gradient_bytes")
+    """Beside the samples and the loss, a checkpoint carries the gradient bytes: a resumed rank's results count
+    the whole run's."""
 
     def __init__(self, ctx: ReplicaContext, topo: Topology):
         self.started = time.monotonic()
@@ -161,15 +163,7 @@ class DDPTrainer:
         self.found = self.checkpoints.load_local() if self.reads_checkpoint_at_start else None
         self.ddp: DistributedDataParallel | None = None
         self.hook: CommHook | None = None
-        self.step = 0
-        self.samples = 0
-        self.loss = float("nan")
-        self.eval_loss = float("nan")
-        self.eval_accuracy = float("nan")
-        self.eval_step = -1
-        self.checkpoint_step = -1
-        self.bytes_sent = 0
-        self.raw_gradient_bytes = 0
+        self.start_state()
         self.slowdown = Slowdown.for_replica(replica)  # a benchmark's straggler (trainer/slowdown.py)
 
     def placement(self, topo: Topology, spec: Any) -> tuple[int, int]:
@@ -226,25 +220,13 @@ class DDPTrainer:
 
     # --- state -------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        if self.fsdp:
-            model, optimizer = fsdp.model_state(self.model, self.optimizer)
-            # One value, not a dict: a sharded restore loads the keys of its template, and
-            # the cursor's keys vary (an epoch dealt again after a resize adds `plans`).
-            cursor: Any = json.dumps(self.cursor.state_dict())
-        else:
-            model, optimizer, cursor = self.model.state_dict(), self.optimizer.state_dict(), self.cursor.state_dict()
-        return {
-            "step": self.step,
-            "model": model,
-            "optimizer": optimizer,
-            "cursor": cursor,
-            "rng": capture_rng_state(),
-            "samples": self.samples,
-            "loss": self.loss,
-            "bytes_sent": self.bytes_sent,
-            "raw_gradient_bytes": self.raw_gradient_bytes,
-        }
+    def weights_state(self) -> tuple[Any, Any, Any]:
+        if not self.fsdp:
+            return super().weights_state()
+        model, optimizer = fsdp.model_state(self.model, self.optimizer)
+        # One value, not a dict: a sharded restore loads the keys of its template, and
+        # the cursor's keys vary (an epoch dealt again after a resize adds `plans`).
+        return model, optimizer, json.dumps(self.cursor.state_dict())
 
     def restore(self) -> None:
         """Agree on the newest checkpoint any node holds; its holder broadcasts it to all."""
@@ -255,30 +237,22 @@ class DDPTrainer:
         if found is None:
             return
         step, state, source = found
-        self.step = step
         if self.fsdp:
             fsdp.load_model_state(self.model, self.optimizer, state["model"], state["optimizer"])
             state["cursor"] = json.loads(state["cursor"]) if isinstance(state["cursor"], str) else state["cursor"]
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_state(step, state, weights=not self.fsdp)
+        log.info("%s: resumed from step %d of %d (%s)", self.ctx.replica, step, self.total_steps,
+                 f"checkpoint of rank {source}" if source is not None else "sharded checkpoint")
+
+    def load_cursor(self, saved: dict[str, Any]) -> None:
         # Every rank is at the same epoch and position; only the shard differs (or, when the group was
         # resized, what was left of the epoch is dealt again among the new ranks).
-        old_world = state["cursor"]["world_size"]
-        if resume_group_cursor(self.cursor, state["cursor"]):
+        if resume_group_cursor(self.cursor, saved):
             self.total_steps = self.planned_total()
             self.reporter.set_total(self.total_steps)
             log.info("%s: the group was resized from %d to %d ranks: the rest of epoch %d dealt again, %d steps "
-                     "left", self.ctx.replica, old_world, self.topo.world_size, self.cursor.epoch,
-                     self.total_steps - step)
-        restore_rng_state(state["rng"])
-        self.samples = state["samples"]
-        self.loss = state["loss"]
-        self.bytes_sent = state["bytes_sent"]
-        self.raw_gradient_bytes = state["raw_gradient_bytes"]
-        self.checkpoint_step = step
-        log.info("%s: resumed from step %d of %d (%s)", self.ctx.replica, step, self.total_steps,
-                 f"checkpoint of rank {source}" if source is not None else "sharded checkpoint")
+                     "left", self.ctx.replica, saved["world_size"], self.topo.world_size, self.cursor.epoch,
+                     self.total_steps - self.step)
 
     def planned_total(self) -> int:
         """The step training ends at: maxSteps, or where the cursor finishes its epochs (after a resize the
@@ -332,14 +306,7 @@ class DDPTrainer:
                                             objective=self.data.objective)
         if not self.chief:
             return
-        self.eval_loss, self.eval_accuracy = eval_loss, eval_accuracy
-        self.metrics.eval_loss.set(self.eval_loss)
-        self.metrics.eval_accuracy.set(self.eval_accuracy)
-        self.events.write(
-            "eval", step=self.step, epoch=self.cursor.epoch, eval_loss=self.eval_loss, eval_accuracy=self.eval_accuracy
-        )
-        log.info("%s: step %d: eval accuracy %.4f, loss %.4f", self.ctx.replica, self.step,
-                 self.eval_accuracy, self.eval_loss)
+        self.record_eval(eval_loss, eval_accuracy)
 
     # --- the loop ----------------------------------------------------------------
 

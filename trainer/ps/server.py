@@ -70,8 +70,8 @@ import grpc
 import torch
 from kubetrain_operator.api.spec import Compression
 
-from ..checkpoint import CheckpointStore
 from ..compression import MAX_WORKER_COPY_BYTES, PullCompressor, as_bytes
+from ..contract import JobCheckpoints
 from ..metrics import TrainerMetrics
 from ..preload import optimizer_step
 from . import ps_pb2 as pb
@@ -250,7 +250,7 @@ class ParameterShard:
         config: ShardConfig,
         params: dict[str, torch.Tensor],
         optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-        store: CheckpointStore,
+        store: JobCheckpoints,
         coordinator: Coordinator | None = None,
         metrics: TrainerMetrics | None = None,
         after_step: Callable[[int], None] = lambda step: None,
@@ -322,7 +322,7 @@ class ParameterShard:
 
     def restore(self) -> bool:
         """Resume from the newest valid checkpoint; True when there was one."""
-        found = self.store.load_latest()
+        found = self.store.load_local()
         if found is None:
             return False
         step, state = found
@@ -360,9 +360,7 @@ class ParameterShard:
 
     def checkpoint(self, wait: bool = False) -> None:
         """Save under the lock (the caller holds it): parameters, optimizer and cursors of one step."""
-        self.store.save(self.step, self.state())
-        if self.metrics is not None:
-            self.metrics.checkpoint_stall_seconds.observe(self.store.stall_seconds)
+        self.store.save(self.step, self.state())  # the job's checkpoints: they observe the stall
         self.checkpoint_step = self.step
         if wait:
             self.store.wait()
