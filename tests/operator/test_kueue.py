@@ -37,8 +37,8 @@ def test_hack_kueue_run_refuses_to_start_when_it_cannot_read_its_crds(tmp_path):
                                                "insecure-skip-tls-verify": True}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
         "users": [{"name": "u", "user": {}}]}))
-    done = run(str(kueue_helper.HACK_KUEUE), "run", str(tmp_path / "work"), env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-               check=False, timeout=60)
+    done = run(str(kueue_helper.HACK_KUEUE), "run", str(tmp_path / "work"),
+               env={**os.environ, "KUBECONFIG": str(kubeconfig)}, check=False, timeout=60)
     assert done.returncode == 1, done
     assert "could not read Kueue's CRDs from the cluster" in done.stderr and str(kubeconfig) in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "starting" not in done.stderr.lower(), done.stderr
