@@ -57,11 +57,16 @@ def observed(tmp_path_factory) -> Observed:
         # The faults above have had their effect before the first test (the jobs are slowed, live.py, so they
         # come seconds in): single-0 trains again after a restart, and obs-ft's new ddp-1 healed from ddp-0
         # (the dashboards' restart and heal panels have data; every job is listed).
-        def events(name: str, replica: str, event: str) -> list:
-            return read_events(runs[name].run_dir / "metrics" / f"{replica}.jsonl", event)
+        def since_restart(name: str, replica: str) -> list[str]:
+            """The kinds of the replica's events in its second attempt ([] before it began)."""
+            kinds = [e["event"] for e in read_events(runs[name].run_dir / "metrics" / f"{replica}.jsonl")]
+            starts = [i for i, kind in enumerate(kinds) if kind == "start"]
+            return kinds[starts[1]:] if len(starts) > 1 else []
 
-        wait_for("single-0 to train again after its fault", lambda: events(SINGLE, "single-0", "resume"), timeout=180)
-        wait_for("obs-ft's new ddp-1 to heal", lambda: events(FT, "ddp-1", "heal"), timeout=180)
+        # (Single logs no `train` event at this pace: its second attempt's resume or first eval.)
+        wait_for("single-0 to run again after its fault", lambda: len(since_restart(SINGLE, "single-0")) > 1,
+                 timeout=180)
+        wait_for("obs-ft's new ddp-1 to heal", lambda: "heal" in since_restart(FT, "ddp-1"), timeout=180)
         observed = Observed(prom, runs)
         for run in runs.values():
             for target in run.targets():
