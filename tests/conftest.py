@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ def write_job(tmp_path):
 # pytest process's own user + system time plus that of the processes it started and reaped (a
 # trainer, `kubetrain run` and its replicas, kubectl): getrusage(RUSAGE_CHILDREN) counts a process
 # once it and its own children were waited for. Daemons of a session (the test cluster, the real
-# node's containerd and its pods) are nobody's. Printed at the end, beside --durations.
-CPU_REPORT_TESTS = 20
+# node's containerd and its pods) are nobody's. Printed at the end, beside --durations: the 20
+# heaviest tests and files (a screenful), or as many as KUBETRAIN_CPU_REPORT_TESTS says.
+CPU_REPORT_TESTS = int(os.environ.get("KUBETRAIN_CPU_REPORT_TESTS", "20"))
 _cpu_seconds: dict[str, float] = {}
 
 

@@ -41,6 +41,25 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
+# The cheap tier first, with -x semantics: test_real_node.py checks what every later e2e test needs (the
+# node Ready, pods with volumes, logs, exec, DNS, Services) in about a minute. When one of its tests fails,
+# the session stops there, failed and saying why, instead of every later test timing out against the same
+# broken node for half an hour (a lane of the suite waits for the slowest).
+CHEAP_TIER = Path(__file__).parent / "test_real_node.py"
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path != CHEAP_TIER)  # stable: the rest keep their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and item.path == CHEAP_TIER:
+        item.session.shouldstop = (f"{item.nodeid} failed: the real node does not work, so the later e2e tests "
+                                   f"are not run (their failures would say nothing more)")
+
+
 @pytest.fixture(scope="session")
 def e2e() -> Iterator[E2E]:
     if os.environ.get("KUBETRAIN_CLUSTER") == E2E_CLUSTER:

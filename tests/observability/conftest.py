@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+from helpers.jsonl import read_events
 from helpers.metrics import try_scrape
 from helpers.process import require_program
 from helpers.prometheus import start_prometheus
@@ -33,15 +34,16 @@ def observed(tmp_path_factory) -> Observed:
         prom = start_prometheus("prometheus", config, root)
         stack.callback(prom.stop)
         runs: dict[str, LiveRun] = {}
-        # The first attempt of single-0 dies by SIGKILL at step 1000: the restarts of the alert test begin.
+        # The first attempt of single-0 dies by SIGKILL at step 100 (~13 s: the jobs are slowed, live.py), before
+        # the tests begin: the restarts of the alert test begin.
         replicas = {SINGLE: ["single-0"], PS: ["ps-0", "worker-0", "worker-1"]}
-        runs[SINGLE] = start_run(root, SINGLE, docs[SINGLE], replicas[SINGLE], ["--fault", "single-0:kill@step=1000"])
+        runs[SINGLE] = start_run(root, SINGLE, docs[SINGLE], replicas[SINGLE], ["--fault", "single-0:kill@step=100"])
         stack.callback(runs[SINGLE].stop)
         # Below single-0's priority, so that its restarts are not slowed down by three busy PS processes.
         runs[PS] = start_run(root, PS, docs[PS], replicas[PS], [], nice=10)
         stack.callback(runs[PS].stop)
         replicas[FT] = ["ddp-0", "ddp-1", "lighthouse-0"]
-        runs[FT] = start_run(root, FT, docs[FT], replicas[FT], ["--fault", "ddp-1:kill@step=300"], nice=10)
+        runs[FT] = start_run(root, FT, docs[FT], replicas[FT], ["--fault", "ddp-1:kill@step=100"], nice=10)
         stack.callback(runs[FT].stop)
 
         def all_training():
@@ -52,6 +54,19 @@ def observed(tmp_path_factory) -> Observed:
             return have >= {(job, r) for job, rs in replicas.items() for r in rs}
 
         wait_for("every replica to be scraped while training", all_training, timeout=120)
+        # The faults above have had their effect before the first test (the jobs are slowed, live.py, so they
+        # come seconds in): single-0 trains again after a restart, and obs-ft's new ddp-1 healed from ddp-0
+        # (the dashboards' restart and heal panels have data; every job is listed).
+        def since_restart(name: str, replica: str) -> list[str]:
+            """The kinds of the replica's events in its second attempt ([] before it began)."""
+            kinds = [e["event"] for e in read_events(runs[name].run_dir / "metrics" / f"{replica}.jsonl")]
+            starts = [i for i, kind in enumerate(kinds) if kind == "start"]
+            return kinds[starts[1]:] if len(starts) > 1 else []
+
+        # (Single logs no `train` event at this pace: its second attempt's resume or first eval.)
+        wait_for("single-0 to run again after its fault", lambda: len(since_restart(SINGLE, "single-0")) > 1,
+                 timeout=180)
+        wait_for("obs-ft's new ddp-1 to heal", lambda: "heal" in since_restart(FT, "ddp-1"), timeout=180)
         observed = Observed(prom, runs)
         for run in runs.values():
             for target in run.targets():

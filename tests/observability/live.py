@@ -16,6 +16,7 @@ import yaml
 from catalogue import ALERTS
 from helpers.process import stop_process
 from helpers.prometheus import Prometheus
+from kubetrain_operator.api.launch import SLOWDOWN_VAR
 from support import ROOT, job_doc
 
 SCRAPE_SECONDS = 1
@@ -24,6 +25,12 @@ SCRAPE_SECONDS = 1
 TIME_SCALE = 30
 SINGLE, PS, FT = "obs-single", "obs-ps", "obs-ft"
 UNTIL_STOPPED = 10**7  # maxSteps of the jobs: they train until the session stops them
+# The jobs train for the whole module (minutes of waiting for alerts), and at full speed each replica
+# takes every idle cycle of the machine (the module cost ~250 CPU seconds). The benchmarks' straggler
+# knob (trainer/slowdown.py) makes each training replica sleep 99 times its step's compute after each
+# step: ~8 steps a second, still a moving step at every scrape (1 s), a Single checkpoint every ~6 s
+# (intervalSteps 50) against the stale alert's 60 s window here.
+SLOWDOWN_FACTOR = 100
 
 
 def _ms(text: str) -> int:
@@ -122,7 +129,7 @@ def jobs() -> dict[str, dict]:
               "training": training, "restartPolicy": never, "runPolicy": run_policy}
     return {
         # Checkpoints often: its restarts (one by --fault, more by the test) make progress.
-        SINGLE: job_doc(SINGLE, "Single", checkpoint={"intervalSteps": 200, "keepLast": 2}, **common),
+        SINGLE: job_doc(SINGLE, "Single", checkpoint={"intervalSteps": 50, "keepLast": 2}, **common),
         # Async with TopK: staleness and compressed bytes; never checkpoints while the test runs.
         PS: job_doc(PS, "ParameterServer", checkpoint={"intervalSteps": UNTIL_STOPPED, "keepLast": 1},
                     parameterServer={"replicas": 1, "workers": 2, "aggregation": "Async", "maxStaleness": 4,
@@ -146,6 +153,7 @@ def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list
         [sys.executable, "-m", "kubetrain_cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
          *extra],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+        env={**os.environ, SLOWDOWN_VAR: ",".join(f"{r}:{SLOWDOWN_FACTOR}" for r in replicas)},
         preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
     return LiveRun(name, replicas, run_dir, popen, log)

@@ -114,7 +114,7 @@ def test_restart_storm_fires_when_a_replica_keeps_dying(observed):
 
 
 def test_checkpoint_stale_fires_for_a_job_that_trains_without_checkpoints(observed):
-    """obs-ps checkpoints only at its (never reached) end; obs-single every 200 steps."""
+    """obs-ps checkpoints only at its (never reached) end; obs-single every 50 steps."""
     wait_for("KubetrainCheckpointStale for obs-ps", lambda: PS in firing_jobs(observed, "KubetrainCheckpointStale"),
              timeout=90)
     assert SINGLE not in firing_jobs(observed, "KubetrainCheckpointStale")

@@ -9,11 +9,14 @@ pod of the second job, Kueue starts none until the whole job fits.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import pytest
 
 from helpers import kueue as kueue_helper
+from helpers.net import free_port
+from helpers.process import run
 from helpers.wait import wait_for
 from kubetrain_operator.core.kueue import PRIORITY_LABEL, QUEUE_LABEL
 
@@ -23,6 +26,22 @@ pytestmark = pytest.mark.cluster
 
 CPU_QUOTA = 4
 POOL = {"type": "kwok"}  # a label kwok's fake nodes carry: the flavor's nodeLabels, so the pods land on them
+
+
+def test_hack_kueue_run_refuses_to_start_when_it_cannot_read_its_crds(tmp_path):
+    """An API server that does not answer: `hack/kueue run` names it and exits 1, Kueue never started."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{free_port()}",
+                                               "insecure-skip-tls-verify": True}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {}}]}))
+    done = run(str(kueue_helper.HACK_KUEUE), "run", str(tmp_path / "work"),
+               env={**os.environ, "KUBECONFIG": str(kubeconfig)}, check=False, timeout=60)
+    assert done.returncode == 1, done
+    assert "could not read Kueue's CRDs from the cluster" in done.stderr and str(kubeconfig) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "starting" not in done.stderr.lower(), done.stderr
 
 
 @pytest.fixture(scope="module")
