@@ -16,7 +16,7 @@ import yaml
 from catalogue import ALERTS
 from helpers.process import stop_process
 from helpers.prometheus import Prometheus
-from kubetrain_operator.api.launch import SLOWDOWN_VAR
+from kubetrain_contract.launch import SLOWDOWN_VAR
 from support import ROOT, job_doc
 
 SCRAPE_SECONDS = 1
