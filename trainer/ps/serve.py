@@ -136,7 +136,7 @@ class ShardProcess:
         self.resumed = False
         self.server: grpc.Server | None = None
         self.data: DataServer | None = None
-        self.tls: Any = None  # the job's certificates (tls.py), None: plaintext
+        self.tls: Any = None  # the job's certificates (credentials.py), None: plaintext
         # The job's checkpoints, as every replica's: the shard saves under its lock
         # and restores its parameters in place.
         self.store = JobCheckpoints(ctx, self.metrics, self.events)
@@ -195,7 +195,7 @@ class ShardProcess:
         # standby workers ps-0 holds one more per worker and per standby (their Stand calls, coordinator.py).
         # Threads start as calls need them, so the bound is the most workers a resize can bring (MAX_WORKERS).
         self.server = server = build_server(shard, ctx.token, max_workers=3 * MAX_WORKERS + MAX_STANDBY_WORKERS + 8)
-        self.tls = tls = tls_from_env()  # the job's certificates: mutual TLS with every worker (tls.py)
+        self.tls = tls = tls_from_env()  # the job's certificates: mutual TLS with every worker (credentials.py)
         address = f"{ctx.listen_address}:{ctx.ps_port}"
         try:
             if tls is None:

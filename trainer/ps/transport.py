@@ -482,7 +482,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
-    """A channel to a shard: mutual TLS with the job's certificates when given (tls.py), else plaintext."""
+    """A channel to a shard: mutual TLS with the job's certificates when given (credentials.py), else plaintext."""
     if tls is None:
         return grpc.insecure_channel(address, options=GRPC_OPTIONS)
     return grpc.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS)

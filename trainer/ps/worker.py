@@ -130,7 +130,7 @@ class Worker:
             # of its last push, and nothing of it is lost by exiting at once.
             Backoff(budget=float(spec.run_policy.progress_deadline_seconds), give_up=lambda: ctx.stop_requested),
             wait_timeout=wait_timeout(self.ps.sync_timeout_seconds), metrics=self.metrics,
-            tls=tls_from_env(),  # the job's certificates: mutual TLS to every shard (tls.py)
+            tls=tls_from_env(),  # the job's certificates: mutual TLS to every shard (credentials.py)
             data_addrs=ctx.ps_data_addrs,  # Pull and Push on the shards' data planes (dataplane.py)
         )
         self.pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="shard")
