@@ -14,6 +14,13 @@ from ..core.children import LABEL_JOB
 from ..core.engine import ReplicaObservation
 from . import observe
 
+GONE_SECONDS = 600.0
+"""How long the uid of a deleted pod is remembered. kopf hands each pod (each uid) its own worker, so a
+deleted pod's last events can be handled after the first events of its replacement of the same name:
+remembered, they neither remove the replacement from the index nor put the dead pod back over it (which
+made the operator take the replacement for failed and delete it). One pod's events come within seconds
+of each other; an entry is a few dozen bytes, so even 1,000 replacements a minute keep well under a MB."""
+
 Key = tuple[str, str]  # (namespace, job name)
 Seen = tuple[observe.Owner, ReplicaObservation]  # a pod: its owner, and the replica the engine sees in it
 
@@ -28,6 +35,8 @@ class Index:
         self.versions: dict[Key, dict[str, tuple[str, float]]] = {}  # job -> pod name -> (resourceVersion, indexed at)
         self.claims: dict[Key, dict[str, str]] = {}  # job -> claim name -> phase
         self.workloads: dict[Key, dict[str, dict[str, Any]]] = {}  # job -> Kueue Workload name -> object
+        self.gone: dict[str, float] = {}  # uid of a pod deleted -> when (monotonic), for GONE_SECONDS
+        self._pruned = time.monotonic()
 
     def job(self, key: Key) -> dict[str, Any] | None:
         with self.lock:
@@ -48,6 +57,23 @@ class Index:
     def set_pod(self, key: Key, name: str, seen: Seen | None, version: str = "") -> None:
         with self.lock:
             self._set_pod(key, name, seen, version)
+
+    def forget_pod(self, key: Key, name: str, uid: str) -> None:
+        """The pod `name` (the incarnation `uid`) is gone: deleted without grace by this operator."""
+        with self.lock:
+            self._gone(key, name, uid)
+
+    def _gone(self, key: Key, name: str, uid: str) -> None:
+        now = time.monotonic()
+        if uid:
+            self.gone[uid] = now
+        if now - self._pruned > GONE_SECONDS / 10:
+            self.gone = {u: t for u, t in self.gone.items() if now - t < GONE_SECONDS}
+            self._pruned = now
+        held = (self.pods.get(key) or {}).get(name)
+        if held is None or not uid or not held[1].uid or held[1].uid == uid:
+            self._set_pod(key, name, None, "")
+        # else: the name is held by a newer incarnation, made since; it stays
 
     def _set_pod(self, key: Key, name: str, seen: Seen | None, version: str) -> None:
         pods, versions = self.pods.setdefault(key, {}), self.versions.setdefault(key, {})
@@ -131,8 +157,13 @@ class Index:
         if found is None:
             return None
         key, name = found
-        self.set_pod(key, name, None if kind == "DELETED" else observed_pod(raw),
-                     (raw.get("metadata") or {}).get("resourceVersion", ""))
+        meta = raw.get("metadata") or {}
+        uid = meta.get("uid", "")
+        with self.lock:
+            if kind == "DELETED":
+                self._gone(key, name, uid)
+            elif not uid or uid not in self.gone:  # else a late event of a pod already deleted
+                self._set_pod(key, name, observed_pod(raw), meta.get("resourceVersion", ""))
         return key
 
     def index_claim(self, kind: str | None, raw: dict[str, Any]) -> Key | None:

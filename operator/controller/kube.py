@@ -323,17 +323,24 @@ def patch_workload_status(namespace: str, name: str, patch: dict[str, Any]) -> b
     return True
 
 
-def delete_pod(namespace: str, name: str, force: bool = False) -> None:
+def delete_pod(namespace: str, name: str, force: bool = False, uid: str = "") -> None:
     """Graceful delete: the trainer gets SIGTERM, checkpoints and exits within the grace period.
     `force`: gone from the API at once, whatever its kubelet does (a pod on a lost node, or one
     whose trainer has ended already: its replacement of the same name need not wait for the
-    kubelet to tear the old sandbox down)."""
-    extra = {"grace_period_seconds": 0} if force else {}
+    kubelet to tear the old sandbox down).
+    `uid`: only that incarnation (a precondition): a round that acted on a stale view of the pod
+    never deletes its replacement of the same name; one already gone or replaced is not an error."""
+    extra: dict[str, Any] = {"grace_period_seconds": 0} if force else {}
+    if uid:
+        extra["body"] = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
+                                               grace_period_seconds=0 if force else None)
     try:
         client.CoreV1Api(_api()).delete_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT,
                                                        **extra)
     except ApiException as err:
-        if err.status != 404:
+        if err.status == 409 and uid:
+            log.info("pod %s/%s: not deleted, it is another incarnation than %s now", namespace, name, uid)
+        elif err.status != 404:
             raise KubeError("delete", f"pod {namespace}/{name}", err) from None
 
 

@@ -125,7 +125,7 @@ def observed_replicas(ctl: Controller, key: Key, uid: str, state: JobState) -> d
 
 def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: JobState,
                pods: dict[str, ReplicaObservation], act: ClusterActions) -> None:
-    """What the round decided, done: children rendered again, pods annotated, created, deleted, the
+    """What the round decided, done: children rendered again, pods annotated, deleted, created, the
     StatefulSet scaled, the Events recorded."""
     ns, name = job.metadata.namespace, job.name
     for restarted in act.restarted:  # before its pod goes: tests/e2e time the operator's reaction from here
@@ -140,31 +140,44 @@ def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: J
         kube.annotate_pod(ns, pod, wanted)
         log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
                  ", ".join(f"{k}={v}" for k, v in sorted(wanted.items())))
+    gone = _delete_pods(ctl, job, pods, act.delete_pods)
     for obj, created in _create_all(ctl, act.create):
-        if obj["kind"] == "Pod":
-            state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
-            if created:
-                log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
-        else:
+        if obj["kind"] != "Pod":
             state.existing.add((obj["kind"], obj["metadata"]["name"]))
-    for pod in act.delete_pods:
-        seen = pods.get(pod[len(name) + 1 :])
-        # A dead trainer (not a DDP rank: its StatefulSet pod restarts in place) needs no grace.
-        dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
-        kube.delete_pod(ns, pod, force=dead)
-        if dead:
-            # Deleted with no grace, the pod is gone from the API when the call returns: its replacement
-            # is made by the next round at once (queued urgent, after this one), not after the watch's
-            # DELETED event, a hop through the watch and the queue. A pod that is somehow still there
-            # makes the create answer 409, and its DELETED event brings the round that makes it.
-            ctl.index.set_pod((ns, name), pod, None)
+        elif created:
+            state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
+            log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
+        elif obj["metadata"]["name"] in gone:
+            # The dead pod deleted without grace above is somehow still there (409): its DELETED event
+            # brings the round that makes its replacement; until then it is not taken as Pending.
             ctl.queue.add((ns, name), urgent=True)
+        else:
+            state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
     for pod in act.force_delete_pods:
-        kube.delete_pod(ns, pod, force=True)
+        seen = pods.get(pod[len(name) + 1 :])
+        kube.delete_pod(ns, pod, force=True, uid=seen.uid if seen is not None else "")
     if act.scale_statefulset is not None:
         kube.scale_statefulset(ns, f"{name}-ddp", act.scale_statefulset)
     for type_, reason, message in act.events:
         kube.record_event(body, type_, reason, message)
+
+
+def _delete_pods(ctl: Controller, job: TrainingJob, pods: dict[str, ReplicaObservation],
+                 names: list[str]) -> set[str]:
+    """Delete the round's pods to stop, before anything is created; returns those deleted without grace.
+    A dead trainer (not a DDP rank: its StatefulSet pod restarts in place) needs no grace: its pod is
+    gone from the API when the call returns, so the engine starts its replacement in the same round
+    (engine `_starts`), not after the watch's DELETED event and another round."""
+    ns, name = job.metadata.namespace, job.name
+    gone: set[str] = set()
+    for pod in names:
+        seen = pods.get(pod[len(name) + 1 :])
+        dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
+        kube.delete_pod(ns, pod, force=dead, uid=seen.uid if seen is not None else "")
+        if dead:
+            ctl.index.forget_pod((ns, name), pod, seen.uid)
+            gone.add(pod)
+    return gone
 
 
 def _count_outcome(job: TrainingJob, old: JobStatus, act: ClusterActions) -> None:

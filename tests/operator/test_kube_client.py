@@ -67,3 +67,23 @@ def test_writes_reuse_one_connection_and_are_counted_by_verb_and_resource(cluste
         assert not named, f"series named after objects: {named}"
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_a_pod_is_deleted_only_as_the_incarnation_the_round_saw(cluster):
+    """A round that acted on a stale view of a pod (its old incarnation's late event) must not delete the
+    replacement of the same name: the delete carries the uid it saw as a precondition."""
+    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
+    namespace = f"kd-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
+           "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    try:
+        assert kube.create(pod)
+        uid = cluster.kubectl("get", "pod", "p", "-n", namespace, "-o", "jsonpath={.metadata.uid}")
+        kube.delete_pod(namespace, "p", force=True, uid="0" * 8 + uid[8:])  # another incarnation's: refused, quietly
+        assert cluster.kubectl("get", "pod", "p", "-n", namespace, "-o", "jsonpath={.metadata.uid}") == uid
+        kube.delete_pod(namespace, "p", force=True, uid=uid)  # its own: gone at once (no grace)
+        assert cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
+        kube.delete_pod(namespace, "p", force=True, uid=uid)  # already gone: not an error
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")

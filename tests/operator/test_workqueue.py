@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kubetrain_operator.controller.workqueue import ERROR_BACKOFF_CAP_SECONDS, URGENT_STREAK, WorkQueue
 
 
@@ -213,3 +215,54 @@ def test_a_resync_keeps_what_the_watch_wrote_after_the_list_began():
     listed = {key: {"j-worker-0": (_seen("worker-0"), "29")}}
     assert index.resync(listed, started) == set()
     assert index.pods[key]["j-worker-0"][1].phase == "Failed" and "j-worker-1" in index.pods[key]
+
+
+def _pod_event(uid: str, phase: str = "Running", exit_code: int | None = None) -> dict:
+    state = {"terminated": {"exitCode": exit_code}} if exit_code is not None else {"running": {}}
+    return {"metadata": {"name": "j-worker-0", "namespace": "ns", "uid": uid, "resourceVersion": "1",
+                         "labels": {"kubetrain.dev/job-name": "j", "kubetrain.dev/replica": "worker-0"},
+                         "ownerReferences": [{"kind": "TrainingJob", "name": "j", "uid": "job", "controller": True}]},
+            "status": {"phase": phase, "containerStatuses": [{"name": "trainer", "state": state}]}}
+
+
+def test_a_dead_pods_late_events_do_not_touch_its_replacement():
+    """kopf hands each pod (uid) its own worker: the old incarnation's last events can be handled after the
+    replacement's first. The round that deleted the dead pod without grace made its replacement at once:
+    neither a late status of the old one nor its DELETED event touches the replacement."""
+    from kubetrain_operator.controller.index import Index
+
+    index, key = Index(), ("ns", "j")
+    index.index_pod("ADDED", _pod_event("old"))
+    index.forget_pod(key, "j-worker-0", "old")  # deleted without grace by the round that makes the new one
+    assert index.replicas(key, "job") == {}
+    index.index_pod("ADDED", _pod_event("new"))
+    index.index_pod("MODIFIED", _pod_event("old", "Failed", 137))  # late: the kubelet's report of the old one
+    index.index_pod("DELETED", _pod_event("old", "Failed", 137))
+    seen = index.replicas(key, "job")
+    assert seen["worker-0"].uid == "new" and seen["worker-0"].phase == "Running"
+    index.index_pod("DELETED", _pod_event("new"))
+    assert index.replicas(key, "job") == {}
+
+
+def test_a_pods_deletion_seen_after_its_successor_leaves_the_successor():
+    """A pod made again by someone else (a StatefulSet) can show up before the old one's DELETED event."""
+    from kubetrain_operator.controller.index import Index
+
+    index, key = Index(), ("ns", "j")
+    index.index_pod("ADDED", _pod_event("old"))
+    index.index_pod("ADDED", _pod_event("new"))
+    index.index_pod("DELETED", _pod_event("old"))
+    assert index.replicas(key, "job")["worker-0"].uid == "new"
+
+
+def test_a_deleted_pods_uid_is_forgotten_after_a_while(monkeypatch):
+    from kubetrain_operator.controller import index as index_module
+
+    index, key = index_module.Index(), ("ns", "j")
+    clock = [1000.0]
+    monkeypatch.setattr(index_module.time, "monotonic", lambda: clock[0])
+    index._pruned = clock[0]
+    index.index_pod("DELETED", _pod_event("a"))
+    clock[0] += index_module.GONE_SECONDS + 1
+    index.index_pod("DELETED", _pod_event("b"))  # past GONE_SECONDS / 10 since the last pruning: pruned
+    assert set(index.gone) == {"b"}
