@@ -65,12 +65,8 @@ class JobCheckpoints:
 
     def __init__(self, ctx: ReplicaContext, metrics: TrainerMetrics, events: EventLog, *,
                  reader: bool = True, writer: bool = True, background: bool = True, nodes: int = 1):
-        self.ctx = ctx
-        self.metrics = metrics
-        self.events = events
-        self.writer = writer
-        self.reader = reader
-        self.nodes = nodes
+        self.ctx, self.metrics, self.events = ctx, metrics, events
+        self.reader, self.writer, self.nodes = reader, writer, nodes  # this rank's part in the job's checkpoints
         self.sharded: ShardedStore | None = None
         """The job's sharded checkpoints, made at the first sharded save or restore (on every rank)."""
         self.store = (

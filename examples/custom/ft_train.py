@@ -10,7 +10,6 @@ predecessor would have.
     python ft_train.py --steps 600 --save-every 100
 """
 
-import argparse
 import os
 import time
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 import kubetrain
-from train import FEATURES, batch, report_final
+from train import batch, network, options, report_final
 
 GROUP = int(os.environ["KUBETRAIN_FT_REPLICA_GROUP"])  # this node's replica group
 GROUPS = int(os.environ["KUBETRAIN_FT_REPLICA_GROUPS"])  # the most the job can have: deal the data by it
@@ -27,16 +26,11 @@ RANKS = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--save-every", type=int, default=100)
+    parser = options(__doc__.splitlines()[0], steps=600, save_every=100)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits: a stand-in for compute")
     args = parser.parse_args()
 
-    torch.manual_seed(0)  # the same initial weights in every group
-    model = nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = network()  # the same initial weights in every group
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Joins the quorum: restores this group's newest checkpoint when every group starts over, or copies
     # the model and optimizer from a live group (a replacement). No kubetrain.restore() then.

@@ -34,6 +34,23 @@ def target(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x @ w).unsqueeze(1) + 0.1 * x[:, :1]
 
 
+def network() -> nn.Module:
+    """The regression network, the same initial weights in every process (seeded: every rank or group
+    starts from them)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def options(description: str, steps: int, save_every: int) -> argparse.ArgumentParser:
+    """The options of this script and of ft_train.py, with their defaults for `steps` and `save_every`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--save-every", type=int, default=save_every)
+    return parser
+
+
 def report_final(net: nn.Module, steps: int) -> float:
     """The trained network's loss on held-out samples, reported with its weights' norm; returns the loss."""
     x, y = batch(0, 10_000, 2048)  # held out: no training step uses step 0
@@ -45,20 +62,14 @@ def report_final(net: nn.Module, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--save-every", type=int, default=50)
-    args = parser.parse_args()
+    args = options(__doc__.splitlines()[0], steps=300, save_every=50).parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE come from torchrun
     rank = dist.get_rank() if distributed else 0
 
-    torch.manual_seed(0)  # the same initial weights on every rank
-    net = nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+    net = network()
     model = DistributedDataParallel(net) if distributed else net
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 

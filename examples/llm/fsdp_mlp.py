@@ -14,6 +14,7 @@ of one that never stopped.
 import argparse
 import hashlib
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,34 @@ def build(hidden: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(width, 1))
 
 
+def join() -> tuple[int, int, torch.device]:
+    """Joins torchrun's group (NCCL on GPUs, else Gloo): this rank, the world size and this rank's device."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun's environment says who is who
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def resume(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Callable[[], dict], int]:
+    """What kubetrain.save takes (`state()`) and the step to train after: the job's newest checkpoint
+    restored into the model and optimizer, or 0 on the first start. Collective: every rank calls it."""
+
+    def state() -> dict:
+        # Sharded: DTensors, this rank's shards. Unsharded: plain tensors of the same names, so that either
+        # kind of checkpoint restores into the other.
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    # Every rank passes a template and gets the same step; (None, 0) on the first start.
+    restored, start = kubetrain.restore(state())
+    if restored is not None:
+        set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optimizer"])
+        print(f"rank {dist.get_rank()}: resumed from step {start} at world size {dist.get_world_size()}", flush=True)
+    return state, start
+
+
 def digest(model: nn.Module) -> str:
     """sha256 of the whole weights, gathered (for the tests and this printout only: costs a full copy)."""
     sha = hashlib.sha256()
@@ -70,12 +99,7 @@ def main() -> None:
                         help="train the same model unsharded, on one rank (a plain state, written whole)")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun's environment says who is who
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = join()
 
     torch.manual_seed(0)  # the same initial weights on every rank, before they are sharded
     model = build(args.hidden, args.layers).to(device)
@@ -87,17 +111,7 @@ def main() -> None:
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    def state() -> dict:
-        # Sharded: DTensors, this rank's shards. Unsharded: plain tensors of the same names, so that either
-        # kind of checkpoint restores into the other.
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    # Collective: every rank passes a template and gets the same step; (None, 0) on the first start.
-    restored, start = kubetrain.restore(state())
-    if restored is not None:
-        set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optimizer"])
-        print(f"rank {rank}: resumed from step {start} at world size {world}", flush=True)
+    state, start = resume(model, optimizer)
     if args.print_digest:
         text = digest(model)
         if rank == 0:

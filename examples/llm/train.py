@@ -6,7 +6,8 @@ byte-level corpus every machine has without a download: the Python standard
 library's own source files, read at start-up (about 4.7 MB). Each decoder
 layer, then the model, is sharded across the ranks with `fully_shard`; every
 rank saves its own shards with `kubetrain.save` and restores them, resharded
-to the current world size, with `kubetrain.restore(template)`.
+to the current world size, with `kubetrain.restore(template)` (fsdp_mlp.py's
+`resume`, beside this file and in the same image).
 
 The loss is in nats per byte. The corpus's unigram entropy (what a model that
 knows only byte frequencies achieves) is printed at the start: the model must
@@ -17,19 +18,18 @@ fall clearly below it, by predicting bytes from their context.
 
 import argparse
 import math
-import os
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kubetrain
+from fsdp_mlp import join, resume  # the same group and checkpoint calls as the smallest sharded script
 
 # The corpus: the standard library's *.py files in sorted order, up to this many bytes.
 CORPUS_BYTES = 4_700_000
@@ -84,12 +84,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = join()
 
     data = corpus()
     split = int(len(data) * (1 - EVAL_FRACTION))
@@ -108,14 +103,7 @@ def main() -> None:
         print(f"{count / 1e6:.2f} M parameters, {len(data):,} bytes of corpus, unigram entropy {entropy:.3f} "
               f"nats/byte, {world} ranks", flush=True)
 
-    def state() -> dict:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
-
-    restored, start = kubetrain.restore(state())
-    if restored is not None:
-        set_state_dict(model, optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optimizer"])
-        print(f"rank {rank}: resumed from step {start} at world size {world}", flush=True)
+    state, start = resume(model, optimizer)
 
     began = time.perf_counter()
     for step in range(start + 1, args.steps + 1):

@@ -134,34 +134,35 @@ def list_labelled(resource: str, namespaces: list[str], pause: float = 0.0):
                 time.sleep(pause)
 
 
+_CREATORS = {
+    "Pod": lambda api: client.CoreV1Api(api).create_namespaced_pod,
+    "Service": lambda api: client.CoreV1Api(api).create_namespaced_service,
+    "ConfigMap": lambda api: client.CoreV1Api(api).create_namespaced_config_map,
+    "Secret": lambda api: client.CoreV1Api(api).create_namespaced_secret,
+    "PersistentVolumeClaim": lambda api: client.CoreV1Api(api).create_namespaced_persistent_volume_claim,
+    "StatefulSet": lambda api: client.AppsV1Api(api).create_namespaced_stateful_set,
+    "NetworkPolicy": lambda api: client.NetworkingV1Api(api).create_namespaced_network_policy,
+}
+"""The built-in kinds `create` makes, each its client call (namespace, body); the custom ones (a Kueue
+Workload, CUSTOM_PLURALS) go through CustomObjectsApi with their group, version and plural."""
+
+
 def create(obj: dict[str, Any]) -> bool:
     """Create an object; False when it exists already (another round created it)."""
     kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]
     api = _api()
+    if kind in _CREATORS:
+        call = _CREATORS[kind](api)
+    elif kind == "Workload" or kind in CUSTOM_PLURALS:
+        group, version = (KUEUE_GROUP, KUEUE_VERSION) if kind == "Workload" else _group_version(obj)
+        plural = "workloads" if kind == "Workload" else CUSTOM_PLURALS[kind]
+
+        def call(ns, body, **kw):
+            return client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, ns, plural, body, **kw)
+    else:
+        raise ValueError(f"cannot create a {kind}")
     try:
-        if kind == "Pod":
-            client.CoreV1Api(api).create_namespaced_pod(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "Service":
-            client.CoreV1Api(api).create_namespaced_service(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "ConfigMap":
-            client.CoreV1Api(api).create_namespaced_config_map(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "Secret":
-            client.CoreV1Api(api).create_namespaced_secret(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "PersistentVolumeClaim":
-            client.CoreV1Api(api).create_namespaced_persistent_volume_claim(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "StatefulSet":
-            client.AppsV1Api(api).create_namespaced_stateful_set(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "NetworkPolicy":
-            client.NetworkingV1Api(api).create_namespaced_network_policy(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind == "Workload":
-            client.CustomObjectsApi(api).create_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, ns, "workloads", obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        elif kind in CUSTOM_PLURALS:
-            group, version = _group_version(obj)
-            client.CustomObjectsApi(api).create_namespaced_custom_object(
-                group, version, ns, CUSTOM_PLURALS[kind], obj, _preload_content=False, _request_timeout=API_TIMEOUT)
-        else:
-            raise ValueError(f"cannot create a {kind}")
+        call(ns, obj, _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
         if err.status == 409:
             _check_ours(obj)

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kubetrain_contract.timestamps import parse_iso
+
 from ..api import KIND
 
 from ..api.schema import INT64_MAX, INT64_MIN
@@ -16,7 +18,7 @@ from ..api.spec import MAX_REPORTED_METRICS
 
 from ..core.children import CONTAINER, LABEL_REPLICA
 from ..core.engine import ProgressReading
-from ..core.reconcile import PodObservation, parse_iso
+from ..core.reconcile import PodObservation
 
 STS_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 REPORTED = "kubetrain_reported_metric"

@@ -118,6 +118,11 @@ class ProgressReading:
     quorum: int | None = None  # fault-tolerant DDP: replica groups in the reader's current quorum
 
 
+SHOWN_AS_READ = ("step", "total_steps", "loss", "eval_accuracy", "samples_per_second")
+"""What status.progress shows of a reading as it was read; its metrics are copied, its ETA computed and its
+updateTime stamped by the engine."""
+
+
 @dataclass(frozen=True)
 class Restarted:
     """A restart the engine decided, for the drivers' logs and metrics."""
@@ -295,14 +300,8 @@ class _Round:
                     memory.steps_per_second, progress.step - memory.last_step, self.now - memory.last_step_time)
             memory.last_step = progress.step
             memory.last_step_time = self.now
-        reading = Progress(
-            step=progress.step,
-            total_steps=progress.total_steps,
-            loss=progress.loss,
-            eval_accuracy=progress.eval_accuracy,
-            samples_per_second=progress.samples_per_second,
-            metrics=dict(progress.metrics) if progress.metrics else None,
-        )
+        reading = Progress(**{name: getattr(progress, name) for name in SHOWN_AS_READ},
+                           metrics=dict(progress.metrics) if progress.metrics else None)
         old = self.status.progress
         if self.before in TERMINAL:
             reading.eta_seconds = old.eta_seconds if old is not None else None  # _finish's, kept

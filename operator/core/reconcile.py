@@ -17,7 +17,7 @@ from ..api import TrainingJob
 from ..api.status import JobStatus
 from . import engine, kueue
 from .children import LABEL_JOB, LABEL_ROLE, Settings, children, pod_name
-from .engine import IMAGE_PULL_REASONS, Restarted, iso, parse_iso  # noqa: F401  (re-exported)
+from .engine import Restarted
 
 PodObservation = engine.ReplicaObservation  # a pod, as the engine sees a replica
 PS_DRAIN_SECONDS = engine.PS_DRAIN_SECONDS

@@ -23,7 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..core.engine import parse_iso
+from kubetrain_contract.timestamps import parse_iso
+
 from ..core.plan import chief
 from ..local.summary import SUMMARY_KEYS
 from .runs import Recovery, ReportError, RunData

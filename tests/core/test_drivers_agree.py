@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kubetrain_contract.timestamps import iso
 from kubetrain_operator.api import from_object
 from kubetrain_operator.api.status import JobStatus, to_dict
 from kubetrain_operator.core import engine
-from kubetrain_operator.core.engine import iso
 from kubetrain_operator.controller.observe import pod_observation
 from kubetrain_operator.core.plan import Replica
 from kubetrain_operator.core.engine import ProgressReading

@@ -4,10 +4,11 @@ import math
 
 import pytest
 
+from kubetrain_contract.timestamps import iso
 from kubetrain_operator.core import eta
 from kubetrain_operator.core.reconcile import PodObservation as Pod
 from kubetrain_operator.core.engine import ProgressReading
-from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.core.reconcile import reconcile
 from kubetrain_operator.api.status import to_dict
 from test_reconcile import T0, job
 

@@ -6,6 +6,7 @@ shows the quorum. The same rules on both drivers: tests/core/test_drivers_agree.
 
 import pytest
 
+from kubetrain_contract.timestamps import iso
 from kubetrain_operator.api import from_object
 from kubetrain_contract.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, LIGHTHOUSE
 from kubetrain_operator.api.load import InvalidSpec
@@ -14,7 +15,7 @@ from kubetrain_operator.core.children import ClusterEndpoints, children
 from kubetrain_operator.core import engine
 from kubetrain_operator.core.plan import plan_replicas, replica_names
 from kubetrain_operator.core.engine import ProgressReading
-from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.core.reconcile import reconcile
 from kubetrain_operator.api.status import to_dict
 
 from core.test_reconcile import T0, Pod, created_pods

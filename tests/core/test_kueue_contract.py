@@ -1,11 +1,12 @@
 """Kueue admission, pure: the Workload a queued job gets, what a Workload's status means for the
 job's round, and the status writes Kueue expects of an external framework's controller."""
 
+from kubetrain_contract.timestamps import iso
 from kubetrain_operator.api import from_object
 from kubetrain_operator.core import kueue
 from kubetrain_operator.core.children import NODE_LOST_TAINTS, Settings
 from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.core.reconcile import reconcile
 from kubetrain_operator.api.status import to_dict
 
 T0 = 1_800_000_000.0

@@ -2,10 +2,11 @@
 
 import pytest
 
+from kubetrain_contract.timestamps import iso
 from kubetrain_operator.api import from_object
 from kubetrain_operator.core.reconcile import PodObservation as Pod
 from kubetrain_operator.core.engine import ProgressReading
-from kubetrain_operator.core.reconcile import iso, reconcile
+from kubetrain_operator.core.reconcile import reconcile
 from kubetrain_operator.api.status import to_dict
 
 T0 = 1_800_000_000.0

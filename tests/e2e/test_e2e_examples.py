@@ -6,13 +6,13 @@ import json
 import re
 
 import pytest
+from kubetrain_contract.timestamps import parse_iso
 from e2elib import (
     CHIEF, EPOCHS, FAULT_FREE, HOLDER, REAL_NODE, apply, example, figure, first_step, read_claim, succeeded,
 )
 
 from helpers.jsonl import json_objects
 
-from kubetrain_operator.core.reconcile import parse_iso
 
 pytestmark = pytest.mark.e2e
 

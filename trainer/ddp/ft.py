@@ -223,14 +223,9 @@ class ReplicaGroup:
     def __init__(self, ctx: ReplicaContext, place: GroupPlace, metrics: TrainerMetrics, events: EventLog,
                  checkpoints: JobCheckpoints, state: Callable[[], dict[str, Any]],
                  load: Callable[[dict[str, Any]], None], device: torch.device):
-        self.ctx = ctx
-        self.place = place
-        self.metrics = metrics
-        self.events = events
-        self.checkpoints = checkpoints
-        self._state = state
-        self._load = load
-        self.device = device
+        self.ctx, self.place, self.device = ctx, place, device
+        self.metrics, self.events, self.checkpoints = metrics, events, checkpoints
+        self._state, self._load = state, load  # the owner's: what a healing peer receives, a checkpoint holds
         self.spec = ctx.spec.ddp.fault_tolerance
         self.manager: Any = None
         self.pg: Any = None

@@ -73,11 +73,8 @@ class PSClient:
     ):
         """`tls`: the job's certificates (mutual TLS to every shard); None: plaintext. `data_addrs`: each
         shard's data plane (dataplane.py), which then carries Pull and Push; None or empty: gRPC does."""
-        self.addrs = addrs
-        self.chunk_bytes = chunk_bytes
-        self.backoff = backoff
-        self.call_timeout = call_timeout
-        self.wait_timeout = wait_timeout
+        self.addrs, self.chunk_bytes, self.backoff = addrs, chunk_bytes, backoff
+        self.call_timeout, self.wait_timeout = call_timeout, wait_timeout
         self.metrics = metrics
         self.counter = ByteCounter(metrics)
         self.metadata = ((TOKEN_KEY, token),)

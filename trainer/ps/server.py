@@ -261,12 +261,8 @@ class ParameterShard:
         self.params = {n: torch.nn.Parameter(t.detach().clone(), requires_grad=True) for n, t in params.items()}
         self.expected = {n: Expected.of(p) for n, p in self.params.items()}
         self.optimizer = optimizer_factory(list(self.params.values()))
-        self.store = store
-        self.coordinator = coordinator
-        self.metrics = metrics
-        self.after_step = after_step
-        self.after_resize = after_resize
-        self.clock = clock
+        self.store, self.coordinator, self.metrics = store, coordinator, metrics
+        self.after_step, self.after_resize, self.clock = after_step, after_resize, clock  # the owner's hooks
         self.counter = ByteCounter(metrics)
         self.raw_gradient_bytes = 0
         self.compressed_gradient_bytes = 0
