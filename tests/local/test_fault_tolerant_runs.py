@@ -346,5 +346,6 @@ def test_a_held_step_whose_groups_never_come_is_committed_after_the_quorum_timeo
         assert (held["step"], held["participants"], held["groups"]) == (20, 2, 3), held
         assert read_events(run / "metrics" / f"{group}.jsonl", "train")[-1]["step"] == 20
         log = (run / "logs" / f"{group}.log").read_text()
-        assert re.search(r"step 20 held for \d+ s \(quorumTimeoutSeconds\) with 2 of 3 replica groups; committed "
-                         r"with those", log), log[-3000:]
+        gave_up = re.search(r"step 20 held for (\d+) s \(quorumTimeoutSeconds\) with 2 of 3 replica groups; "
+                            r"committed with those", log)
+        assert gave_up and int(gave_up[1]) >= 2, log[-3000:]  # the whole quorumTimeoutSeconds, by its own clock
