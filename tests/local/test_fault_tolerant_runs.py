@@ -53,6 +53,7 @@ STEPS = 300
 # end, where the survivors commit without the lost group (about 1 s) and then wait for its replacement.
 KILL_AT = 150
 SCALE_STEPS, SCALE_AT = 400, 100  # scaling to 2 takes a `kubetrain scale` and a SIGTERM: 300 steps to do it in
+SCRIPT_STEPS = 200  # the script kills itself at KILL_AT (no polling to land mid-run): 50 steps after it suffice
 SLOWDOWN = ",".join(f"{g}:40" for g in GROUPS)
 RUN_TIMEOUT_SECONDS = 600
 ACCURACY_BAND = 0.03  # digits, 300 steps: the fault-free run ends near 0.97 (0.9666 and 0.9638 measured)
@@ -303,17 +304,17 @@ def test_a_script_with_kubetrain_fault_tolerant_survives_a_lost_group_alike(tmp_
     other groups train on and its replacement heals from one of them; every group saves its own checkpoints."""
     doc = yaml.safe_load((EXAMPLES / "custom" / "ddp-fault-tolerant.yaml").read_text())
     doc["spec"]["script"]["workingDir"] = str(EXAMPLES / "custom")
-    doc["spec"]["script"]["args"] = ["--steps", str(STEPS), "--save-every", "100", "--sleep", "0.01"]
+    doc["spec"]["script"]["args"] = ["--steps", str(SCRIPT_STEPS), "--save-every", "100", "--sleep", "0.01"]
     doc["spec"]["metrics"] = {"port": 0}
     doc["spec"]["ddp"]["faultTolerance"] = {**doc["spec"]["ddp"].get("faultTolerance", {}), "quorumTimeoutSeconds": 180}
     path = tmp_path / "script.yaml"
     path.write_text(yaml.safe_dump(doc))
     run = tmp_path / "run"
     proc = kubetrain("run", str(path), "--run-dir", str(run), "--quiet", "--fault", f"ddp-1:kill@step={KILL_AT}",
-                     timeout=RUN_TIMEOUT_SECONDS, env=hold(STEPS))
+                     timeout=RUN_TIMEOUT_SECONDS, env=hold(SCRIPT_STEPS))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["state"], summary["steps"], summary["restarts"]) == ("Succeeded", STEPS, 1), summary
+    assert (summary["state"], summary["steps"], summary["restarts"]) == ("Succeeded", SCRIPT_STEPS, 1), summary
     assert 0 < summary["eval_loss"] < 0.5, summary
     events = read_events(run / "metrics" / "ddp-1.jsonl")
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
@@ -322,7 +323,7 @@ def test_a_script_with_kubetrain_fault_tolerant_survives_a_lost_group_alike(tmp_
     for group in GROUPS:
         assert (run / "checkpoints" / group / "latest").exists(), group
         assert any(e["event"] == "quorum" for e in read_events(run / "metrics" / f"{group}.jsonl"))
-    assert f"group 0 done: {STEPS} steps" in (run / "logs" / "ddp-0.log").read_text()
+    assert f"group 0 done: {SCRIPT_STEPS} steps" in (run / "logs" / "ddp-0.log").read_text()
 
 
 def test_a_held_step_whose_groups_never_come_is_committed_after_the_quorum_timeout(tmp_path):
