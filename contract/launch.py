@@ -58,6 +58,11 @@ FAULT_REPLICA_VAR = "KUBETRAIN_FAULT_REPLICA"
 # (trainer/slowdown.py reads it; `kubetrain bench modes` sets it).
 SLOWDOWN_VAR = "KUBETRAIN_BENCH_SLOWDOWN"
 
+# A test knob, no spec field: `STEP:GROUPS` (`600:3`) keeps a fault-tolerant replica group from committing
+# step STEP until GROUPS groups take part in its quorum (trainer/ddp/ft.py reads it; tests that kill a
+# group set it, so that the survivors train on until the replacement has joined whatever the machine's load).
+FT_HOLD_VAR = "KUBETRAIN_TEST_FT_HOLD"
+
 
 # Fault-tolerant DDP (spec.ddp.faultTolerance, docs/custom-code.md#fault-tolerant-scripts): what every
 # rank of a replica group finds in its environment, beside torchrun's own.

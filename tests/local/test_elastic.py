@@ -7,6 +7,7 @@ job run at a fixed size, with no restart counted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from helpers.jsonl import read_jsonl
+from kubetrain_contract.launch import SLOWDOWN_VAR
 from support import job_doc, kubetrain
 
 RESIZE_TIMEOUT_SECONDS = 120  # a resize: the replicas stop (SIGTERM, a checkpoint) and the new set starts
@@ -46,15 +48,18 @@ def size_running(run: Path) -> int | None:
 
 
 FIRST_RESIZE_STEP = 120
+PS_SLOWDOWN = 20  # see test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run
 STEPS_BETWEEN_RESIZES = 80  # counted from the chief's step once the previous resize is done: mid-run, always
 
 
-def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int]) -> tuple[int, str]:
-    """`kubetrain run`, and `kubetrain scale` to each size: the first once the chief passed
-    FIRST_RESIZE_STEP, each next STEPS_BETWEEN_RESIZES steps after the previous resize was done (the run
-    directory's status says the new size)."""
+def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int],
+                     environ: dict[str, str]) -> tuple[int, str]:
+    """`kubetrain run` (`environ` added to its environment), and `kubetrain scale` to each size: the first
+    once the chief passed FIRST_RESIZE_STEP, each next STEPS_BETWEEN_RESIZES steps after the previous
+    resize was done (the run directory's status says the new size)."""
     proc = subprocess.Popen([sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run),
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **environ})
     try:
         at_step = FIRST_RESIZE_STEP
         for size in sizes:
@@ -87,16 +92,21 @@ def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int]) -> tup
 ], ids=["ps-2-3-1", "ddp-2-1-2", "fsdp-2-1-2"])
 def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, sizes, unit):
     # 575 steps at 2 replicas (digits, batch 32) in 25 epochs: the resizes land mid-run. A live resize
-    # (ParameterServer) costs no restart: the job runs on at a hundred steps a second and more (its tensors
-    # on the data plane) while ps-0 reads the new size, so it runs longer to be mid-run at the second one too.
-    epochs = 60 if mode == "ParameterServer" else 25
+    # (ParameterServer) costs no restart: the job would run on at a hundred steps a second and more (its
+    # tensors on the data plane) while ps-0 reads the new size and worker-2 starts (7 s and more under
+    # load), and end before the second resize. Its workers sleep instead (the straggler knob,
+    # trainer/slowdown.py: PS_SLOWDOWN - 1 times each step's compute, the same for all, no CPU): the same
+    # 25 epochs, at a pace that keeps the resizes mid-run. The fixed-size run is not slowed: a sleep
+    # changes no update.
+    epochs = 25
+    slow = {SLOWDOWN_VAR: ",".join(f"worker-{i}:{PS_SLOWDOWN}" for i in range(3))} if mode == "ParameterServer" else {}
     fixed = kubetrain("run", str(manifest(tmp_path, "fixed", mode, epochs, **spec)), "--run-dir",
                       str(tmp_path / "fixed"), "--quiet", timeout=RUN_TIMEOUT_SECONDS)
     assert fixed.returncode == 0, fixed.stderr
     baseline = json.loads((tmp_path / "fixed" / "summary.json").read_text())
 
     run = tmp_path / "elastic"
-    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, sizes)
+    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, sizes, slow)
     assert code == 0, out
     summary = json.loads((run / "summary.json").read_text())
     print(f"\n{mode} 2 -> {sizes[0]} -> {sizes[1]}: accuracy {summary['eval_accuracy']:.4f}, the same job at a "

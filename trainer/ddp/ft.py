@@ -51,7 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kubetrain_contract.launch import FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, rank_replica
+from kubetrain_contract.launch import (FT_GROUPS_VAR, FT_GROUP_VAR, FT_HOLD_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR,
+                                       rank_replica)
 
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
@@ -74,6 +75,10 @@ GATHER_POLL_SECONDS = 0.1
 """Between two first quorums at the job's start while groups are missing (`ReplicaGroup._gather`): the
 Lighthouse's own tick; each quorum is a round trip to it."""
 ERROR_CHARS = 300
+HOLD_POLL_SECONDS = 0.2
+"""Between two quorums of a held step (`Hold`): each is a round trip to the Lighthouse and a process group
+set up again (a step that does not commit moves the quorum on); a replacement that asked to join waits
+at most this long for the next one."""
 """The length of a discarded step's error in its `discard` event: the exception's first line (the
 traceback goes to the log)."""
 
@@ -117,6 +122,33 @@ class GroupPlace:
     @property
     def ranks(self) -> int:
         return self.groups * self.local_world
+
+
+@dataclass(frozen=True)
+class Hold:
+    """KUBETRAIN_TEST_FT_HOLD (contract/launch.py), a test knob: the group does not commit `step` until
+    `groups` replica groups take part in its quorum; it asks for a quorum again every HOLD_POLL_SECONDS.
+
+    A test that kills a group holds the job's last step for every group: the survivors train on until
+    the replacement has joined (an interpreter, torch and the Manager: 5-40 s on a loaded 2-core machine)
+    instead of running enough steps for its slowest start, and a replacement that came too late (after the
+    survivors ended) cannot happen. A group holds at most quorumTimeoutSeconds, the longest a group waits
+    for a quorum, then commits with those present (a warning): a replacement that never comes costs the
+    test that wait, not its timeout."""
+
+    step: int
+    groups: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Hold | None":
+        raw = env.get(FT_HOLD_VAR, "")
+        if not raw:
+            return None
+        step, _, groups = raw.partition(":")
+        if not (step.isdigit() and groups.isdigit() and int(step) > 0 and int(groups) > 0):
+            raise ConfigError(f"{FT_HOLD_VAR}: expected STEP:GROUPS (two positive integers) such as '600:3', "
+                              f"got {raw!r}")
+        return cls(int(step), int(groups))
 
 
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
@@ -240,6 +272,8 @@ class ReplicaGroup:
         """Bytes of the last step's average (sent, and received, by this rank)."""
         self.held_step = 0
         """The step of the state this group holds: restored, healed or committed."""
+        self.hold = Hold.from_env(os.environ)
+        self._hold_since: float | None = None
 
     # --- joining -------------------------------------------------------------------
 
@@ -395,6 +429,13 @@ class ReplicaGroup:
         """The group's vote on the step: True when it commits (the caller then steps its optimizer);
         a discarded step is counted, and written to the event log with its error."""
         error = self.manager.errored()
+        if error is None and self._holding():
+            # Every rank of the group votes no (torchft's protocol runs as for a discarded step): the
+            # step is trained again under the next quorum. Not a discard: no event, no count.
+            self.manager.report_error(RuntimeError(f"{FT_HOLD_VAR}: step {self.step + 1} held"))
+            self.manager.should_commit()
+            time.sleep(HOLD_POLL_SECONDS)
+            return False
         committed = self.manager.should_commit()  # applies a peer's state first when this group heals
         now = time.time()
         if not committed:
@@ -419,6 +460,26 @@ class ReplicaGroup:
         self._last_commit = now
         self._discarded_since_commit = 0
         return True
+
+    def _holding(self) -> bool:
+        """Whether the step about to commit is held (`Hold`): too few groups in its quorum, and not yet held
+        for quorumTimeoutSeconds. Writes a `hold` event when it starts."""
+        hold = self.hold
+        if hold is None or self.step + 1 != hold.step or (self.participants or 0) >= hold.groups:
+            return False
+        now = time.monotonic()
+        if self._hold_since is None:
+            self._hold_since = now
+            self.events.write("hold", step=hold.step, participants=self.participants, groups=hold.groups)
+            log.info("%s: step %d held until %d replica groups take part (%s)", self.ctx.replica, hold.step,
+                     hold.groups, FT_HOLD_VAR)
+        if now - self._hold_since <= self.spec.quorum_timeout_seconds:
+            return True
+        log.warning("%s: step %d held for %.0f s (quorumTimeoutSeconds) with %s of %d replica groups; "
+                    "committed with those", self.ctx.replica, hold.step, now - self._hold_since,
+                    self.participants, hold.groups)
+        self.hold = None
+        return False
 
     def agree(self, flag: bool) -> bool:
         """Whether any rank of this group says so (a SIGTERM seen by one of them): the group's ranks only."""
