@@ -125,7 +125,7 @@ def observed_replicas(ctl: Controller, key: Key, uid: str, state: JobState) -> d
 
 def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: JobState,
                pods: dict[str, ReplicaObservation], act: ClusterActions) -> None:
-    """What the round decided, done: children rendered again, pods annotated, deleted, created, the
+    """What the round decided, done: children rendered again, pods annotated, created, deleted, the
     StatefulSet scaled, the Events recorded."""
     ns, name = job.metadata.namespace, job.name
     for restarted in act.restarted:  # before its pod goes: tests/e2e time the operator's reaction from here
@@ -140,19 +140,14 @@ def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: J
         kube.annotate_pod(ns, pod, wanted)
         log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
                  ", ".join(f"{k}={v}" for k, v in sorted(wanted.items())))
-    gone = _delete_pods(ctl, job, pods, act.delete_pods)
     for obj, created in _create_all(ctl, act.create):
-        if obj["kind"] != "Pod":
-            state.existing.add((obj["kind"], obj["metadata"]["name"]))
-        elif created:
+        if obj["kind"] == "Pod":
             state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
-            log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
-        elif obj["metadata"]["name"] in gone:
-            # The dead pod deleted without grace above is somehow still there (409): its DELETED event
-            # brings the round that makes its replacement; until then it is not taken as Pending.
-            ctl.queue.add((ns, name), urgent=True)
+            if created:
+                log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
         else:
-            state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
+            state.existing.add((obj["kind"], obj["metadata"]["name"]))
+    _delete_pods(ctl, job, pods, act.delete_pods)
     for pod in act.force_delete_pods:
         seen = pods.get(pod[len(name) + 1 :])
         kube.delete_pod(ns, pod, force=True, uid=seen.uid if seen is not None else "")
@@ -162,22 +157,26 @@ def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: J
         kube.record_event(body, type_, reason, message)
 
 
-def _delete_pods(ctl: Controller, job: TrainingJob, pods: dict[str, ReplicaObservation],
-                 names: list[str]) -> set[str]:
-    """Delete the round's pods to stop, before anything is created; returns those deleted without grace.
-    A dead trainer (not a DDP rank: its StatefulSet pod restarts in place) needs no grace: its pod is
-    gone from the API when the call returns, so the engine starts its replacement in the same round
-    (engine `_starts`), not after the watch's DELETED event and another round."""
+def _delete_pods(ctl: Controller, job: TrainingJob, pods: dict[str, ReplicaObservation], names: list[str]) -> None:
+    """Delete the round's pods to stop, each only as the incarnation the round saw (its uid). A dead trainer
+    (not a DDP rank: its StatefulSet pod restarts in place) needs no grace: its pod is gone from the API
+    when the call returns, out of the index at once, and its job queued urgent: the next round (after this
+    one) makes its replacement, not the watch's DELETED event, a hop through the watch and the queue.
+
+    Not in this same round: the API server removes a pod bound to a node in two steps (deletionTimestamp
+    set, then the object deleted), and a node agent that deletes the pod by name once it sees the first
+    step (kwok's pod-delete stage does; a kubelet deletes with the pod's uid as a precondition) deleted
+    a replacement made within milliseconds (kwok-controller's log, under tests/operator/test_lifecycle.py).
+    A pod that is somehow still there makes the create answer 409, and its DELETED
+    event brings the round that makes it."""
     ns, name = job.metadata.namespace, job.name
-    gone: set[str] = set()
     for pod in names:
         seen = pods.get(pod[len(name) + 1 :])
         dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
         kube.delete_pod(ns, pod, force=dead, uid=seen.uid if seen is not None else "")
         if dead:
             ctl.index.forget_pod((ns, name), pod, seen.uid)
-            gone.add(pod)
-    return gone
+            ctl.queue.add((ns, name), urgent=True)
 
 
 def _count_outcome(job: TrainingJob, old: JobStatus, act: ClusterActions) -> None:

@@ -651,15 +651,10 @@ class _Round:
             if due is not None and due > self.now:
                 self._requeue(due - self.now)
                 continue
-            seen = self.replicas.get(name)
-            if name in self.actions.stop and not self._ended(seen):
+            if name in self.actions.stop:
                 self._requeue(0.1)  # started once it has stopped
                 continue
-            if name in self.actions.stop:
-                # Its process has ended: stopping it only removes what is left (a dead pod deleted without
-                # grace, a finished process reaped), done when the stop returns. Its replacement starts
-                # in this round, after the stop (both drivers stop before they start).
-                seen = None
+            seen = self.replicas.get(name)
             if seen is None:
                 self.actions.start.append(name)
                 pending.pop(name, None)
@@ -667,12 +662,6 @@ class _Round:
                 del pending[name]  # it came back by itself (in place, or its StatefulSet made it again)
             elif due is not None:
                 self._requeue(1.0)  # the old one is still being stopped
-
-    def _ended(self, seen: ReplicaObservation | None) -> bool:
-        """Whether a replica to stop has already ended by itself (its trainer exited), so that its stop
-        is immediate: not a DDP rank (its StatefulSet's pod restarts in place or is made again by the
-        StatefulSet, not by a start)."""
-        return not self.is_ddp and seen is not None and seen.exit_code is not None
 
     # -- 8. waiting for room ------------------------------------------------------------
 

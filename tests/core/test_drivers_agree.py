@@ -126,14 +126,11 @@ PS_STORY = [
     Beat(0, {}, expect={"start": PS, "state": "Created"}),
     Beat(1, {"ps-0": R, "worker-0": R, "worker-1": R}, step=5, expect={"state": "Running"}),
     Beat(2, {"ps-0": R, "worker-0": R, "worker-1": "Failed:137"}, step=6,
-         # A dead replica is stopped at once (its pod deleted without grace, its process reaped): its
-         # replacement starts in the same round when no backoff is due.
-         expect={"stop": ["worker-1"], "start": ["worker-1"], "events": ["Killed"], "state": "Restarting",
-                 "restarts": 1}),
-    Beat(2.5, {"ps-0": R, "worker-0": R, "worker-1": R}, step=7, expect={"start": []}),
+         expect={"stop": ["worker-1"], "events": ["Killed"], "state": "Restarting", "restarts": 1}),
+    Beat(2.5, {"ps-0": R, "worker-0": R}, step=7, expect={"start": ["worker-1"]}),
     Beat(3, {"ps-0": R, "worker-0": R, "worker-1": R}, step=10, expect={"state": "Running"}),
     Beat(4, {"ps-0": R, "worker-0": R, "worker-1": "Failed:1"}, step=11,
-         expect={"stop": ["worker-1"], "start": [], "events": ["Error"], "restarts": 2}),  # a backoff is due
+         expect={"stop": ["worker-1"], "events": ["Error"], "restarts": 2}),
     Beat(4.5, {"ps-0": R, "worker-0": R}, step=11, expect={"start": []}),  # its backoff: 1 s
     Beat(5.1, {"ps-0": R, "worker-0": R}, step=11, expect={"start": ["worker-1"]}),
     Beat(6, {"ps-0": R, "worker-0": R, "worker-1": R}, step=11),

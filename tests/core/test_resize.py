@@ -124,22 +124,26 @@ def test_a_departing_worker_that_ended_or_never_ran_is_deleted_and_never_counted
 def test_a_worker_released_and_wanted_again_rejoins_without_a_restart():
     """3 -> 1 -> 3 within a step: ps-0 released worker-1 at the first resize (it exited EXIT_RELEASED after
     the second was asked), and waits for it at the second. Its pod is deleted and made again, as a restart
-    is (in the same round: its trainer has ended), but nothing is counted; worker-2, still running (never
-    released), is left alone."""
+    is, but nothing is counted; worker-2, still running (never released), is left alone."""
     at_1 = reconcile(job(replicas=1), "u", "t", running(*AT_3), ACTIVE_AT_3, T0 + 10, existing=EXISTING).status
     at_3 = reconcile(job(replicas=3), "u", "t", running(*AT_3), at_1, T0 + 11, existing=EXISTING)
     assert at_3.delete_pods == [] and created_pods(at_3) == [] and to_dict(at_3.status)["replicas"] == 3
     released = {**running("ps-0", "worker-0", "worker-2"), "worker-1": Pod("worker-1", "Failed", exit_code=EXIT_RELEASED)}
     act = reconcile(job(replicas=3), "u", "t", released, at_3.status, T0 + 12, existing=EXISTING)
-    # Its trainer ended: its pod is deleted without grace and made again in the same round.
-    assert act.delete_pods == ["j-worker-1"] and created_pods(act) == ["j-worker-1"]
+    assert act.delete_pods == ["j-worker-1"] and created_pods(act) == []  # started once its pod is gone
     assert act.events == [("Normal", "Rejoining", "worker-1 was released by ps-0 at a resize and the job has 3 "
                                                   "workers again: it starts again and joins; no restart is counted.")]
     assert to_dict(act.status)["restarts"] == 0 and act.restarted == [] and to_dict(act.status)["state"] == "Running"
     assert to_dict(act.status)["replicaStatuses"]["worker"] == {"active": 2, "succeeded": 0, "failed": 0}
-    assert to_dict(act.status)["memory"].get("pendingRestarts", {}) == {}
-    steady = reconcile(job(replicas=3), "u", "t", running(*AT_3), act.status, T0 + 13, existing=EXISTING)
-    assert steady.delete_pods == []
+    # Being deleted: waited for, once, with no second event.
+    going = {**released, "worker-1": Pod("worker-1", "Failed", exit_code=EXIT_RELEASED, terminating=True)}
+    wait = reconcile(job(replicas=3), "u", "t", going, act.status, T0 + 13, existing=EXISTING)
+    assert wait.delete_pods == [] and created_pods(wait) == [] and wait.events == []
+    gone = reconcile(job(replicas=3), "u", "t", running("ps-0", "worker-0", "worker-2"), wait.status, T0 + 14,
+                     existing=EXISTING)
+    assert created_pods(gone) == ["j-worker-1"] and gone.events == [] and to_dict(gone.status)["restarts"] == 0
+    assert to_dict(gone.status)["memory"].get("pendingRestarts", {}) == {}
+    steady = reconcile(job(replicas=3), "u", "t", running(*AT_3), gone.status, T0 + 15, existing=EXISTING)
     assert steady.events == [] and created_pods(steady) == [] and to_dict(steady.status)["restarts"] == 0
 
 

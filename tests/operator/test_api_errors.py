@@ -98,7 +98,7 @@ def test_a_running_job_the_installation_refuses_now_fails_through_the_engine(api
     any failure, its clock paused and its running pod deleted (cleanPodPolicy Running)."""
     ctl, _, calls = api
     deleted = []
-    monkeypatch.setattr(kube, "delete_pod", lambda ns, pod, force=False: deleted.append(pod))
+    monkeypatch.setattr(kube, "delete_pod", lambda ns, pod, force=False, uid="": deleted.append((pod, uid)))
     privileged = {**BODY, "spec": {"mode": "Single", "podTemplate": {"spec": {"containers": [
         {"name": "trainer", "securityContext": {"privileged": True}}]}}},
         "status": {"state": "Running", "startTime": "2026-01-01T00:00:00Z",
@@ -116,4 +116,5 @@ def test_a_running_job_the_installation_refuses_now_fails_through_the_engine(api
     # Paused, and written so: a merge patch keeps a key it does not name null, and a restarted operator
     # would read the clock as running.
     assert status["memory"]["activeSince"] is None and status["memory"]["activeSeconds"] > 5.0
-    assert deleted == ["j-single-0"] and [e[1] for e in calls["event"]] == ["PodSecurity"]
+    # Its pod deleted as the incarnation the round saw (the uid a precondition).
+    assert deleted == [("j-single-0", "p1")] and [e[1] for e in calls["event"]] == ["PodSecurity"]
