@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from kubetrain_operator.controller.workqueue import ERROR_BACKOFF_CAP_SECONDS, URGENT_STREAK, WorkQueue
 
 
@@ -258,7 +256,7 @@ def test_a_pods_deletion_seen_after_its_successor_leaves_the_successor():
 def test_a_deleted_pods_uid_is_forgotten_after_a_while(monkeypatch):
     from kubetrain_operator.controller import index as index_module
 
-    index, key = index_module.Index(), ("ns", "j")
+    index = index_module.Index()
     clock = [1000.0]
     monkeypatch.setattr(index_module.time, "monotonic", lambda: clock[0])
     index._pruned = clock[0]

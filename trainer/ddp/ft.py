@@ -75,12 +75,12 @@ GATHER_POLL_SECONDS = 0.1
 """Between two first quorums at the job's start while groups are missing (`ReplicaGroup._gather`): the
 Lighthouse's own tick; each quorum is a round trip to it."""
 ERROR_CHARS = 300
+"""The length of a discarded step's error in its `discard` event: the exception's first line (the
+traceback goes to the log)."""
 HOLD_POLL_SECONDS = 0.2
 """Between two quorums of a held step (`Hold`): each is a round trip to the Lighthouse and a process group
 set up again (a step that does not commit moves the quorum on); a replacement that asked to join waits
 at most this long for the next one."""
-"""The length of a discarded step's error in its `discard` event: the exception's first line (the
-traceback goes to the log)."""
 
 
 @dataclass(frozen=True)
