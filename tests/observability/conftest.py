@@ -46,14 +46,21 @@ def observed(tmp_path_factory) -> Observed:
         runs[FT] = start_run(root, FT, docs[FT], replicas[FT], ["--fault", "ddp-1:kill@step=100"], nice=10)
         stack.callback(runs[FT].stop)
 
+        wanted = {(job, r) for job, rs in replicas.items() for r in rs}
+
+        def missing() -> set[tuple[str, str]]:
+            seen = prom.query("count_over_time(kubetrain_training_step[30s]) > 3")
+            return wanted - {(s["metric"]["job"], s["metric"]["replica"]) for s in seen}
+
         def all_training():
             for run in runs.values():
                 assert run.popen.poll() is None, f"{run.name} ended early:\n{run.log.read_text()[-3000:]}"
-            seen = prom.query("count_over_time(kubetrain_training_step[30s]) > 3")
-            have = {(s["metric"]["job"], s["metric"]["replica"]) for s in seen}
-            return have >= {(job, r) for job, rs in replicas.items() for r in rs}
+            return not missing()
 
-        wait_for("every replica to be scraped while training", all_training, timeout=120)
+        # 300 s: seven processes that import torch start beside the e2e lane's tests on 2 cores (120 s was
+        # once too few in CI); the wait ends as soon as each replica is scraped, and says which were not.
+        wait_for("every replica to be scraped while training", all_training, timeout=300,
+                 explain=lambda: f"not scraped while training: {sorted(missing())}")
         # The faults above have had their effect before the first test (the jobs are slowed, live.py, so they
         # come seconds in): single-0 trains again after a restart, and obs-ft's new ddp-1 healed from ddp-0
         # (the dashboards' restart and heal panels have data; every job is listed).
