@@ -145,8 +145,8 @@ ECHO_FREE_FIELDS = ("resourceVersion", "managedFields")
 def own_status_echo(before: dict[str, Any], after: dict[str, Any], state: JobState) -> bool:
     """Whether a job's event only shows the status this operator last wrote, and nothing else changed (its
     spec, labels, annotations, deletion, finalizers): the event of the round's own write, which would
-    otherwise bring one more round that finds nothing to do (a fifth of the rounds while many jobs
-    start). Anything else, or a status someone else changed, is queued as usual."""
+    otherwise bring one more round that finds nothing to do. Anything else, or a status someone else
+    changed, is queued as usual."""
     if state.status is None or after.get("status") != to_dict(state.status):
         return False
 
