@@ -336,6 +336,9 @@ class _Round:
     def _finish(self, state: str, reason: str, message: str) -> None:
         self.observed = Observed(state, reason, message)
         _end(self.status, state, self.now)
+        ttl = self.spec.run_policy.ttl_seconds_after_finished
+        if ttl is not None:  # the TTL's round: no later event may come (our own status echo queues none)
+            self._requeue(ttl)
         clean = self.spec.run_policy.clean_pod_policy
         self.actions.stop += [
             n for n, r in {**self.replicas, **self.departing}.items()

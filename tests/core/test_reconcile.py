@@ -178,6 +178,18 @@ def test_ttl_deletes_a_finished_job():
     assert act.delete_job
 
 
+@pytest.mark.parametrize("ttl", [0, 2, 60])
+def test_the_round_that_finishes_a_job_asks_for_its_ttl_round(ttl):
+    # No later event need come: the operator's own status write queues no round (handlers.own_status_echo).
+    pods = {"single-0": Pod("single-0", "Succeeded", exit_code=0)}
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    act = reconcile(job("Single", runPolicy={"ttlSecondsAfterFinished": ttl}), "u", "t", pods, st, T0 + 5)
+    assert to_dict(act.status)["state"] == "Succeeded" and not act.delete_job
+    assert act.requeue_after == pytest.approx(max(0.1, ttl))
+    act = reconcile(job("Single"), "u", "t", pods, st, T0 + 5)
+    assert to_dict(act.status)["state"] == "Succeeded" and act.requeue_after is None
+
+
 def test_image_pull_failure_is_reported():
     pods = {n: Pod(n, "Pending", waiting_reason="ImagePullBackOff", waiting_message="not found") for n in PS_PODS}
     act = reconcile(job(), "u", "t", pods, {"state": "Created", "startTime": iso(T0)}, T0 + 1)
