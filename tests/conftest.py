@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ def write_job(tmp_path):
 # heaviest tests and files (a screenful), or as many as KUBETRAIN_CPU_REPORT_TESTS says.
 CPU_REPORT_TESTS = int(os.environ.get("KUBETRAIN_CPU_REPORT_TESTS", "20"))
 _cpu_seconds: dict[str, float] = {}
+_wall_seconds: dict[str, float] = {}  # and the wall time of each test area (tests/<area>/), to split lanes by
 
 
 def _cpu_now() -> float:
@@ -45,9 +47,11 @@ def _cpu_now() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before = _cpu_now()
+    before, began = _cpu_now(), time.monotonic()
     yield
     _cpu_seconds[item.nodeid] = _cpu_now() - before
+    area = "/".join(item.nodeid.split("::", 1)[0].split("/")[:2])
+    _wall_seconds[area] = _wall_seconds.get(area, 0.0) + time.monotonic() - began
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -64,6 +68,13 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", "most CPU by file")
     for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:CPU_REPORT_TESTS]:
         terminalreporter.write_line(f"{seconds:8.1f}s cpu  {path}")
+    terminalreporter.write_sep("-", "wall time and CPU by area")
+    by_area: dict[str, float] = {}
+    for path, seconds in by_file.items():
+        area = "/".join(path.split("/")[:2])
+        by_area[area] = by_area.get(area, 0.0) + seconds
+    for area, seconds in sorted(_wall_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s wall {by_area.get(area, 0.0):8.1f}s cpu  {area}")
 
 
 from clusterlib import cluster  # noqa: E402,F401  (the session's test cluster, for every area)
