@@ -26,17 +26,21 @@ from . import metrics, scrapes
 from .index import Index, Key
 from .workqueue import WorkQueue
 
-WORKERS = 8
-"""Reconcile workers. A round is a few API calls at most (milliseconds each), so 8 keep up with
-thousands of jobs; more would only multiply concurrent calls against the API server."""
+WORKERS = 32
+"""Reconcile workers. A round is a few API calls (milliseconds each, seconds on a loaded API server) and
+a worker waits through them, so the workers bound how many rounds are under way. At 1,000 jobs starting
+at once, 8 were enough to create as fast as the machine's cores allowed, but the burst's status rounds
+still queued when replicas failed right after it (a replacement's p50 0.31 s, p95 0.63 s); 32 finished
+them sooner (p50 0.16 s, p95 0.21 s) for about 10 MB more (docs/benchmarks.md). Their creates share
+CREATE_THREADS, so the rounds have at most WORKERS + URGENT_WORKERS + CREATE_THREADS requests under way."""
 MAX_WORKERS = 64
 """The most `--workers` takes: the rounds share one interpreter (the GIL), and each worker holds an
 API connection of its own; beyond this they only contend."""
 CREATE_THREADS = 16
 """Threads that create a round's objects side by side, shared by every worker: a job's Secret,
 NetworkPolicy, Services and claims at once, then its pods at once, instead of one round trip after
-another (a ParameterServer job of 8 workers is a dozen creates). With 8 workers at most 16 creates
-are in flight, far below the API server's default of 400 requests in flight; beyond that a round
+another (a ParameterServer job of 8 workers is a dozen creates). However many workers, at most 16
+creates are in flight, far below the API server's default of 400 requests in flight; beyond that a round
 waits for a thread."""
 
 

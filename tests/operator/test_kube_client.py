@@ -7,6 +7,7 @@ import threading
 import uuid
 
 import pytest
+from helpers.wait import wait_for
 from kubernetes import config
 
 from kubetrain_operator.controller import kube, metrics
@@ -32,6 +33,16 @@ def counted() -> dict[tuple[str, str], float]:
 ])
 def test_a_request_counts_under_its_resource_never_its_names(url, resource):
     assert kube.resource_of(url) == resource
+
+
+def pod_namespace(cluster, prefix: str) -> str:
+    """A new namespace that takes pods: its default ServiceAccount exists (the controller-manager makes it
+    a moment after the namespace; a pod created before is refused with 403)."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    wait_for(f"the default ServiceAccount of {namespace}", lambda: cluster.kubectl(
+        "get", "serviceaccounts", "-n", namespace, "-o", "name").strip() == "serviceaccount/default", timeout=60)
+    return namespace
 
 
 def test_writes_reuse_one_connection_and_are_counted_by_verb_and_resource(cluster):
@@ -73,8 +84,7 @@ def test_a_pod_is_deleted_only_as_the_incarnation_the_round_saw(cluster):
     """A round that acted on a stale view of a pod (its old incarnation's late event) must not delete the
     replacement of the same name: the delete carries the uid it saw as a precondition."""
     config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
-    namespace = f"kd-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
+    namespace = pod_namespace(cluster, "kd")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
            "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
     try:
@@ -85,5 +95,33 @@ def test_a_pod_is_deleted_only_as_the_incarnation_the_round_saw(cluster):
         kube.delete_pod(namespace, "p", force=True, uid=uid)  # its own: gone at once (no grace)
         assert cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
         kube.delete_pod(namespace, "p", force=True, uid=uid)  # already gone: not an error
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_writes_sent_as_plain_json_are_what_the_api_server_takes_and_refusals_name_the_object(cluster):
+    """The round's writes skip the generated client's methods (`kube._send`): the same requests, their
+    answers and refusals as the methods gave them."""
+    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
+    namespace = pod_namespace(cluster, "ks")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
+           "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    try:
+        assert kube.create(pod)
+        with pytest.raises(kube.NotOurs, match=f"Pod {namespace}/p exists and is not owned by this job"):
+            kube.create(pod)  # the name is taken (409) by a pod no job owns: never adopted
+        with pytest.raises(kube.KubeError, match=rf"^create pod {namespace}/q: 422 .*containers"):
+            kube.create({**pod, "metadata": {"name": "q", "namespace": namespace}, "spec": {"containers": []}})
+        with pytest.raises(ValueError, match="cannot create a Deployment"):
+            kube.create({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}})
+        job = {"metadata": {"name": "j", "namespace": namespace, "uid": "u-1"}}
+        kube.record_event(job, "Normal", "Tested", "an event " + "x" * 2000)
+        events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=Tested", "-o",
+                                 "jsonpath={.items[*].message}")
+        assert events.startswith("an event x") and len(events) == 1024  # the message is cut to 1,024
+        kube.patch_status(namespace, "missing", {"state": "Running"})  # a job gone meanwhile: no error
+        kube.delete_pod(namespace, "p")  # graceful, no precondition: terminating, or gone already
+        left = cluster.kubectl("get", "pods", "-n", namespace, "-o", "jsonpath={.items[*].metadata.deletionTimestamp}")
+        assert left or cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false")
