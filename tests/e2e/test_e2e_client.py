@@ -19,6 +19,7 @@ from kubernetes import config
 from test_e2e_prometheus import prometheus  # noqa: F401  (the fixture: Prometheus scraping the e2e namespace)
 
 import kubetrain
+from kubetrain_operator.api.podtemplate import CONTAINER
 from helpers.process import run
 from support import EXAMPLES, ROOT
 
@@ -148,7 +149,12 @@ def test_the_quickstart_notebook_runs_against_the_cluster(e2e, prometheus, tmp_p
         "KUBECONFIG": str(e2e.cluster.kubeconfig),
         "KUBETRAIN_NOTEBOOK_NAMESPACE": NAMESPACE,
         "KUBETRAIN_NOTEBOOK_PROMETHEUS": prometheus.url,
-        "KUBETRAIN_NOTEBOOK_POD_TEMPLATE": json.dumps({"spec": {"nodeSelector": REAL_NODE_SELECTOR}}),
+        # A quarter of a core each (the node's cgroups enforce it): the 1,840 steps take some tens of seconds
+        # instead of a few, for no more CPU, so that Prometheus (2 s scrapes) finds and scrapes both pods
+        # (at full speed nb-slow once ended before it was scraped at all).
+        "KUBETRAIN_NOTEBOOK_POD_TEMPLATE": json.dumps({"spec": {
+            "nodeSelector": REAL_NODE_SELECTOR,
+            "containers": [{"name": CONTAINER, "resources": {"limits": {"cpu": "250m"}}}]}}),
     })
     text = outputs(nb)
     assert "state: Succeeded" in text and "spec.training.batchSize" in text and "eval accuracy" in text

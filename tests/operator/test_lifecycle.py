@@ -232,7 +232,8 @@ def test_progress_is_read_from_the_chief_and_a_stall_is_a_hang(operator):
         assert status["lastCheckpoint"]["step"] == 25
         # No new step for progressDeadlineSeconds: a hang, handled as a failure.
         operator.wait("a Hung event", lambda: [e for e in operator.events(name) if e["reason"] == "Hung"], timeout=40)
-        assert operator.job_status(name)["restarts"] >= 1
+        # The round records its Events before it writes the status: the restart may show a moment later.
+        operator.wait("the hang counted as a restart", lambda: operator.job_status(name)["restarts"] >= 1, timeout=30)
     finally:
         server.shutdown()
 
