@@ -154,9 +154,9 @@ def _send(method: str, path: str, body: Any = None, content_type: str = "applica
     """One write whose body is already the plain dict the API takes, sent as JSON as it is.
 
     The generated client's methods check every argument (pydantic's validate_call) and walk the body
-    again (sanitize_for_serialization) before sending it: 0.37 ms of CPU per pod create on this machine,
-    against 0.03 ms for its JSON (docs/benchmarks.md), about a sixth of the operator's interpreter time
-    while many jobs start. The request is the one those methods send (the same
+    again (sanitize_for_serialization) before sending it: 0.38-0.41 ms of CPU per pod create on the
+    2-core development machine, against 0.035 ms here, JSON included (hack/bench-client); about 2 CPU
+    seconds of the operator's 46 while 1,000 jobs start (docs/benchmarks.md). The request is the one those methods send (the same
     headers, authentication and timeout, counted by CountingApiClient); a non-2xx answer raises
     ApiException as theirs do."""
     api = _api()

@@ -80,48 +80,48 @@ def test_writes_reuse_one_connection_and_are_counted_by_verb_and_resource(cluste
         cluster.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
-def test_a_pod_is_deleted_only_as_the_incarnation_the_round_saw(cluster):
+@pytest.fixture
+def bare_pod(cluster):
+    """(its namespace, a pod named p not yet created) in a namespace of its own, deleted after the test."""
+    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
+    namespace = pod_namespace(cluster, "kp")
+    try:
+        yield namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
+                          "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_a_pod_is_deleted_only_as_the_incarnation_the_round_saw(cluster, bare_pod):
     """A round that acted on a stale view of a pod (its old incarnation's late event) must not delete the
     replacement of the same name: the delete carries the uid it saw as a precondition."""
-    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
-    namespace = pod_namespace(cluster, "kd")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
-           "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
-    try:
-        assert kube.create(pod)
-        uid = cluster.kubectl("get", "pod", "p", "-n", namespace, "-o", "jsonpath={.metadata.uid}")
-        kube.delete_pod(namespace, "p", force=True, uid="0" * 8 + uid[8:])  # another incarnation's: refused, quietly
-        assert cluster.kubectl("get", "pod", "p", "-n", namespace, "-o", "jsonpath={.metadata.uid}") == uid
-        kube.delete_pod(namespace, "p", force=True, uid=uid)  # its own: gone at once (no grace)
-        assert cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
-        kube.delete_pod(namespace, "p", force=True, uid=uid)  # already gone: not an error
-    finally:
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    namespace, pod = bare_pod
+    assert kube.create(pod)
+    uid = cluster.kubectl("get", "pod", "p", "-n", namespace, "-o", "jsonpath={.metadata.uid}")
+    kube.delete_pod(namespace, "p", force=True, uid="0" * 8 + uid[8:])  # another incarnation's: refused, quietly
+    assert cluster.kubectl("get", "pod", "p", "-n", namespace, "-o", "jsonpath={.metadata.uid}") == uid
+    kube.delete_pod(namespace, "p", force=True, uid=uid)  # its own: gone at once (no grace)
+    assert cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
+    kube.delete_pod(namespace, "p", force=True, uid=uid)  # already gone: not an error
 
 
-def test_writes_sent_as_plain_json_are_what_the_api_server_takes_and_refusals_name_the_object(cluster):
+def test_writes_sent_as_plain_json_are_what_the_api_server_takes_and_refusals_name_the_object(cluster, bare_pod):
     """The round's writes skip the generated client's methods (`kube._send`): the same requests, their
     answers and refusals as the methods gave them."""
-    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
-    namespace = pod_namespace(cluster, "ks")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
-           "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
-    try:
-        assert kube.create(pod)
-        with pytest.raises(kube.NotOurs, match=f"Pod {namespace}/p exists and is not owned by this job"):
-            kube.create(pod)  # the name is taken (409) by a pod no job owns: never adopted
-        with pytest.raises(kube.KubeError, match=rf"^create pod {namespace}/q: 422 .*containers"):
-            kube.create({**pod, "metadata": {"name": "q", "namespace": namespace}, "spec": {"containers": []}})
-        with pytest.raises(ValueError, match="cannot create a Deployment"):
-            kube.create({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}})
-        job = {"metadata": {"name": "j", "namespace": namespace, "uid": "u-1"}}
-        kube.record_event(job, "Normal", "Tested", "an event " + "x" * 2000)
-        events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=Tested", "-o",
-                                 "jsonpath={.items[*].message}")
-        assert events.startswith("an event x") and len(events) == 1024  # the message is cut to 1,024
-        kube.patch_status(namespace, "missing", {"state": "Running"})  # a job gone meanwhile: no error
-        kube.delete_pod(namespace, "p")  # graceful, no precondition: terminating, or gone already
-        left = cluster.kubectl("get", "pods", "-n", namespace, "-o", "jsonpath={.items[*].metadata.deletionTimestamp}")
-        assert left or cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
-    finally:
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    namespace, pod = bare_pod
+    assert kube.create(pod)
+    with pytest.raises(kube.NotOurs, match=f"Pod {namespace}/p exists and is not owned by this job"):
+        kube.create(pod)  # the name is taken (409) by a pod no job owns: never adopted
+    with pytest.raises(kube.KubeError, match=rf"^create pod {namespace}/q: 422 .*containers"):
+        kube.create({**pod, "metadata": {"name": "q", "namespace": namespace}, "spec": {"containers": []}})
+    with pytest.raises(ValueError, match="cannot create a Deployment"):
+        kube.create({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}})
+    job = {"metadata": {"name": "j", "namespace": namespace, "uid": "u-1"}}
+    kube.record_event(job, "Normal", "Tested", "an event " + "x" * 2000)
+    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "reason=Tested", "-o",
+                             "jsonpath={.items[*].message}")
+    assert events.startswith("an event x") and len(events) == 1024  # the message is cut to 1,024
+    kube.patch_status(namespace, "missing", {"state": "Running"})  # a job gone meanwhile: no error
+    kube.delete_pod(namespace, "p")  # graceful, no precondition: terminating, or gone already
+    left = cluster.kubectl("get", "pods", "-n", namespace, "-o", "jsonpath={.items[*].metadata.deletionTimestamp}")
+    assert left or cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
