@@ -28,8 +28,8 @@ def write_job(tmp_path):
 
 # --- where the suite's CPU goes ------------------------------------------------------
 #
-# The suite is CPU-bound on the 2-core machines (hack/test's two lanes keep both cores busy), so its
-# wall time is its CPU time over 2: the CPU each test costs is what to cut. Each test's is its
+# The suite is mostly CPU-bound on the 2-core machines (hack/test's lanes keep the cores busy), so its
+# wall time is close to its CPU time over 2: the CPU each test costs is what to cut. Each test's is its
 # pytest process's own user + system time plus that of the processes it started and reaped (a
 # trainer, `kubetrain run` and its replicas, kubectl): getrusage(RUSAGE_CHILDREN) counts a process
 # once it and its own children were waited for. Daemons of a session (the test cluster, the real
