@@ -12,7 +12,6 @@ import uuid
 
 import pytest
 
-from conftest import Operator
 from helpers.kube import wait_established
 from support import ROOT
 from test_lifecycle import manifest, pods_of
@@ -39,16 +38,16 @@ def namespace(cluster):
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 
-def gang_operator(cluster, spawn_operator, namespace: str) -> Operator:
+def gang_operator(cluster, spawn_operator, namespace: str):
     """An operator serving both schedulers, Volcano the default, scheduler-plugins' pods under `sp-scheduler`."""
     proc = spawn_operator(namespace, "--gang-scheduler", "volcano", "--gang-scheduler", "scheduler-plugins=sp-scheduler")
-    op = Operator(cluster, namespace, proc.log, proc.metrics_port)
+    op = proc.handle(cluster, namespace)
     op.wait("the operator to start", lambda: proc.proc.poll() is not None or "startup" in proc.log.read_text().lower())
     assert proc.proc.poll() is None, proc.log.read_text()
     return op
 
 
-def problem(op: Operator, name: str, reason: str) -> dict:
+def problem(op, name: str, reason: str) -> dict:
     """The job's condition of that reason, once it is there."""
     return op.wait(f"a {reason} condition on {name}", lambda: next(
         (c for c in op.job_status(name).get("conditions", []) if c["reason"] == reason), None))
