@@ -40,6 +40,11 @@ _cpu_seconds: dict[str, float] = {}
 _wall_seconds: dict[str, float] = {}  # and the wall time of each test area (tests/<area>/), to split lanes by
 
 
+def _area(nodeid: str) -> str:
+    """`tests/<area>` of a test's node id or file path."""
+    return "/".join(nodeid.split("::", 1)[0].split("/")[:2])
+
+
 def _cpu_now() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
@@ -50,8 +55,7 @@ def pytest_runtest_protocol(item, nextitem):
     before, began = _cpu_now(), time.monotonic()
     yield
     _cpu_seconds[item.nodeid] = _cpu_now() - before
-    area = "/".join(item.nodeid.split("::", 1)[0].split("/")[:2])
-    _wall_seconds[area] = _wall_seconds.get(area, 0.0) + time.monotonic() - began
+    _wall_seconds[_area(item.nodeid)] = _wall_seconds.get(_area(item.nodeid), 0.0) + time.monotonic() - began
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -71,8 +75,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", "wall time and CPU by area")
     by_area: dict[str, float] = {}
     for path, seconds in by_file.items():
-        area = "/".join(path.split("/")[:2])
-        by_area[area] = by_area.get(area, 0.0) + seconds
+        by_area[_area(path)] = by_area.get(_area(path), 0.0) + seconds
     for area, seconds in sorted(_wall_seconds.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{seconds:8.1f}s wall {by_area.get(area, 0.0):8.1f}s cpu  {area}")
 
