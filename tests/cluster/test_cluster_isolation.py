@@ -3,10 +3,13 @@
 import ipaddress
 import os
 import socket
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from helpers.kube import HACK_CLUSTER, hack_cluster
 from helpers.process import run
 
 pytestmark = pytest.mark.cluster
@@ -30,6 +33,16 @@ def _cluster_processes(cluster) -> dict[int, str]:
 
 def _listening_addresses(pids) -> set[str]:
     """The local addresses of the TCP sockets these pids listen on, read from /proc."""
+    return {address for address, _ in _listening(pids)}
+
+
+def _listening_ports(pids) -> set[int]:
+    """The ports of the TCP sockets these pids listen on."""
+    return {port for _, port in _listening(pids)}
+
+
+def _listening(pids) -> set[tuple[str, int]]:
+    """(address, port) of each TCP socket these pids listen on, read from /proc."""
     inodes = set()
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -48,7 +61,7 @@ def _listening_addresses(pids) -> set[str]:
                 raw = bytes.fromhex(local.split(":")[0])
                 # The kernel prints the address as 32-bit words in host (little-endian) order.
                 words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                addresses.add(socket.inet_ntop(family, words))
+                addresses.add((socket.inet_ntop(family, words), int(local.split(":")[1], 16)))
     return addresses
 
 
@@ -77,3 +90,30 @@ def test_second_up_is_refused_while_the_cluster_runs(cluster):
 
     assert second.returncode != 0
     assert f"cluster {cluster.name} is already up" in second.stderr
+
+
+def test_two_clusters_brought_up_at_once_both_come_up_on_ports_of_their_own(cluster):
+    """hack/test's lanes bring their clusters up at the same moment. kwokctl picks each component's port as
+    one free when it looks, and two creates at once once took the same ones: the second's kwok controller
+    could not listen and its nodes never became Ready. hack/cluster now creates one cluster at a time."""
+    names = [f"{cluster.name}-twin{n}" for n in range(2)]
+    envs = [{**cluster.env, "KUBETRAIN_CLUSTER": name} for name in names]
+    ups = [subprocess.Popen([str(HACK_CLUSTER), "up", "--nodes", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for env in envs]
+    try:
+        outputs = [up.communicate(timeout=300)[0] for up in ups]
+        for up, out in zip(ups, outputs):
+            assert up.returncode == 0, out[-3000:]
+        twins = [replace(cluster, name=name, kubeconfig=cluster.kubeconfig.parent.parent / name / "kubeconfig.yaml")
+                 for name in names]
+        ports = [{a for a in _listening_ports(_cluster_processes(twin))} for twin in twins]
+        assert all(ports) and not ports[0] & ports[1], ports
+        for twin, env in zip(twins, envs):
+            nodes = run("kubectl", "--kubeconfig", str(twin.kubeconfig), "get", "nodes", "-o", "name", env=env).stdout
+            assert nodes.split() == ["node/node-000000"], nodes
+    finally:
+        for up in ups:
+            if up.poll() is None:
+                up.kill()
+        for env in envs:
+            hack_cluster("down", env=env, timeout=120)
