@@ -34,7 +34,6 @@ from ..api.status import to_dict
 from ..core import kueue
 from ..core.children import LABEL_JOB
 from . import kube, observe
-from .reporting import update_state_gauge
 from .state import Controller, JobState
 from .workers import resync_loop, start_workers
 
@@ -128,7 +127,6 @@ def on_job(ctl: Controller, event: dict[str, Any]) -> None:
         ctl.queue.discard(key)
         ctl.scrapes.forget(key)
         ctl.forget_job(key)
-        update_state_gauge(ctl)
         return
     before = ctl.index.job(key)
     ctl.index.set_job(key, raw)
