@@ -66,12 +66,16 @@ def register(ctl: Controller) -> None:
     def stop_workers(**_: Any) -> None:
         ctl.close()
 
+    # The event handlers are coroutines: kopf runs a plain function in its executor's threads, a hop
+    # per watch event (tens of thousands while thousands of jobs start) that waits for a free thread
+    # and for the GIL twice. These only index and queue, under locks held for microseconds, so they
+    # run on kopf's event loop itself.
     @kopf.on.event(GROUP, VERSION, PLURAL)
-    def job_event(event: dict[str, Any], **_: Any) -> None:
+    async def job_event(event: dict[str, Any], **_: Any) -> None:
         on_job(ctl, event)
 
     @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-    def pod_event(event: dict[str, Any], **_: Any) -> None:
+    async def pod_event(event: dict[str, Any], **_: Any) -> None:
         raw = event.get("object") or {}
         key = ctl.index.index_pod(event.get("type"), raw)
         if key is not None:
@@ -79,7 +83,7 @@ def register(ctl: Controller) -> None:
             ctl.queue.add(key, urgent=observe.urgent(event.get("type"), raw))
 
     @kopf.on.event("", "v1", "persistentvolumeclaims", labels={LABEL_JOB: kopf.PRESENT})
-    def claim_event(event: dict[str, Any], **_: Any) -> None:
+    async def claim_event(event: dict[str, Any], **_: Any) -> None:
         key = ctl.index.index_claim(event.get("type"), event.get("object") or {})
         if key is not None:
             ctl.queue.add(key)
@@ -90,7 +94,7 @@ def register(ctl: Controller) -> None:
 
     if ctl.config.kueue:
         @kopf.on.event(kueue.GROUP, kueue.VERSION, "workloads", labels={LABEL_JOB: kopf.PRESENT})
-        def workload_event(event: dict[str, Any], **_: Any) -> None:
+        async def workload_event(event: dict[str, Any], **_: Any) -> None:
             on_workload(ctl, event)
 
 
@@ -100,7 +104,7 @@ def startup(ctl: Controller, settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = FINALIZER  # jobs of the daemon era carry it: kopf removes it
     settings.posting.level = logging.WARNING
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # not a line per watch event
-    settings.execution.max_workers = 4  # the handlers only index and queue; the work is on WORKERS
+    settings.execution.max_workers = 4  # the sync handlers left (start-up, clean-up, probe); the work is on WORKERS
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     kube.load_config()
