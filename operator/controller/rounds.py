@@ -34,9 +34,10 @@ def reconcile_once(ctl: Controller, body: dict[str, Any], state: JobState) -> fl
     meta = body["metadata"]
     key, uid = (meta["namespace"], meta["name"]), meta["uid"]
     old = last_status(body, state)
-    job = _parse(ctl, body, state, old)
-    if job is None:
-        return None
+    try:
+        job = _parse(body)
+    except InvalidSpec as err:
+        return _refuse_spec(ctl, body, state, old, err)
     refusal = refusals.refusal(ctl, job, state)
     if refusal is not None and old.state not in TERMINAL:
         _refuse(ctl, body, state, job, old, refusal)
@@ -58,24 +59,39 @@ def reconcile_once(ctl: Controller, body: dict[str, Any], state: JobState) -> fl
     return act.requeue_after
 
 
-def _parse(ctl: Controller, body: dict[str, Any], state: JobState, old: JobStatus) -> TrainingJob | None:
-    """The job's spec, read; None for one kubetrain refuses (InvalidSpec: the engine fails it, written)."""
+def _parse(body: dict[str, Any]) -> TrainingJob:
+    """The job's spec, read (InvalidSpec for one kubetrain refuses)."""
     meta = body["metadata"]
-    key = (meta["namespace"], meta["name"])
-    try:
-        job = from_spec_dict(key[1], dict(body["spec"]), key[0])
-    except InvalidSpec as err:
-        # The CRD's schema catches nearly all of this; what is left is reported, not retried.
-        refused = engine.refuse(old, Refusal("InvalidSpec", "; ".join(err.shown())), time.time(),
-                                meta.get("generation", 0))
-        for type_, reason, message in refused.actions.events:
-            kube.record_event(body, type_, reason, message)
-        write_status(ctl, key, state, old, refused.status)
-        return None
+    job = from_spec_dict(meta["name"], dict(body["spec"]), meta["namespace"])
     job.metadata.generation = meta.get("generation", 0)
     job.metadata.uid = meta["uid"]
     job.metadata.labels = dict(meta.get("labels") or {})
     return job
+
+
+def _refuse_spec(ctl: Controller, body: dict[str, Any], state: JobState, old: JobStatus,
+                 err: InvalidSpec) -> float | None:
+    """A spec kubetrain refuses: the engine fails the job (written, with an Event), and its TTL, if one can
+    still be read from the spec, deletes it in time. The CRD's schema catches nearly all of this; what is
+    left is reported, not retried."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    refused = engine.refuse(old, Refusal("InvalidSpec", "; ".join(err.shown())), time.time(),
+                            meta.get("generation", 0), ttl=raw_ttl(body["spec"]))
+    for type_, reason, message in refused.actions.events:
+        kube.record_event(body, type_, reason, message)
+    write_status(ctl, key, state, old, refused.status)
+    if refused.actions.delete_job:
+        kube.delete_job(*key)
+    return refused.actions.requeue_after
+
+
+def raw_ttl(spec: Any) -> int | None:
+    """spec.runPolicy.ttlSecondsAfterFinished of a spec that does not parse as a whole, if that field alone
+    is valid (a whole number of seconds, 0 or more); None otherwise."""
+    policy = spec.get("runPolicy") if isinstance(spec, dict) else None
+    ttl = policy.get("ttlSecondsAfterFinished") if isinstance(policy, dict) else None
+    return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl >= 0 else None
 
 
 def _refuse(ctl: Controller, body: dict[str, Any], state: JobState, job: TrainingJob, old: JobStatus,

@@ -203,19 +203,31 @@ def step(
     return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [], admission, refusal)
 
 
-def refuse(status: JobStatus, refusal: Refusal, now: float, generation: int) -> Round:
+def refuse(status: JobStatus, refusal: Refusal, now: float, generation: int, ttl: int | None = None) -> Round:
     """The round of a job that has no spec to step with (it does not parse: InvalidSpec): it fails as
-    `step` fails a refused job, its clock paused, unless it has ended already. Pure."""
+    `step` fails a refused job, its clock paused, unless it has ended already. `ttl`: its
+    runPolicy.ttlSecondsAfterFinished, when the driver could still read one: the job is deleted that long
+    after it ended, as a finished job's TTL does (`_after_the_end`). Pure."""
     out = copy.deepcopy(status)
     actions = Actions()
-    if out.state in TERMINAL:
-        return Round(out, actions)
-    _end(out, "Failed", now)
-    out.observed_generation = generation
-    out.conditions = conditions(out.conditions, Observed("Failed", refusal.reason, refusal.message), iso(now),
-                                generation)
-    actions.events.append(("Warning", refusal.reason, refusal.message))
+    if out.state not in TERMINAL:
+        _end(out, "Failed", now)
+        out.observed_generation = generation
+        out.conditions = conditions(out.conditions, Observed("Failed", refusal.reason, refusal.message), iso(now),
+                                    generation)
+        actions.events.append(("Warning", refusal.reason, refusal.message))
+    actions.delete_job, actions.requeue_after = _ttl_round(ttl, out, now)
     return Round(out, actions)
+
+
+def _ttl_round(ttl: int | None, status: JobStatus, now: float) -> tuple[bool, float | None]:
+    """A finished job's TTL: (delete it now, or else the seconds until its TTL's round; None: no TTL)."""
+    done = parse_iso(status.completion_time)
+    if ttl is None or done is None:
+        return False, None
+    if now - done >= ttl:
+        return True, None
+    return False, ttl - (now - done)
 
 
 def note(status: JobStatus, problem: Problem, now: float, generation: int) -> JobStatus:
@@ -325,13 +337,10 @@ class _Round:
     # -- 2. finished -----------------------------------------------------------------
 
     def _after_the_end(self) -> None:
-        ttl = self.spec.run_policy.ttl_seconds_after_finished
-        done = parse_iso(self.status.completion_time)
-        if ttl is not None and done is not None:
-            if self.now - done >= ttl:
-                self.actions.delete_job = True
-            else:
-                self.actions.requeue_after = ttl - (self.now - done)
+        delete, wait = _ttl_round(self.spec.run_policy.ttl_seconds_after_finished, self.status, self.now)
+        self.actions.delete_job = delete
+        if wait is not None:
+            self._requeue(wait)
 
     def _finish(self, state: str, reason: str, message: str) -> None:
         self.observed = Observed(state, reason, message)

@@ -5,9 +5,9 @@ import pytest
 from kubetrain_contract.timestamps import iso
 from kubetrain_operator.api import from_object
 from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.engine import ProgressReading
+from kubetrain_operator.core.engine import ProgressReading, Refusal, refuse
 from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.api.status import to_dict
+from kubetrain_operator.api.status import read_status, to_dict
 
 T0 = 1_800_000_000.0
 
@@ -188,6 +188,25 @@ def test_the_round_that_finishes_a_job_asks_for_its_ttl_round(ttl):
     assert act.requeue_after == pytest.approx(max(0.1, ttl))
     act = reconcile(job("Single"), "u", "t", pods, st, T0 + 5)
     assert to_dict(act.status)["state"] == "Succeeded" and act.requeue_after is None
+
+
+@pytest.mark.parametrize("ttl", [0, 30])
+def test_a_spec_refused_at_parse_time_is_deleted_at_its_ttl(ttl):
+    """engine.refuse (a spec that does not parse) keeps the TTL a driver could still read from it, as a
+    finished job's: the round that fails the job asks for the TTL's round, which deletes it."""
+    st = read_status({"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}})
+    why = Refusal("InvalidSpec", "spec.training.epochs: expected an integer")
+    first = refuse(st, why, T0 + 5, 1, ttl=ttl)
+    assert first.status.state == "Failed" and [e[1] for e in first.actions.events] == ["InvalidSpec"]
+    assert first.actions.delete_job == (ttl == 0)
+    assert first.actions.requeue_after == (None if ttl == 0 else pytest.approx(ttl))
+    if ttl:
+        early = refuse(first.status, why, T0 + 5 + ttl - 1, 1, ttl=ttl)
+        assert not early.actions.delete_job and early.actions.requeue_after == pytest.approx(1)
+        late = refuse(first.status, why, T0 + 5 + ttl, 1, ttl=ttl)
+        assert late.actions.delete_job and late.actions.events == []  # ended once, one Event
+    without = refuse(st, why, T0 + 5, 1)
+    assert not without.actions.delete_job and without.actions.requeue_after is None
 
 
 def test_image_pull_failure_is_reported():

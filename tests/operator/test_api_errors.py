@@ -8,6 +8,7 @@ from kubernetes.client.rest import ApiException
 
 from kubetrain_operator.controller import kube
 from kubetrain_operator.controller.reporting import REPORT_AFTER_FAILURES
+from kubetrain_operator.controller.rounds import raw_ttl
 from kubetrain_operator.controller.state import Controller, OperatorConfig
 from kubetrain_operator.controller.workers import process
 from kubetrain_operator.core.children import Settings
@@ -91,6 +92,33 @@ def test_a_spec_the_crd_let_through_but_kubetrain_refuses_fails_with_invalid_spe
     assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
     process(ctl, ("ns", "j"))
     assert [e[1] for e in calls["event"]] == ["InvalidSpec"]
+
+
+def test_a_refused_spec_with_a_ttl_is_deleted_at_its_ttl(api, monkeypatch):
+    """The spec does not parse, but its runPolicy.ttlSecondsAfterFinished does: the job is failed, its TTL's
+    round asked for, and that round deletes it (not the safety net's, nor never)."""
+    ctl, _, calls = api
+    deleted = []
+    monkeypatch.setattr(kube, "delete_job", lambda ns, name: deleted.append((ns, name)))
+    spec = {"mode": "Single", "training": {"epochs": "many"}, "runPolicy": {"ttlSecondsAfterFinished": 3600}}
+    ctl.index.jobs[("ns", "j")] = {**BODY, "spec": spec}
+    process(ctl, ("ns", "j"))
+    assert calls["patch"][-1]["state"] == "Failed" and deleted == []
+    assert ctl.queue.get(timeout=0) is None and len(ctl.queue) == 1  # one delayed round: the TTL's
+    # The TTL's round, an hour on: the status says the job ended long enough ago.
+    ended = {**calls["patch"][-1], "completionTime": "2020-01-01T00:00:00Z"}
+    ctl.forget_job(("ns", "j"))
+    ctl.index.jobs[("ns", "j")] = {**BODY, "spec": spec, "status": ended}
+    process(ctl, ("ns", "j"))
+    assert deleted == [("ns", "j")]
+
+
+@pytest.mark.parametrize("policy, ttl", [({"ttlSecondsAfterFinished": 60}, 60), ({"ttlSecondsAfterFinished": 0}, 0),
+                                         ({"ttlSecondsAfterFinished": -1}, None), ({"ttlSecondsAfterFinished": "60"}, None),
+                                         ({"ttlSecondsAfterFinished": True}, None), ("x", None), (None, None)])
+def test_the_ttl_of_a_spec_that_does_not_parse_is_read_only_when_valid(policy, ttl):
+    assert raw_ttl({"mode": "Single", "runPolicy": policy}) == ttl
+    assert raw_ttl("not a spec") is None
 
 
 def test_a_running_job_the_installation_refuses_now_fails_through_the_engine(api, monkeypatch):
