@@ -47,7 +47,7 @@ def reconcile_once(ctl: Controller, body: dict[str, Any], state: JobState) -> fl
     pvc_pending = ctl.index.pending_claims(key) if old.state == "Created" and pods else None
     workload, admission, placements = queueing.queue(ctl, job, uid, state, old, pods)
     act = reconcile(job, uid, state.token, pods, old, time.time(), progress, ctl.config.settings, pvc_pending,
-                    state.existing, admission, placements)
+                    state.existing, admission, placements, safety_net=ctl.safety_net())
     _carry_out(ctl, body, job, state, pods, act)
     _count_outcome(job, old, act)
     write_status(ctl, key, state, old, act.status)

@@ -71,7 +71,8 @@ WAITING_REASONS = ("ImagePullFailed", "VolumePending", "Unschedulable")
 """Why a job's replicas wait (the reason on its condition while they do; `_problem`): a fixed set, so
 that the operator's gauge of waiting jobs has bounded labels."""
 MAX_REQUEUE_SECONDS = 60.0
-"""A running job is looked at again at least this often: a safety net. What changes a job brings its
+"""A running job is looked at again at least this often, by default (`step`'s `safety_net`; the operator
+stretches it when it holds many jobs, controller/state.safety_net_seconds): a safety net. What changes a job brings its
 own round: a pod's event, a scrape whose progress changed (the operator's scrape ticker reads each
 running job's chief every 10 s on its own; the local driver reads the event logs every round), and
 every clock the engine keeps (hang, deadlines, backoff, TTL) asks for a round when it runs out
@@ -196,11 +197,14 @@ def step(
     volume_pending: list[str] | None = None,
     admission: QueueAdmission | None = None,
     refusal: Refusal | None = None,
+    safety_net: float = MAX_REQUEUE_SECONDS,
 ) -> Round:
     """One round of the state machine. Pure: the old status is not changed. `refusal`: the job may not
-    run at all (`Refusal`); it fails, unless it has ended already."""
+    run at all (`Refusal`); it fails, unless it has ended already. `safety_net`: the seconds after which a
+    job that has not ended asks for a round even when no clock of its runs out."""
     old = status if isinstance(status, JobStatus) else read_status(status)
-    return _Round(job, copy.deepcopy(old), dict(replicas), now).run(progress, volume_pending or [], admission, refusal)
+    return _Round(job, copy.deepcopy(old), dict(replicas), now, safety_net).run(progress, volume_pending or [],
+                                                                                 admission, refusal)
 
 
 def refuse(status: JobStatus, refusal: Refusal, now: float, generation: int, ttl: int | None = None) -> Round:
@@ -256,8 +260,10 @@ def _end(status: JobStatus, state: str, now: float) -> None:
 class _Round:
     """The state of one round while its phases run (private: `step` is the interface)."""
 
-    def __init__(self, job: TrainingJob, status: JobStatus, replicas: dict[str, ReplicaObservation], now: float):
+    def __init__(self, job: TrainingJob, status: JobStatus, replicas: dict[str, ReplicaObservation], now: float,
+                 safety_net: float = MAX_REQUEUE_SECONDS):
         self.job = job
+        self.safety_net = safety_net
         self.spec = job.spec
         self.status = status
         self.memory: JobMemory = status.memory
@@ -779,7 +785,7 @@ class _Round:
                 status.conditions = conditions(status.conditions, self.observed, iso(self.now),
                                                self.job.metadata.generation)
             if status.state not in TERMINAL:
-                self._requeue(MAX_REQUEUE_SECONDS)
+                self._requeue(self.safety_net)
         return Round(status, self.actions)
 
     def _final_progress(self) -> None:

@@ -61,13 +61,15 @@ def reconcile(
     admission: engine.QueueAdmission | None = None,
     placements: dict[str, Any] | None = None,
     refusal: engine.Refusal | None = None,
+    safety_net: float = engine.MAX_REQUEUE_SECONDS,
 ) -> ClusterActions:
     """`existing` names the (kind, name) of non-pod children known to exist; they
     are not created again (None: create all, the I/O layer ignores its own).
     `admission` is what the job's queue (Kueue) says, None outside any queue; `placements`
     (role -> kueue.Placement) what its admission adds to the pods it lets start; `refusal` why the job
-    may not run at all (engine.Refusal: it fails)."""
-    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal)
+    may not run at all (engine.Refusal: it fails); `safety_net` the longest a running job goes without a
+    round (engine.step)."""
+    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal, safety_net)
     act = done.actions
     done.status.selector = selector(job)
     out = ClusterActions(

@@ -190,6 +190,17 @@ def test_the_round_that_finishes_a_job_asks_for_its_ttl_round(ttl):
     assert to_dict(act.status)["state"] == "Succeeded" and act.requeue_after is None
 
 
+@pytest.mark.parametrize("safety_net", [60.0, 500.0])
+def test_a_running_job_asks_for_its_safety_net_round_and_a_clock_comes_first(safety_net):
+    pods = {n: Pod(n, "Running") for n in PS_PODS}
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    act = reconcile(job(), "u", "t", pods, st, T0 + 5, safety_net=safety_net)
+    assert to_dict(act.status)["state"] == "Running" and act.requeue_after == pytest.approx(safety_net)
+    # The job's active deadline runs out in 100 s: its clock asks sooner than a 500 s net.
+    act = reconcile(job(runPolicy={"activeDeadlineSeconds": 105}), "u", "t", pods, st, T0 + 5, safety_net=safety_net)
+    assert act.requeue_after == pytest.approx(min(safety_net, 100))
+
+
 @pytest.mark.parametrize("ttl", [0, 30])
 def test_a_spec_refused_at_parse_time_is_deleted_at_its_ttl(ttl):
     """engine.refuse (a spec that does not parse) keeps the TTL a driver could still read from it, as a

@@ -1,5 +1,6 @@
 """The operator's jobs-by-state and waiting gauges are counted as each job moves (state.JobGauges), not by
-counting every job again on each move (O(jobs²) while thousands of jobs start). A narrow unit test of the
+counting every job again on each move (O(jobs²) while thousands of jobs start); the count of jobs that
+have not ended sets the safety net's period (state.safety_net_seconds). A narrow unit test of the
 counting against a full recount of the jobs' states; that the real operator's /metrics shows the gauges is
 tests/operator/test_operator_metrics.py's, and the waiting gauge's reasons tests/operator/test_scheduling.py's."""
 
@@ -13,7 +14,7 @@ from kubetrain_operator.api.status import read_status
 from kubetrain_operator.controller import metrics
 from kubetrain_operator.controller.handlers import on_job
 from kubetrain_operator.controller.reporting import gauge_key, write_status
-from kubetrain_operator.controller.state import Controller
+from kubetrain_operator.controller.state import SAFETY_NET_ROUNDS_PER_SECOND, Controller, safety_net_seconds
 
 PLACES = [("Created", None), ("Pending", None), ("Pending", "Unschedulable"), ("Pending", "ImagePullFailed"),
           ("Running", None), ("Succeeded", None), ("Failed", None)]
@@ -92,3 +93,24 @@ def test_a_round_that_ends_after_its_job_was_deleted_counts_nothing(ctl):
     again = ctl.job_state(key)  # a new job of the same name: counted once, as new
     ctl.count(key, state, ("Failed", None))  # the old round again: not this job's state
     assert again is not state and shown(metrics.JOBS_BY_STATE) == {("ns", "Created"): 1}
+
+
+@pytest.mark.parametrize("jobs, period", [(0, 60.0), (600, 60.0), (601, 60.1), (5000, 500.0), (1_000_000, 100_000.0)])
+def test_the_safety_net_spends_at_most_its_rounds_a_second(jobs, period):
+    assert safety_net_seconds(jobs) == pytest.approx(period)
+    assert jobs / safety_net_seconds(jobs) <= SAFETY_NET_ROUNDS_PER_SECOND
+
+
+def test_the_safety_net_follows_the_jobs_that_have_not_ended(ctl):
+    keys = [("ns", f"j{n}") for n in range(1200)]
+    states = [ctl.job_state(key) for key in keys]  # new jobs: Created, unfinished
+    assert ctl.safety_net() == pytest.approx(120.0)
+    for key, state in zip(keys[:300], states):
+        ctl.count(key, state, ("Running", None))
+    assert ctl.safety_net() == pytest.approx(120.0)  # running is unfinished too
+    for key, state in zip(keys[:700], states):
+        ctl.count(key, state, ("Succeeded", None))
+    assert ctl.safety_net() == pytest.approx(60.0)  # 500 left: the engine's own period
+    for key in keys[700:]:
+        ctl.forget_job(key)
+    assert ctl.gauges.unfinished == 0
