@@ -118,6 +118,7 @@ def startup(ctl: Controller, settings: kopf.OperatorSettings) -> None:
     if ctl.config.kueue:
         for raw in kube.list_workloads(namespaces):
             ctl.index.index_workload("ADDED", raw)
+    kube.set_routine_gate(ctl.queue.wait_urgent_clear)
     start_workers(ctl, ctl.config.workers)
     threading.Thread(target=resync_loop, args=(ctl,), name="resync", daemon=True).start()
 

@@ -12,6 +12,8 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -48,7 +50,43 @@ class KubeError(Exception):
         super().__init__(f"{verb} {what}: {err.status} {reason}")
 
 
+ROUTINE_YIELD_SECONDS = 1.0
+"""The most one request of a routine round (a status to follow, a new job's children, the resync's pages)
+waits while urgent work (a replacement to make) is queued or under way (`set_routine_gate`). The API
+server and the operator's one interpreter serve the replacement's few requests first; a storm of urgent
+work slows the routine rounds to a request a second per worker, never stops them."""
+
 _local = threading.local()
+_routine_gate: Callable[[float], object] | None = None
+
+
+def set_routine_gate(wait: Callable[[float], object] | None) -> None:
+    """`wait(seconds)`: returns once no urgent work is left, or after `seconds`; every request from a thread
+    outside `urgent()` calls it first (None: none waits). Set once at the operator's start-up."""
+    global _routine_gate
+    _routine_gate = wait
+
+
+@contextmanager
+def urgent() -> Iterator[None]:
+    """This thread's requests, inside, carry out urgent work: they never wait at the routine gate."""
+    before = getattr(_local, "urgent", False)
+    _local.urgent = True
+    try:
+        yield
+    finally:
+        _local.urgent = before
+
+
+def carrying_urgency(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, to run in another thread (a pool's) as urgent as the thread that hands it over."""
+    if not getattr(_local, "urgent", False):
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with urgent():
+            return fn(*args, **kwargs)
+    return run
 
 
 def load_config() -> None:
@@ -60,7 +98,8 @@ def load_config() -> None:
 
 class CountingApiClient(client.ApiClient):
     """The client's ApiClient, every request counted by verb and resource (kubetrain_operator_api_requests_total),
-    and every answer read as soon as it arrives.
+    and every answer read as soon as it arrives; a routine round's request first waits for urgent work
+(ROUTINE_YIELD_SECONDS).
 
     The calls here ask for raw answers (`_preload_content=False`), and a create, patch or delete never reads
     its answer: urllib3 gives a connection back to its pool only once the answer's body is read, so each of
@@ -68,6 +107,9 @@ class CountingApiClient(client.ApiClient):
     started). Reading the body here keeps one connection per thread; `resp.data` later returns what was read."""
 
     def call_api(self, method, url, *args, **kwargs):  # noqa: ANN001 - the client's own signature
+        gate = _routine_gate
+        if gate is not None and not getattr(_local, "urgent", False):
+            gate(ROUTINE_YIELD_SECONDS)
         metrics.API_REQUESTS.labels(method, resource_of(url)).inc()
         response = super().call_api(method, url, *args, **kwargs)
         response.read()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 from . import kube, metrics, rounds
@@ -43,7 +44,8 @@ def work(ctl: Controller, urgent_only: bool = False) -> None:
         if key is None:
             return
         try:
-            process(ctl, key)
+            with kube.urgent() if ctl.queue.handed_urgent(key) else nullcontext():
+                process(ctl, key)
         finally:
             ctl.queue.done(key)
 

@@ -19,6 +19,10 @@ the routine lane moves it. Routine keys are not starved: after URGENT_STREAK
 urgent keys in a row while routine ones wait, one routine key goes. A worker may
 take urgent keys only (`get(urgent_only=True)`): the operator keeps one such, so
 that a replacement never waits for a worker busy with a long routine round.
+
+Urgent work also goes first at the API server and for the interpreter: while an urgent key waits or is
+being processed, the routine rounds' requests wait for it (`wait_urgent_clear`, up to
+kube.ROUTINE_YIELD_SECONDS each).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class WorkQueue:
         self._since: dict[Hashable, float] = {}  # when each queued key became ready
         self._streak = 0
         self._processing: set[Hashable] = set()
+        self._urgent_busy: set[Hashable] = set()  # of those, the ones handed out from the urgent lane
         self._delayed: list[tuple[float, int, Hashable]] = []  # (due, seq, key)
         self._due: dict[Hashable, float] = {}  # each key's earliest pending due time
         self._seq = 0
@@ -103,6 +108,8 @@ class WorkQueue:
                     self._dirty.discard(key)
                     self._dirty_urgent.discard(key)
                     self._processing.add(key)
+                    if lane == "urgent":
+                        self._urgent_busy.add(key)
                     waited = self._clock() - self._since.pop(key, self._clock())
                     if self._on_wait is not None:
                         self._on_wait(lane, waited)
@@ -139,9 +146,31 @@ class WorkQueue:
                 del self._due[key]
                 self._add(key)
 
+    def handed_urgent(self, key: Hashable) -> bool:
+        """Whether `key`, being processed, was handed out from the urgent lane."""
+        with self._cond:
+            return key in self._urgent_busy
+
+    def wait_urgent_clear(self, timeout: float) -> bool:
+        """Wait until no urgent key is waiting or being processed, at most `timeout` seconds; whether it is
+        clear. A routine round's request waits here, so that a replacement's requests find the API server
+        and the interpreter free of the routine ones; bounded, so that a storm of urgent work (a node lost
+        with hundreds of pods) slows routine rounds without stopping them."""
+        end = self._clock() + timeout
+        with self._cond:
+            while (self._urgent or self._urgent_busy) and not self._closed:
+                left = end - self._clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
     def done(self, key: Hashable) -> None:
         with self._cond:
             self._processing.discard(key)
+            if key in self._urgent_busy:
+                self._urgent_busy.discard(key)
+                self._cond.notify_all()
             if key in self._dirty:
                 self._since[key] = self._clock()
                 (self._urgent if key in self._dirty_urgent else self._queue).append(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.wait import wait_for
@@ -125,3 +126,33 @@ def test_writes_sent_as_plain_json_are_what_the_api_server_takes_and_refusals_na
     kube.delete_pod(namespace, "p")  # graceful, no precondition: terminating, or gone already
     left = cluster.kubectl("get", "pods", "-n", namespace, "-o", "jsonpath={.items[*].metadata.deletionTimestamp}")
     assert left or cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
+
+
+def test_routine_requests_pass_the_gate_and_urgent_ones_and_their_pool_threads_do_not(cluster):
+    """Every request of a thread outside kube.urgent() first waits at the routine gate (while urgent work is
+    under way, workqueue.wait_urgent_clear); an urgent round's requests, in its own thread or handed to the
+    creators' pool (kube.carrying_urgency), never do."""
+    config.load_kube_config(config_file=cluster.env["KUBECONFIG"])
+    namespace = f"kg-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    waits: list[tuple[str, float]] = []
+    kube.set_routine_gate(lambda seconds: waits.append((threading.current_thread().name, seconds)))
+
+    def config_map(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": namespace}, "data": {}}
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
+            assert kube.create(config_map("routine"))
+            assert waits == [(threading.current_thread().name, kube.ROUTINE_YIELD_SECONDS)]
+            assert pool.submit(kube.carrying_urgency(kube.create), config_map("routine-pool")).result()
+            assert len(waits) == 2 and waits[1][0].startswith("pool")
+            with kube.urgent():
+                assert kube.create(config_map("urgent"))
+                assert pool.submit(kube.carrying_urgency(kube.create), config_map("urgent-pool")).result()
+            assert len(waits) == 2, waits
+            assert pool.submit(kube.create, config_map("after")).result()  # the pool thread is routine again
+            assert len(waits) == 3
+    finally:
+        kube.set_routine_gate(None)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")

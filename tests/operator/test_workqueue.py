@@ -264,3 +264,27 @@ def test_a_deleted_pods_uid_is_forgotten_after_a_while(monkeypatch):
     clock[0] += index_module.GONE_SECONDS + 1
     index.index_pod("DELETED", _pod_event("b"))  # past GONE_SECONDS / 10 since the last pruning: pruned
     assert set(index.gone) == {"b"}
+
+
+def test_routine_requests_wait_for_urgent_work_and_no_longer_than_their_bound():
+    q = WorkQueue()
+    assert q.wait_urgent_clear(5.0) is True  # nothing urgent: at once
+    q.add("routine")
+    assert q.wait_urgent_clear(5.0) is True  # routine work makes nobody wait
+    q.add("u", urgent=True)
+    started = time.monotonic()
+    assert q.wait_urgent_clear(0.2) is False  # urgent work that stays (a storm): the wait ends at its bound
+    assert time.monotonic() - started >= 0.2
+    assert q.get(timeout=0) == "u" and q.handed_urgent("u")  # being processed: still urgent work
+    assert q.get(timeout=0) == "routine" and not q.handed_urgent("routine")
+    cleared = []
+    waiter = threading.Thread(target=lambda: cleared.append(q.wait_urgent_clear(30.0)))
+    waiter.start()
+    time.sleep(0.1)
+    assert cleared == []  # still waiting while "u" is processed
+    q.done("u")
+    waiter.join(timeout=10)
+    assert cleared == [True] and not q.handed_urgent("u")
+    q.close()
+    q.add("v", urgent=True)  # a closed queue takes nothing and holds nobody
+    assert q.wait_urgent_clear(30.0) is True
