@@ -99,7 +99,7 @@ def load_config() -> None:
 class CountingApiClient(client.ApiClient):
     """The client's ApiClient, every request counted by verb and resource (kubetrain_operator_api_requests_total),
     and every answer read as soon as it arrives; a routine round's request first waits for urgent work
-(ROUTINE_YIELD_SECONDS).
+    (ROUTINE_YIELD_SECONDS).
 
     The calls here ask for raw answers (`_preload_content=False`), and a create, patch or delete never reads
     its answer: urllib3 gives a connection back to its pool only once the answer's body is read, so each of

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.status import JobStatus
+from ..core.children import Settings
 from ..core.conditions import TERMINAL
 from ..core.engine import MAX_REQUEUE_SECONDS
-from ..core.children import Settings
 from . import metrics, scrapes
 from .index import Index, Key
 from .workqueue import WorkQueue
@@ -44,6 +44,21 @@ NetworkPolicy, Services and claims at once, then its pods at once, instead of on
 another (a ParameterServer job of 8 workers is a dozen creates). However many workers, at most 16
 creates are in flight, far below the API server's default of 400 requests in flight; beyond that a round
 waits for a thread."""
+
+
+SAFETY_NET_ROUNDS_PER_SECOND = 10.0
+"""The safety-net rounds (a look at a running job that no event, scrape or clock asked for) the operator
+spends per second at most, all its jobs together: each job that has not ended gets one every
+engine.MAX_REQUEUE_SECONDS (60 s) up to 600 such jobs, and every jobs / 10 seconds beyond (5,000 jobs:
+every 500 s). At 60 s whatever the count, 5,000 running jobs cost 83 rounds a second (21.8 CPU s in a quiet
+minute), and while thousands of jobs started these rounds were two thirds of the operator's rounds,
+queued ahead of the new jobs' own and beside the replacements' for the one interpreter. A pod event the
+watch missed is found by the resync (workers.RESYNC_SECONDS) whatever this period."""
+
+
+def safety_net_seconds(jobs: int) -> float:
+    """The safety net's period for an operator that holds `jobs` jobs."""
+    return max(MAX_REQUEUE_SECONDS, jobs / SAFETY_NET_ROUNDS_PER_SECOND)
 
 
 Where = tuple[str, str | None]
@@ -80,10 +95,6 @@ class JobGauges:
                 if why is not None:
                     _bump(self._waiting, metrics.JOBS_WAITING, (key[0], why), step)
 
-    def counts(self) -> dict[tuple[str, str], int]:
-        """(namespace, state) -> jobs: what the gauge shows."""
-        return dict(self._states)
-
 
 def _unfinished(where: Where | None) -> int:
     return int(where is not None and where[0] not in TERMINAL)
@@ -97,19 +108,6 @@ def _bump(counts: dict[tuple[str, str], int], gauge: Any, labels: tuple[str, str
     else:
         counts.pop(labels, None)
         gauge.remove(*labels)
-SAFETY_NET_ROUNDS_PER_SECOND = 10.0
-"""The safety-net rounds (a look at a running job that no event, scrape or clock asked for) the operator
-spends per second at most, all its jobs together: each job that has not ended gets one every
-engine.MAX_REQUEUE_SECONDS (60 s) up to 600 such jobs, and every jobs / 10 seconds beyond (5,000 jobs:
-every 500 s). At 60 s whatever the count, 5,000 running jobs cost 83 rounds a second (21.8 CPU s in a quiet
-minute), and while thousands of jobs started these rounds were two thirds of the operator's rounds,
-queued ahead of the new jobs' own and beside the replacements' for the one interpreter. A pod event the
-watch missed is found by the resync (workers.RESYNC_SECONDS) whatever this period."""
-
-
-def safety_net_seconds(jobs: int) -> float:
-    """The safety net's period for an operator that holds `jobs` jobs."""
-    return max(MAX_REQUEUE_SECONDS, jobs / SAFETY_NET_ROUNDS_PER_SECOND)
 
 
 @dataclass
