@@ -111,7 +111,7 @@ def test_backoff_limit_fails_the_job():
 def test_restarts_without_progress_fail_the_job():
     pods = running(*PS_PODS)
     pods["worker-0"] = Pod("worker-0", "Failed", exit_code=1)
-    status = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}, "restarts": 3,
+    status = {"state": "Running", "startTime": iso(T0), "restarts": 3,
               "restartsWithoutProgress": 3, "lastCheckpoint": {"step": 50, "time": iso(T0)},
               "memory": {"activeSince": T0, "checkpointAtLastRestart": 50}}
     act = reconcile(job(), "u", "t", pods, status, T0 + 1)
