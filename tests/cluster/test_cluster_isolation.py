@@ -106,7 +106,7 @@ def test_two_clusters_brought_up_at_once_both_come_up_on_ports_of_their_own(clus
             assert up.returncode == 0, out[-3000:]
         twins = [replace(cluster, name=name, kubeconfig=cluster.kubeconfig.parent.parent / name / "kubeconfig.yaml")
                  for name in names]
-        ports = [{a for a in _listening_ports(_cluster_processes(twin))} for twin in twins]
+        ports = [_listening_ports(_cluster_processes(twin)) for twin in twins]
         assert all(ports) and not ports[0] & ports[1], ports
         for twin, env in zip(twins, envs):
             nodes = run("kubectl", "--kubeconfig", str(twin.kubeconfig), "get", "nodes", "-o", "name", env=env).stdout
