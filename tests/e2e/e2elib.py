@@ -263,11 +263,11 @@ def read_files(e2e, claim: str, paths: list[str]) -> dict[str, str]:
     return dict(zip(paths, parts))
 
 
-def processes(e2e, pod: str) -> list[tuple[int, str]]:
-    """(pid on the host, command line) of each process of the pod's trainer container, from the node's
+def processes(e2e, pod: str, name: str = "trainer") -> list[tuple[int, str]]:
+    """(pid on the host, command line) of each process of the pod's container `name`, from the node's
     containerd; the host sees the node's processes (the node has a network namespace of its own only)."""
     statuses = e2e.get("pod", pod)["status"]["containerStatuses"]
-    [container] = [s["containerID"].split("://", 1)[1] for s in statuses if s["name"] == "trainer"]
+    [container] = [s["containerID"].split("://", 1)[1] for s in statuses if s["name"] == name]
     listing = subprocess.run(["ctr", "--address", e2e.containerd, "-n", "k8s.io", "tasks", "ps", container],
                              check=True, capture_output=True, text=True, timeout=30).stdout
     found = []

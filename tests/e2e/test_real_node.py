@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from pathlib import Path
 
 import pytest
-from e2elib import E2E_CLUSTER, HELPER_IMAGE, NAMESPACE, REAL_NODE, REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, RESTRICTED_POD
+from e2elib import E2E_CLUSTER, HELPER_IMAGE, NAMESPACE, REAL_NODE, REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, RESTRICTED_POD, \
+    processes
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +54,14 @@ def test_pod_gets_a_volume_logs_exec_and_names_of_services(e2e):
         assert e2e.kubectl("exec", name, "--", "cat", "/data/f").strip() == "kept"
         looked_up = e2e.kubectl("exec", name, "--", "/bin/sh", "-c", f"nslookup {name}.{NAMESPACE}.svc.cluster.local")
         assert pod["status"]["podIP"] in looked_up, looked_up
+        # The pod's processes run under the node's own cgroup root, which weighs like four busy processes of
+        # the host (hack/realnode/node's node_cpu_shares), not like one.
+        [(pid, _)] = processes(e2e, name, "c")
+        [cpu] = [line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                 if "cpu" in line.split(":")[1].split(",")]
+        root = cpu.strip("/").split("/")[0]
+        assert root == f"kt-{E2E_CLUSTER}", cpu
+        assert Path(f"/sys/fs/cgroup/cpu/{root}/cpu.shares").read_text().strip() == "4096"
     finally:
         e2e.kubectl("delete", "pod,svc,pvc", name, "--wait=false")
 
