@@ -48,7 +48,8 @@ def size_running(run: Path) -> int | None:
 
 
 FIRST_RESIZE_STEP = 120
-PS_SLOWDOWN = 20  # see test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run
+SLOWDOWN = 20  # see test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run
+FSDP_SLOWDOWN = 5
 STEPS_BETWEEN_RESIZES = 80  # counted from the chief's step once the previous resize is done: mid-run, always
 
 
@@ -91,15 +92,19 @@ def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int],
              "checkpoint": {"storage": {"accessMode": "ReadWriteMany"}}}, "ddp-0", [1, 2], "nodes"),
 ], ids=["ps-2-3-1", "ddp-2-1-2", "fsdp-2-1-2"])
 def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, sizes, unit):
-    # 575 steps at 2 replicas (digits, batch 32) in 25 epochs: the resizes land mid-run. A live resize
-    # (ParameterServer) costs no restart: the job would run on at a hundred steps a second and more (its
-    # tensors on the data plane) while ps-0 reads the new size and worker-2 starts (7 s and more under
-    # load), and end before the second resize. Its workers sleep instead (the straggler knob,
-    # trainer/slowdown.py: PS_SLOWDOWN - 1 times each step's compute, the same for all, no CPU): the same
-    # 25 epochs, at a pace that keeps the resizes mid-run. The fixed-size run is not slowed: a sleep
-    # changes no update.
+    # 575 steps at 2 replicas (digits, batch 32) in 25 epochs: the resizes must land mid-run. At full speed
+    # they need not: a live resize (ParameterServer) costs no restart, and the job would run on at a hundred
+    # steps a second and more (its tensors on the data plane) while ps-0 reads the new size and worker-2
+    # starts (7 s and more under load), and end before the second resize; a DDP group of one rank has no
+    # allreduce and ran its last 526 steps in 1.1 s, before the test's `kubetrain scale` to 2 (a CI run,
+    # 2026-12-03). Every replica sleeps instead (the straggler knob, trainer/slowdown.py: SLOWDOWN - 1 times
+    # each step's compute, the same for all, no CPU): the same 25 epochs, at a pace that keeps the resizes
+    # mid-run. The fixed-size run is not slowed: a sleep changes no update. FSDP's steps cost several times
+    # DDP's: slowed FSDP_SLOWDOWN times (its run 16 s at full speed, 71 s slowed 20 times, alone).
     epochs = 25
-    slow = {SLOWDOWN_VAR: ",".join(f"worker-{i}:{PS_SLOWDOWN}" for i in range(3))} if mode == "ParameterServer" else {}
+    replicas = [f"worker-{i}" for i in range(3)] if mode == "ParameterServer" else ["ddp-0", "ddp-1"]
+    factor = FSDP_SLOWDOWN if spec.get("ddp", {}).get("strategy") == "FSDP" else SLOWDOWN
+    slow = {SLOWDOWN_VAR: ",".join(f"{replica}:{factor}" for replica in replicas)}
     fixed = kubetrain("run", str(manifest(tmp_path, "fixed", mode, epochs, **spec)), "--run-dir",
                       str(tmp_path / "fixed"), "--quiet", timeout=RUN_TIMEOUT_SECONDS)
     assert fixed.returncode == 0, fixed.stderr
