@@ -13,6 +13,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import support` and `helpers` from any test area
 
+from helpers import cpu  # noqa: E402
+
 
 @pytest.fixture
 def write_job(tmp_path):
@@ -32,9 +34,10 @@ def write_job(tmp_path):
 # wall time is close to its CPU time over 2: the CPU each test costs is what to cut. Each test's is its
 # pytest process's own user + system time plus that of the processes it started and reaped (a
 # trainer, `kubetrain run` and its replicas, kubectl): getrusage(RUSAGE_CHILDREN) counts a process
-# once it and its own children were waited for. Daemons of a session (the test cluster, the real
-# node's containerd and its pods) are nobody's. Printed at the end, beside --durations: the 20
-# heaviest tests and files (a screenful), or as many as KUBETRAIN_CPU_REPORT_TESTS says.
+# once it and its own children were waited for. The real node's pods are nobody's child: their cgroup's
+# use during the test is added (helpers/cpu.py; tests/e2e's fixture registers it). Other daemons of a
+# session (the test clusters, the real node's containerd) are nobody's. Printed at the end, beside
+# --durations: the 20 heaviest tests and files (a screenful), or as many as KUBETRAIN_CPU_REPORT_TESTS says.
 CPU_REPORT_TESTS = int(os.environ.get("KUBETRAIN_CPU_REPORT_TESTS", "20"))
 _cpu_seconds: dict[str, float] = {}
 _wall_seconds: dict[str, float] = {}  # and the wall time of each test area (tests/<area>/), to split lanes by
@@ -52,9 +55,9 @@ def _cpu_now() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    before, began = _cpu_now(), time.monotonic()
+    before, groups, began = _cpu_now(), cpu.usage(), time.monotonic()
     yield
-    _cpu_seconds[item.nodeid] = _cpu_now() - before
+    _cpu_seconds[item.nodeid] = _cpu_now() - before + cpu.used_between(groups, cpu.usage())
     _wall_seconds[_area(item.nodeid)] = _wall_seconds.get(_area(item.nodeid), 0.0) + time.monotonic() - began
 
 
@@ -62,8 +65,10 @@ def pytest_terminal_summary(terminalreporter):
     if not _cpu_seconds:
         return
     total = sum(_cpu_seconds.values())
+    counted = "".join(f"; {name}" for name in cpu.charged_names())
     terminalreporter.write_sep("=", f"most CPU: {CPU_REPORT_TESTS} tests of {len(_cpu_seconds)}, "
-                                    f"{total:.0f} CPU seconds in all (setup, call and teardown; reaped children included)")
+                                    f"{total:.0f} CPU seconds in all (setup, call and teardown; reaped children "
+                                    f"included{counted})")
     for nodeid, seconds in sorted(_cpu_seconds.items(), key=lambda kv: -kv[1])[:CPU_REPORT_TESTS]:
         terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
     by_file: dict[str, float] = {}

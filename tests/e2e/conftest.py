@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2elib import CACHE, CUSTOM_IMAGE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, leftovers
+from e2elib import CACHE, CUSTOM_IMAGE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, NODE_CGROUP, leftovers
 
+from helpers import cpu
 from helpers.kube import ROOT, connect, hack_cluster, require_tools
 from helpers.process import run
 
@@ -78,6 +79,8 @@ def e2e() -> Iterator[E2E]:
     reused = KEEP and up.returncode == 1 and "is already up" in up.stderr
     if up.returncode != 0 and not reused:
         pytest.fail(f"hack/cluster up --real-node failed ({up.returncode}):\n{up.stderr[-6000:]}", pytrace=False)
+    # The pods' CPU in the suite's report (tests/conftest.py): the kubelet's, not any test's children.
+    cpu.charge("the real node's pods", NODE_CGROUP)
     try:
         cluster = connect(E2E_CLUSTER, 1, env)
         env = cluster.env

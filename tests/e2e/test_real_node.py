@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from e2elib import E2E_CLUSTER, HELPER_IMAGE, NAMESPACE, REAL_NODE, REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, RESTRICTED_POD, \
-    processes
+from e2elib import E2E_CLUSTER, HELPER_IMAGE, NAMESPACE, NODE_CGROUP, REAL_NODE, REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, \
+    RESTRICTED_POD, processes
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def test_pod_gets_a_volume_logs_exec_and_names_of_services(e2e):
         [cpu] = [line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
                  if "cpu" in line.split(":")[1].split(",")]
         root = cpu.strip("/").split("/")[0]
-        assert root == f"kt-{E2E_CLUSTER}", cpu
+        assert root == NODE_CGROUP, cpu
         assert Path(f"/sys/fs/cgroup/cpu/{root}/cpu.shares").read_text().strip() == "4096"
     finally:
         e2e.kubectl("delete", "pod,svc,pvc", name, "--wait=false")
