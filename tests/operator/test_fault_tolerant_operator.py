@@ -45,6 +45,7 @@ def test_a_fault_tolerant_job_keeps_its_groups_through_scaling_and_losses(operat
         try:
             went = resize(operator, name, size, tmp_path)
             pods = running_set(operator, name, replicas)
+            watch.caught_up(lambda version: version["spec"]["replicas"] == size)
         finally:
             versions = watch.stop()
         assert went == [(5 - size, None), (size, None)], went  # live: never Restarting, never Resizing

@@ -65,6 +65,9 @@ def operator(cluster, spawn_operator, tmp_path):
                 cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found")
 
 
+WATCH_CATCH_UP_SECONDS = 30  # a watch's event trails the object's write by milliseconds; seconds under load
+
+
 class Watch:
     """`kubectl get KIND NAME -w -o json`: every version of one object from now on, read at `stop()`."""
 
@@ -73,8 +76,16 @@ class Watch:
         self._proc = subprocess.Popen(["kubectl", "-n", op.namespace, "get", kind, name, "-w", "-o", "json"],
                                       env=op.cluster.env, stdout=self._out, stderr=subprocess.DEVNULL)
         self._path = out
+        self._op, self._what = op, f"{kind} {name}"
         # The first version printed is the object as it is now: the watch has begun once it is there.
         op.wait(f"the watch of {kind} {name}", lambda: json_stream(out.read_text())[0])
+
+    def caught_up(self, check) -> None:
+        """Waits until the newest version the watch printed passes `check`: a poll (`settled`) can see a
+        change before the watch does, and a watch stopped then would miss it."""
+        self._op.wait(f"the watch of {self._what} to see the change",
+                      lambda: (seen := json_stream(self._path.read_text())[0]) and check(seen[-1]),
+                      timeout=WATCH_CATCH_UP_SECONDS)
 
     def stop(self) -> list[dict]:
         stop_process(self._proc, timeout=10)
@@ -108,10 +119,15 @@ def running_set(op, name: str, replicas: set[str], old_uids: set[str] = frozense
     return op.wait(f"pods {sorted(replicas)} of {name} running", check, timeout=90)
 
 
+def running_at(status: dict, replicas: int) -> bool:
+    return status.get("state") == "Running" and status.get("replicas") == replicas \
+        and (condition(status, "Running") or {}).get("status") == "True"
+
+
 def settled(op, name: str, replicas: int) -> dict:
     """The job Running at `replicas`, as its status says."""
-    return op.wait(f"{name} Running at {replicas}", lambda: (s := op.job_status(name)).get("state") == "Running"
-                   and s.get("replicas") == replicas and condition(s, "Running")["status"] == "True" and s, timeout=90)
+    return op.wait(f"{name} Running at {replicas}", lambda: running_at(s := op.job_status(name), replicas) and s,
+                   timeout=90)
 
 
 def reasons(op, name: str) -> list[str]:
@@ -139,6 +155,7 @@ def resize(op, name: str, replicas: int, tmp_path: Path) -> list[tuple[int | Non
         done = scale(op, name, replicas)
         assert "scaled" in done.stdout
         settled(op, name, replicas)
+        watch.caught_up(lambda job: running_at(job.get("status") or {}, replicas))
     finally:
         versions = watch.stop()
     return sizes(versions)
@@ -238,6 +255,7 @@ def test_kubectl_scale_resizes_a_ddp_job_statefulset_and_all(operator, tmp_path)
         try:
             went = resize(operator, name, size, tmp_path)
             pods = running_set(operator, name, ranks, {p["metadata"]["uid"] for p in before.values()})
+            watch.caught_up(lambda version: version["spec"]["replicas"] == size)
         finally:
             versions = watch.stop()
         assert went[0] == (old, None) and (old, "Resizing") in went and went[-1] == (size, None), went
