@@ -99,11 +99,11 @@ class Reader:
                 conn.request("GET", path, headers={"Accept": "application/json"})
                 response = conn.getresponse()
                 return response.status, response.read()
-            except (http.client.HTTPException, OSError):
+            except (http.client.HTTPException, OSError) as err:
                 conn.close()
                 self._local.conn = None
                 if attempt == 2:
-                    raise
+                    raise OSError(f"GET {path}: {err!r}") from err  # what Kubectl turns into kubectl's failure
         raise AssertionError("unreachable")
 
     def _get_json(self, path: str, timeout: float) -> Any:
