@@ -106,8 +106,11 @@ class Reader:
                     raise OSError(f"GET {path}: {err!r}") from err  # what Kubectl turns into kubectl's failure
         raise AssertionError("unreachable")
 
-    def _get_json(self, path: str, timeout: float) -> Any:
+    def _get_json(self, path: str, timeout: float, missing: Any = AssertionError) -> Any:
+        """The answer, parsed; a 404 gives `missing` where one is given, and fails like any other error else."""
         status, body = self._request(path, timeout)
+        if status == 404 and missing is not AssertionError:
+            return missing
         if status != 200:
             raise AssertionError(f"GET {path}: {status} {body[:500].decode(errors='replace')}")
         return json.loads(body)
@@ -151,12 +154,8 @@ class Reader:
         if name is not None:
             if query:
                 raise Unsupported("a name with a selector")
-            status, body = self._request(f"{path}/{urllib.parse.quote(name)}", timeout)
-            if status == 404:
-                return NOT_FOUND
-            if status != 200:
-                raise AssertionError(f"GET {path}/{name}: {status} {body[:500].decode(errors='replace')}")
-            return as_kubectl_prints(json.loads(body))
+            found = self._get_json(f"{path}/{urllib.parse.quote(name)}", timeout, missing=NOT_FOUND)
+            return NOT_FOUND if found is NOT_FOUND else as_kubectl_prints(found)
         listed = self._get_json(f"{path}?{urllib.parse.urlencode(query)}" if query else path, timeout)
         for item in listed["items"]:
             item.setdefault("kind", r.kind)
