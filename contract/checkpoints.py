@@ -17,6 +17,22 @@ A checkpoint directory:
 The trainer writes `latest` (kubetrain_contract.files.atomic_write) only once the checkpoint it names
 is durable and verified, so a supervisor (the local backend, `kubetrain checkpoints`) that reads the
 step from it never reports a checkpoint that a crash could still take back.
+
+In object storage (spec.checkpoint.storage.uri), the job's URI holds one prefix per replica, as a run
+directory holds checkpoints/<replica>/ (a DDP group's is ddp-0/, which every node shares):
+
+    <uri>/job.yaml                                   the job's manifest (what export needs to know the job)
+    <uri>/<replica>/ckpt-<step:08d>-<token>.pt        a plain checkpoint's object (the bytes of a ckpt file)
+    <uri>/<replica>/sharded-<step:08d>-<token>/<file> a sharded one's objects (DCP's files)
+    <uri>/<replica>/commits/<name>.json               the commit of checkpoint <name> (ckpt-<step>.pt or
+                                                      sharded-<step>): every object with its length and
+                                                      sha256, written last
+    <uri>/<replica>/commits/<name>.json.corrupt       a commit whose objects failed their checks, set aside
+
+An object is immutable once written (a new save of the same step has a new token), so a commit never
+names an object that a later save changes; objects that no commit names are a save cut short, removed
+by the prefix's writer. The replica's local checkpoint directory keeps `latest`, moved only once the
+commit is written, and the newest checkpoint's file, so that a supervisor reads progress as from a volume.
 """
 
 from __future__ import annotations
@@ -45,6 +61,29 @@ SHARDED_PATTERN = re.compile(r"sharded-([0-9]{8})")
 SHARDED_TMP_PATTERN = re.compile(r"\.sharded-([0-9]{8})-([0-9a-f]+)\.tmp")
 FILE_TMP_GLOB = ".ckpt-*.tmp"
 """The temporary files of checkpoint files being written (atomic_write's `.<name>.<pid>.<random>.tmp`)."""
+
+
+COMMITS = "commits"
+"""In object storage, the folder of a replica's prefix that holds its checkpoints' commits."""
+COMMIT_SUFFIX = ".json"
+COMMIT_KEY_PATTERN = re.compile(r"commits/(ckpt-[0-9]{8}\.pt|sharded-[0-9]{8})\.json")
+OBJECT_PATTERN = re.compile(r"(ckpt|sharded)-([0-9]{8})-([0-9a-f]+)(\.pt|/.+)")
+"""A checkpoint's object key in a replica's prefix: its kind, step, token and the rest."""
+JOB_OBJECT = "job.yaml"
+"""In object storage, the job's manifest at the root of its checkpoint URI."""
+
+
+def object_key(name: str, token: str) -> str:
+    """The key (in a replica's prefix) of the object or folder that holds checkpoint `name`, saved with
+    `token`: `ckpt-<step>-<token>.pt`, or `sharded-<step>-<token>/` for a sharded one."""
+    if name.endswith(".pt"):
+        return f"{name.removesuffix('.pt')}-{token}.pt"
+    return f"{name}-{token}/"
+
+
+def commit_key(name: str) -> str:
+    """The key (in a replica's prefix) of checkpoint `name`'s commit."""
+    return f"{COMMITS}/{name}{COMMIT_SUFFIX}"
 
 
 def file_name(step: int) -> str:

@@ -29,6 +29,13 @@ RUN_DIR_VAR = "KUBETRAIN_RUN_DIR"
 """Where the replica writes its events (metrics/<replica>.jsonl) and its results (results/<replica>.json)."""
 CHECKPOINT_DIR_VAR = "KUBETRAIN_CHECKPOINT_DIR"
 """The replica's checkpoint directory (kubetrain_contract.checkpoints describes its layout)."""
+CHECKPOINT_URI_VAR = "KUBETRAIN_CHECKPOINT_URI"
+"""With spec.checkpoint.storage.uri: the replica's prefix in object storage (`<uri>/<replica>/`, a DDP group's
+`<uri>/ddp-0/`); KUBETRAIN_CHECKPOINT_DIR is then its local staging directory and the cache of its newest
+checkpoint."""
+DATA_CACHE_VAR = "KUBETRAIN_DATA_CACHE_DIR"
+"""With spec.dataset.uri: the local disk cache of its objects (a local run's `<run>/cache/data`, a pod's
+`/tmp/kubetrain/data-cache` on its own disk); unset: ~/.cache/kubetrain/data."""
 CODE_DIR_VAR = "KUBETRAIN_CODE_DIR"
 """The user's code (spec.code), put first on sys.path of the replica and of a script's command."""
 METRICS_PORT_VAR = "KUBETRAIN_METRICS_PORT"

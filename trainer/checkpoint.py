@@ -118,6 +118,8 @@ class CheckpointInfo:
     step: int
     path: Path
     bytes: int
+    uri: str = ""
+    """Where the checkpoint lies in object storage (spec.checkpoint.storage.uri); empty on a volume."""
 
 
 class CorruptCheckpoint(Exception):
@@ -334,8 +336,21 @@ class CheckpointStore(Store):
             raise TransientError(f"checkpoint in {self.directory}: could not be written: {err}") from err
 
     def _persist(self, step: int, snapshot: dict[str, Any]) -> None:
-        """Write, fsync, read back, rename, move `latest`, then report: in the writer thread (or the caller's)."""
+        """Write, fsync, read back, rename, publish, then report: in the writer thread (or the caller's)."""
         started = time.monotonic()
+        try:
+            path = self._write_file(step, snapshot)
+            info = self._publish(step, path)
+        except BaseException as err:  # the training thread sees it in wait()
+            self._error = err
+            return
+        self.durable_step = step
+        self._prune()
+        if self.on_persisted is not None:
+            self.on_persisted(info, time.monotonic() - started)
+
+    def _write_file(self, step: int, snapshot: dict[str, Any]) -> Path:
+        """`ckpt-<step>.pt` in this store's directory, durable and verified (atomic_write with a read-back)."""
         path = self.path_of(step)
         written: dict[str, Any] = {}
 
@@ -351,19 +366,20 @@ class CheckpointStore(Store):
 
         def verify(tmp: Path) -> None:
             _verify_written(tmp, written["header"], written["length"], written["digest"])
-            if self.mid_save is not None:
+            if self.mid_save is not None and self.fault_in_file:
                 self.mid_save(step)
 
-        try:
-            atomic_write(path, write, verify)
-            atomic_write(self.directory / LATEST, path.name.encode() + b"\n")
-        except BaseException as err:  # the training thread sees it in wait()
-            self._error = err
-            return
-        self.durable_step = step
-        self._prune()
-        if self.on_persisted is not None:
-            self.on_persisted(CheckpointInfo(step, path, path.stat().st_size), time.monotonic() - started)
+        atomic_write(path, write, verify)
+        return path
+
+    fault_in_file = True
+    """Whether the `kill@save` fault fires once the file is written (before its rename); a store that
+    uploads the file fires it in the middle of the upload instead."""
+
+    def _publish(self, step: int, path: Path) -> CheckpointInfo:
+        """Make the written file the newest checkpoint: move `latest` to it."""
+        atomic_write(self.directory / LATEST, path.name.encode() + b"\n")
+        return CheckpointInfo(step, path, path.stat().st_size)
 
     def _prune(self) -> None:
         for info in self.list()[: -self.keep_last]:

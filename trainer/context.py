@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kubetrain_contract.checkpoints import replica_dir
 from kubetrain_contract.launch import (
-    CHECKPOINT_DIR_VAR, FAULT_VAR, JOB_FILE_VAR, JOB_NAME_VAR, JOB_TOKEN_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR,
+    CHECKPOINT_DIR_VAR, CHECKPOINT_URI_VAR, FAULT_VAR, JOB_FILE_VAR, JOB_NAME_VAR, JOB_TOKEN_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR,
     NAMESPACE_VAR, PS_ADDRS_VAR, PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR,
     TERMINATION_LOG_VAR,
 )
@@ -45,7 +45,9 @@ class ReplicaContext:
     run_dir: Path = Path(".")
     """Receives metrics/<replica>.jsonl and results/<replica>.json."""
     checkpoint_dir: Path = Path("checkpoints")
-    """This replica's own checkpoint directory."""
+    """This replica's own checkpoint directory (with checkpoint_uri: its staging area and local cache)."""
+    checkpoint_uri: str = ""
+    """This replica's checkpoint prefix in object storage (`s3://.../<replica>/`); empty: the directory only."""
     metrics_port: int = 0
     """Port of /metrics; 0 turns it off."""
     ps_addrs: list[str] = field(default_factory=list)
@@ -116,6 +118,7 @@ class ReplicaContext:
             replica=replica,
             run_dir=run_dir,
             checkpoint_dir=Path(env.get(CHECKPOINT_DIR_VAR) or replica_dir(run_dir, replica)),
+            checkpoint_uri=env.get(CHECKPOINT_URI_VAR, ""),
             metrics_port=_int(env, METRICS_PORT_VAR, job.spec.metrics.port),
             ps_addrs=[a for a in env.get(PS_ADDRS_VAR, "").split(",") if a],
             ps_port=_int(env, PS_PORT_VAR, 0),

@@ -29,7 +29,9 @@ from .sharded import ShardedCheckpointError, ShardedStore, fill_template, has_dt
 from .sharded import complete as sharded_complete
 from .context import ReplicaContext
 from .events import EventLog
-from .metrics import TrainerMetrics
+from .metrics import TrainerMetrics, attach_metrics
+from .object_checkpoints import ObjectCheckpoints, ObjectCheckpointStore, ObjectShardedStore, job_root, write_job
+from .objstore import parse_uri, shared_store
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +71,25 @@ class JobCheckpoints:
         self.reader, self.writer, self.nodes = reader, writer, nodes  # this rank's part in the job's checkpoints
         self.sharded: ShardedStore | None = None
         """The job's sharded checkpoints, made at the first sharded save or restore (on every rank)."""
-        self.store = (
-            CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec),
-                            background=background, on_persisted=self._persisted,
-                            mid_save=ctx.maybe_fault_in_save)
-            if reader or writer else None
-        )
+        self.uri = parse_uri(ctx.checkpoint_uri, "KUBETRAIN_CHECKPOINT_URI") if ctx.checkpoint_uri else None
+        """The replica's prefix in object storage (spec.checkpoint.storage.uri), or None: a volume."""
+        if self.uri is not None:
+            attach_metrics(shared_store(), metrics)
+        self.store: CheckpointStore | None = None
+        if reader or writer:
+            if self.uri is not None:
+                self.store = ObjectCheckpointStore(
+                    ctx.checkpoint_dir, self.uri, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec),
+                    background=background, on_persisted=self._persisted, mid_save=ctx.maybe_fault_in_save,
+                    on_upload=metrics.checkpoint_upload_seconds.observe)
+            else:
+                self.store = CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec),
+                                             background=background, on_persisted=self._persisted,
+                                             mid_save=ctx.maybe_fault_in_save)
+        if writer and self.uri is not None and ctx.job_file is not None:
+            # What `kubetrain checkpoints export s3://...` reads to know the job (a Single or DDP model, the
+            # parameter server's shards, a script's state).
+            write_job(job_root(self.uri), ctx.job_file.read_bytes())
         self.step = -1
         """Step of the last checkpoint saved (maybe still being written) or restored by this process; -1: none."""
 
@@ -85,7 +100,8 @@ class JobCheckpoints:
     @property
     def shared(self) -> bool:
         """Whether every rank of the job reads and writes this same directory (a sharded checkpoint needs it)."""
-        return self.nodes == 1 or self.ctx.spec.checkpoint.storage.access_mode == "ReadWriteMany"
+        return (self.nodes == 1 or self.ctx.spec.checkpoint.storage.access_mode == "ReadWriteMany"
+                or self.uri is not None)
 
     def restore(self, group: Any = None, world_size: int = 1, rank: int = 0,
                 found: tuple[int, dict[str, Any]] | None = None,
@@ -141,6 +157,8 @@ class JobCheckpoints:
         """Step of the newest complete sharded checkpoint in this process's directory (not yet verified)."""
         if not self.reader:
             return None
+        if self.uri is not None:
+            return ObjectCheckpoints(self.uri).newest_step(sharded=True)
         found = sharded_complete(self.ctx.checkpoint_dir)
         return found[-1][0] if found else None
 
@@ -167,11 +185,17 @@ class JobCheckpoints:
 
     def _sharded_store(self) -> ShardedStore:
         if self.sharded is None:
-            self.sharded = ShardedStore(
-                self.ctx.checkpoint_dir, self.ctx.spec.checkpoint.keep_last, spec_hash(self.ctx.spec),
-                timeout=timedelta(seconds=self.ctx.spec.run_policy.progress_deadline_seconds),
-                on_persisted=self._persisted, mid_save=self.ctx.maybe_fault_in_save,
-            )
+            timeout = timedelta(seconds=self.ctx.spec.run_policy.progress_deadline_seconds)
+            if self.uri is not None:
+                self.sharded = ObjectShardedStore(
+                    self.ctx.checkpoint_dir, self.uri, self.ctx.spec.checkpoint.keep_last, spec_hash(self.ctx.spec),
+                    timeout=timeout, on_persisted=self._persisted, mid_save=self.ctx.maybe_fault_in_save,
+                    on_upload=self.metrics.checkpoint_upload_seconds.observe)
+            else:
+                self.sharded = ShardedStore(
+                    self.ctx.checkpoint_dir, self.ctx.spec.checkpoint.keep_last, spec_hash(self.ctx.spec),
+                    timeout=timeout, on_persisted=self._persisted, mid_save=self.ctx.maybe_fault_in_save,
+                )
         return self.sharded
 
     def _not_shared(self, call: str) -> str:
@@ -218,7 +242,9 @@ class JobCheckpoints:
         self.metrics.checkpoint_size_bytes.set(info.bytes)
         self.metrics.checkpoint_last_success_timestamp_seconds.set_to_current_time()
         self.metrics.last_checkpoint_step.set(info.step)
-        self.events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes)
+        where = {"uri": info.uri} if info.uri else {}
+        self.events.write("checkpoint", step=info.step, path=str(info.path), seconds=seconds, bytes=info.bytes,
+                          **where)
 
 
 class ProgressReporter:

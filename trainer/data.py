@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
 from collections.abc import Callable, Mapping
@@ -16,7 +17,11 @@ from kubetrain_operator.api.spec import Dataset
 
 from .errors import ConfigError, LoadError
 from .objectives import CROSS_ENTROPY, Objective, build_objective
+from .objstore import parse_uri, shared_store
 from .plugins import call_with_args, load_entrypoint
+from .shards import (BadShard, Columns, DirectoryStorage, LazyRows, ObjectStorage, ShardCache, ShardedRows,
+                     ShardOrder, ShardStorage, _decode, build_index, cache_root, check_shapes, eval_shards,
+                     parse_quantity)
 
 
 @dataclass
@@ -36,6 +41,24 @@ class Data:
     a 1-D y is taken as one value per sample, (1,). None for classification."""
     objective: Objective = CROSS_ENTROPY
     """The loss the targets were prepared for (spec.training.loss)."""
+    order: Any = None
+    """How an epoch orders the training samples: None, a seeded shuffle of them all; a ShardOrder for sharded
+    data (shards.py: each rank gets whole shards)."""
+
+    def cursor(self, rank: int, world_size: int, batch_size: int, seed: int) -> "ShardCursor":
+        """The cursor of rank `rank` of `world_size` over the training samples, ordered as this data wants."""
+        return ShardCursor(len(self.train_x), rank, world_size, batch_size, seed, order=self.order,
+                           on_epoch=getattr(self.train_x, "plan", None))
+
+    def attach_metrics(self, metrics: Any) -> None:
+        """Count sharded data's shard reads (cache or store) and object-storage traffic in `metrics`."""
+        from .metrics import attach_metrics
+
+        attach_metrics(shared_store(), metrics)
+        for rows in (self.train_x, self.eval_x):
+            source = getattr(rows, "source", None)
+            if source is not None:
+                source.on_read = lambda where: metrics.data_shard_reads_total.labels(source=where).inc()
 
 
 # --- built-in datasets --------------------------------------------------------
@@ -81,8 +104,8 @@ BUILTIN_DATASETS: dict[str, Callable[..., tuple[np.ndarray, np.ndarray]]] = {
 }
 
 
-def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
-    where = f"spec.dataset.path: {path}"
+def _npz(path: str | Path, where: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    where = where or f"spec.dataset.path: {path}"
     if not Path(path).is_file():
         raise LoadError(f"{where}: no such file")
     try:
@@ -100,11 +123,38 @@ def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise LoadError(f"{where}: not a readable .npz file: {type(err).__name__}: {err}") from None
 
 
+def _object_npz(uri_text: str) -> tuple[np.ndarray, np.ndarray]:
+    """One .npz object of object storage, fetched into the data cache once (kept while its size is the same)."""
+    uri = parse_uri(uri_text, "spec.dataset.uri")
+    store = shared_store()
+    info = store.head(uri)
+    if info is None:
+        raise LoadError(f"spec.dataset.uri: {uri}: no such object at {store.endpoint}")
+    local = cache_root() / "objects" / (hashlib.sha256(str(uri).encode()).hexdigest()[:32] + ".npz")
+    if not (local.is_file() and local.stat().st_size == info.size):
+        local.parent.mkdir(parents=True, exist_ok=True)
+        store.download(uri, local, size=info.size)
+    return _npz(local, f"spec.dataset.uri: {uri}")
+
+
+def _shard_storage(spec: Dataset) -> ShardStorage | None:
+    """Where the spec's shards lie: a uri prefix (any uri but one ending in .npz) or a path directory; None for
+    one file or object, or data that is not a file at all."""
+    if spec.uri is not None and not spec.uri.endswith(".npz"):
+        return ObjectStorage(parse_uri(spec.uri, "spec.dataset.uri").prefix())
+    if spec.path is not None and Path(spec.path).is_dir():
+        return DirectoryStorage(Path(spec.path), "spec.dataset.path")
+    return None
+
+
 def _raw(spec: Dataset, seed: int) -> tuple[Any, Any, str]:
     """The (x, y) arrays the spec points at, and the field path to blame for their content."""
     if spec.path is not None:
         x, y = _npz(spec.path)
         return x, y, f"spec.dataset.path: {spec.path}"
+    if spec.uri is not None:
+        x, y = _object_npz(spec.uri)
+        return x, y, f"spec.dataset.uri: {spec.uri}"
     if spec.entrypoint is not None:
         fn = load_entrypoint(spec.entrypoint, "spec.dataset.entrypoint")
         result = call_with_args(fn, spec.args, spec.entrypoint, "spec.dataset.entrypoint")
@@ -146,7 +196,14 @@ def load_data(spec: Dataset, seed: int, loss: str = "crossEntropy") -> Data:
     float targets of any shape otherwise (see objectives.py).
     """
     objective = build_objective(loss)
-    x_raw, y_raw, where = _raw(spec, seed)
+    storage = _shard_storage(spec)
+    if storage is not None:
+        sharded = _load_shards(spec, seed, objective, storage)
+        if isinstance(sharded, Data):
+            return sharded
+        x_raw, y_raw, where = sharded  # one shard: read whole and split by rows, as one file is
+    else:
+        x_raw, y_raw, where = _raw(spec, seed)
     x, y = _tensors(x_raw, y_raw, where, objective)
     n = len(x)
     n_eval = int(round(n * spec.eval_fraction))
@@ -164,6 +221,39 @@ def load_data(spec: Dataset, seed: int, loss: str = "crossEntropy") -> Data:
         num_classes=int(y.max()) + 1 if objective.classification else None,
         target_shape=None if objective.classification else tuple(y.shape[1:]),
         objective=objective,
+    )
+
+
+def _load_shards(spec: Dataset, seed: int, objective: Objective,
+                 storage: ShardStorage) -> "Data | tuple[np.ndarray, np.ndarray, str]":
+    """Sharded data: indexed now, read as the ranks reach its shards (shards.py). A single shard comes back
+    whole, as (x, y, where), to be split by rows as one file is."""
+    columns = Columns(spec.label_column, tuple(spec.feature_columns))
+    root = cache_root()
+    metas = build_index(storage, columns, root / "index")
+    check_shapes(metas, storage)
+    cache = ShardCache(root / "shards", parse_quantity(spec.cache_size, "spec.dataset.cacheSize"))
+    if len(metas) == 1:
+        path, _ = cache.get(storage, metas[0])
+        try:
+            x, y = _decode(path, columns, storage.describe(metas[0].name))
+        except BadShard as err:
+            raise LoadError(f"{storage.describe(metas[0].name)}: a corrupt or unusable shard: {err}") from None
+        return x, y, storage.describe(metas[0].name)
+    first = metas[0]
+    if objective.classification and not np.issubdtype(np.dtype(first.y_dtype), np.integer):
+        objective.targets(np.zeros(1, dtype=first.y_dtype), storage.describe(first.name))  # its own message
+    held = eval_shards(len(metas), spec.eval_fraction, seed)
+    train = ShardedRows(storage, [m for i, m in enumerate(metas) if i not in held], cache, columns, objective.targets)
+    evals = ShardedRows(storage, [m for i, m in enumerate(metas) if i in held], cache, columns, objective.targets)
+    return Data(
+        train_x=LazyRows(train, 0), train_y=LazyRows(train, 1),  # type: ignore[arg-type]
+        eval_x=LazyRows(evals, 0), eval_y=LazyRows(evals, 1),  # type: ignore[arg-type]
+        input_shape=tuple(first.x_shape),
+        num_classes=int(max(m.y_max for m in metas)) + 1 if objective.classification else None,
+        target_shape=None if objective.classification else (tuple(first.y_shape) or (1,)),
+        objective=objective,
+        order=ShardOrder([m.rows for m in train.metas], seed),
     )
 
 
@@ -189,6 +279,9 @@ class EpochPlan:
     start: int = 0
     end: int = 0
     equal: bool = True
+    lanes: int = 0
+    """The lanes the epoch's order was made for (sharded data: a ShardOrder deals shards to one lane per
+    rank), kept when the epoch is dealt again to another number of ranks; 0: the dealing world size."""
 
     @property
     def size(self) -> int:
@@ -226,21 +319,25 @@ class EpochPlan:
         return torch.cat([order[torch.tensor(holes, dtype=torch.long)], tail]) if holes else tail
 
     def to_json(self) -> dict[str, Any]:
-        return {"holes": list(self.holes), "start": self.start, "end": self.end, "equal": self.equal}
+        doc: dict[str, Any] = {"holes": list(self.holes), "start": self.start, "end": self.end, "equal": self.equal}
+        if self.lanes:
+            doc["lanes"] = self.lanes
+        return doc
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "EpochPlan":
-        return cls(tuple(int(h) for h in data["holes"]), int(data["start"]), int(data["end"]), bool(data["equal"]))
+        return cls(tuple(int(h) for h in data["holes"]), int(data["start"]), int(data["end"]), bool(data["equal"]),
+                   int(data.get("lanes", 0)))
 
     @classmethod
-    def of(cls, positions: list[int], equal: bool) -> "EpochPlan":
+    def of(cls, positions: list[int], equal: bool, lanes: int = 0) -> "EpochPlan":
         """The plan dealing `positions` (sorted, distinct): the longest run at their end kept as a range."""
         if not positions:
-            return cls((), 0, 0, equal)
+            return cls((), 0, 0, equal, lanes)
         k = len(positions) - 1
         while k > 0 and positions[k - 1] == positions[k] - 1:
             k -= 1
-        return cls(tuple(positions[:k]), positions[k], positions[-1] + 1, equal)
+        return cls(tuple(positions[:k]), positions[k], positions[-1] + 1, equal, lanes)
 
 
 class ShardCursor:
@@ -259,7 +356,11 @@ class ShardCursor:
     of the epoch in progress, no sample twice.
     """
 
-    def __init__(self, num_samples: int, rank: int, world_size: int, batch_size: int, seed: int):
+    def __init__(self, num_samples: int, rank: int, world_size: int, batch_size: int, seed: int,
+                 order: Any = None, on_epoch: Callable[[torch.Tensor], None] | None = None):
+        """`order`: what orders an epoch (`order.order(epoch, lanes)`, a permutation of the samples; None: a
+        seeded shuffle of all of them); `on_epoch(indices)`: told this rank's share of each epoch as it
+        begins (sharded data fetches its shards ahead)."""
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world size {world_size}")
         if num_samples < world_size:
@@ -274,6 +375,10 @@ class ShardCursor:
         self.world_size = world_size
         self.batch_size = batch_size
         self.seed = seed
+        self.order = order
+        self.on_epoch = on_epoch
+        if order is not None and order.num_samples != num_samples:
+            raise ConfigError(f"the sample order covers {order.num_samples} samples, the data holds {num_samples}")
         self.plans: dict[int, EpochPlan] = {}  # epochs dealt again by a resize; the others: the default plan
         self._epoch = 0
         self._position = 0
@@ -323,9 +428,15 @@ class ShardCursor:
 
     def _current_shard(self) -> torch.Tensor:
         if self._shard is None:
-            generator = torch.Generator().manual_seed(self.seed + self._epoch)
-            order = torch.randperm(self.num_samples, generator=generator)
-            self._shard = self.plan(self._epoch).take(order, self.rank, self.world_size)
+            plan = self.plan(self._epoch)
+            if self.order is not None:
+                order = self.order.order(self._epoch, plan.lanes or self.world_size)
+            else:
+                generator = torch.Generator().manual_seed(self.seed + self._epoch)
+                order = torch.randperm(self.num_samples, generator=generator)
+            self._shard = plan.take(order, self.rank, self.world_size)
+            if self.on_epoch is not None:
+                self.on_epoch(self._shard[self._position:])
         return self._shard
 
     def _next_epoch(self) -> None:
@@ -423,7 +534,8 @@ def redeal(states: list[Mapping[str, Any]], world_size: int, equal: bool) -> lis
                 left += c.positions(epoch)[c.position :]
             elif c.epoch < epoch:
                 left += c.positions(epoch)
-        plans[epoch] = EpochPlan.of(sorted(left), equal)
+        # The epoch keeps the order it was begun with: the lanes of the old world (or of an earlier re-deal).
+        plans[epoch] = EpochPlan.of(sorted(left), equal, cursors[0].plan(epoch).lanes or old_world)
     out = []
     for rank in range(world_size):
         c = ShardCursor(num_samples, rank, world_size, 1, seed)

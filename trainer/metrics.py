@@ -4,7 +4,7 @@ Names start with `kubetrain_`, carry base units (`_seconds`, `_bytes`),
 counters end in `_total` (prometheus-client appends it), durations are
 histograms. Every series carries the replica's labels (namespace, job, role,
 replica); the few with one more label take it from a small fixed set
-(stage: raw|compressed, direction: sent|received, method: an RPC name;
+(stage: raw|compressed, direction: sent|received or upload|download, method: an RPC name, source: cache|store;
 reason: one of REJECT_REASONS; name: one of at most MAX_REPORTED_METRICS
 names a script reports).
 """
@@ -224,6 +224,21 @@ class TrainerMetrics:
         "checkpoint_last_success_timestamp_seconds", "Unix time the last checkpoint became durable."
     )
     last_checkpoint_step = gauge("last_checkpoint_step", "Step of the last durable checkpoint.")
+    checkpoint_upload_seconds = histogram(
+        "checkpoint_upload_seconds",
+        "Time to upload one checkpoint to object storage and commit it (spec.checkpoint.storage.uri), after its "
+        "local write.", SLOW_SECONDS,
+    )
+    # Object storage (data, checkpoints, exports)
+    object_store_bytes_total = counter(
+        "object_store_bytes", "Bytes this replica uploaded to or downloaded from object storage.", "direction")
+    object_store_retries_total = counter(
+        "object_store_retries", "Requests to object storage that failed and were retried (a slow or failing store).")
+    data_shard_reads_total = counter(
+        "data_shard_reads",
+        "Dataset shards this replica opened: from its local cache (cache) or fetched from the store (store).",
+        "source",
+    )
 
     def __init__(self, ctx_or_labels: ReplicaContext | Mapping[str, str], registry: CollectorRegistry | None = None):
         self.labels = replica_labels(ctx_or_labels)
@@ -253,3 +268,10 @@ class TrainerMetrics:
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""
         return generate_latest(self.registry)
+
+
+def attach_metrics(store: Any, metrics: TrainerMetrics) -> None:
+    """Count an ObjectStore's traffic and retries (trainer/objstore.py) in `metrics`."""
+    store.on_upload = metrics.object_store_bytes_total.labels(direction="upload").inc
+    store.on_download = metrics.object_store_bytes_total.labels(direction="download").inc
+    store.on_retry = metrics.object_store_retries_total.inc

@@ -8,7 +8,6 @@ import time
 
 from .context import ReplicaContext
 from .contract import JobCheckpoints, ProgressReporter
-from .data import ShardCursor
 from .device import make_deterministic, select_device
 from .errors import EXIT_OK, EXIT_TERMINATED, TransientError
 from .events import EventLog, startup, write_result
@@ -35,9 +34,10 @@ class SingleTrainer(TrainState):
         self.train_y = self.data.train_y.to(self.device)
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
-        self.cursor = ShardCursor(len(self.train_x), 0, 1, spec.training.batch_size, spec.training.seed)
+        self.cursor = self.data.cursor(0, 1, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
         self.metrics = TrainerMetrics(ctx)
+        self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, ctx.replica)
         self.checkpoints = JobCheckpoints(ctx, self.metrics, self.events)
         self.reporter = ProgressReporter(ctx, self.metrics, self.events, self.total_steps)

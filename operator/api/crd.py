@@ -46,9 +46,34 @@ SPEC_CEL = [
     {
         "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.checkpoint) "
         "|| !has(self.checkpoint.storage) || !has(self.checkpoint.storage.accessMode) "
-        "|| self.checkpoint.storage.accessMode != 'ReadWriteMany'",
+        "|| self.checkpoint.storage.accessMode != 'ReadWriteMany' "
+        "|| (has(self.checkpoint.storage.uri) && self.checkpoint.storage.uri != '')",
         "message": "checkpoint.storage.accessMode: with faultTolerance every replica group writes its own "
         "checkpoints on its own volume: use ReadWriteOnce",
+    },
+    {
+        "rule": "!has(self.checkpoint) || !has(self.checkpoint.storage) || !has(self.checkpoint.storage.uri) "
+        "|| self.checkpoint.storage.uri == '' || !has(self.checkpoint.storage.existingClaim) "
+        "|| self.checkpoint.storage.existingClaim == ''",
+        "message": "checkpoint.storage.uri: checkpoints go to a uri or to a claim (existingClaim), not both",
+    },
+    {
+        "rule": "!has(self.checkpoint) || !has(self.checkpoint.storage) || !has(self.checkpoint.storage.secretRef) "
+        "|| self.checkpoint.storage.secretRef == '' "
+        "|| (has(self.checkpoint.storage.uri) && self.checkpoint.storage.uri != '')",
+        "message": "checkpoint.storage.secretRef: applies to a uri (the credentials of its store); set uri or drop it",
+    },
+    {
+        "rule": "!has(self.dataset) || !has(self.dataset.secretRef) || self.dataset.secretRef == '' "
+        "|| has(self.dataset.uri)",
+        "message": "dataset.secretRef: applies to a uri (the credentials of its store); set uri or drop it",
+    },
+    {
+        "rule": "!has(self.dataset) || !has(self.dataset.secretRef) || self.dataset.secretRef == '' "
+        "|| !has(self.checkpoint) || !has(self.checkpoint.storage) || !has(self.checkpoint.storage.secretRef) "
+        "|| self.checkpoint.storage.secretRef == '' || self.checkpoint.storage.secretRef == self.dataset.secretRef",
+        "message": "dataset.secretRef: must name the same Secret as checkpoint.storage.secretRef: a pod holds one "
+        "set of AWS_* credentials (put both stores' in one Secret, or use one store)",
     },
     {
         "rule": "!has(self.script) || self.mode != 'ParameterServer'",

@@ -28,6 +28,19 @@ QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
 # Resource quantities as a ResourceList holds them: CPUs in millicores too (500m).
 RESOURCE_QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
 DNS1123_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+# An object-storage URI: s3://BUCKET[/KEY], the bucket as S3 names it (3-63 lower-case letters, digits, dots and
+# hyphens); the trainer's objstore.parse_uri checks the same and the key's parts.
+OBJECT_URI_PATTERN = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?"
+OBJECT_URI_HINT = "expected s3://BUCKET/KEY"
+OBJECT_URI_MAX = 1100  # s3:// + a 63-byte bucket + a 1,024-byte key
+SECRET_REF_DOC = (
+    "A Secret of the job's namespace holding the store's credentials under the keys every S3 tool reads: "
+    "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, and optionally AWS_SESSION_TOKEN, AWS_REGION and "
+    "AWS_ENDPOINT_URL (a store that is not AWS). They reach only this job's pods, as environment variables "
+    "(never the operator, a log or the status). The cluster's kubetrain installation names the Secrets jobs may "
+    "use (the chart's objectStorage.secrets). Cluster only: `kubetrain run` takes the AWS_* variables of its "
+    "own environment."
+)
 BUILTIN_LOSSES: tuple[str, ...] = ("crossEntropy", "mse", "l1", "smoothL1", "bceWithLogits")
 LOSS_PATTERN = "(" + "|".join(BUILTIN_LOSSES) + ")|" + ENTRYPOINT_PATTERN
 # Script jobs: a command line is short; these bound what a manifest may carry.
@@ -72,14 +85,37 @@ class Model:
 class Dataset:
     """The data to train on: a built-in name, an .npz file, or a user entry point."""
 
-    __rules__ = (ExactlyOne(("name", "path", "entrypoint")),)
+    __rules__ = (ExactlyOne(("name", "path", "uri", "entrypoint")),)
 
     name: Literal["digits", "synthetic"] | None = field(
         "Built-in dataset: digits (scikit-learn's bundled 8x8 digits) or synthetic "
         "(seeded classification data; args: samples, features, classes, seed).",
         None,
     )
-    path: str | None = field("An .npz file holding arrays `x` (features) and `y` (integer labels).", None)
+    path: str | None = field(
+        "An .npz file holding arrays `x` (features) and `y` (integer labels); or a directory of shards (.npz "
+        "files, or Parquet files with feature and label columns), read as a `uri` prefix is.", None)
+    uri: str | None = field(
+        "Data in object storage: s3://BUCKET/KEY.npz (one object, read as `path` reads a file) or "
+        "s3://BUCKET/PREFIX/ (shards: .npz or Parquet objects). Shards are streamed: each rank reads the shards "
+        "of its own samples (every epoch deals whole shards to the ranks), a few ahead of the one it trains on, "
+        "into a local cache of at most cacheSize; the data position is part of every checkpoint. Credentials: "
+        "the AWS_* variables locally, secretRef in a cluster (docs/object-storage.md).",
+        None, pattern=OBJECT_URI_PATTERN, pattern_hint=OBJECT_URI_HINT, max_length=OBJECT_URI_MAX,
+    )
+    secret_ref: str = field(SECRET_REF_DOC + " With uri only.", "", pattern=DNS1123_PATTERN,
+                            pattern_hint="expected a DNS-1123 name", max_length=253)
+    cache_size: str = field(
+        "Local disk the shards of a uri prefix or a path directory may take (per pod, or per local run): the "
+        "shards used least recently go first. At least a few shards' size; the cache is read again, not "
+        "downloaded again, in later epochs only when it holds every shard a rank reads.",
+        "10Gi", pattern=QUANTITY_PATTERN, pattern_hint="expected a quantity such as 10Gi",
+    )
+    label_column: str = field("Parquet shards: the column of the labels (targets).", "label", max_length=256)
+    feature_columns: list[str] = field(
+        "Parquet shards: the feature columns, in order (numeric scalars, or one fixed-size list column); "
+        "empty: every column but labelColumn.", default_factory=list, max_items=4096, max_length=256,
+    )
     entrypoint: str | None = field(
         "User dataset 'package.module:function'; called with `args` as keyword arguments, "
         "it returns (x, y) arrays.",
@@ -89,8 +125,20 @@ class Dataset:
     )
     args: dict[str, Any] = field("Keyword arguments for the dataset.", default_factory=dict)
     eval_fraction: float = field(
-        "Fraction of the samples held out for evaluation.", 0.2, minimum=0.0, maximum=0.9
+        "Fraction of the samples held out for evaluation (of shards: that fraction of the shards, whole).",
+        0.2, minimum=0.0, maximum=0.9
     )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.secret_ref and self.uri is None:
+            problems.append(("secretRef", "applies to a uri (the credentials of its store); set uri or drop it"))
+        if self.uri is None and self.path is None and (self.feature_columns or self.label_column != "label"):
+            problems.append(("labelColumn" if self.label_column != "label" else "featureColumns",
+                             "applies to Parquet shards (a uri or path); set one or drop it"))
+        if self.label_column in self.feature_columns:
+            problems.append(("featureColumns", f"must not hold labelColumn ({self.label_column!r})"))
+        return problems
 
 
 @dataclass
@@ -255,7 +303,8 @@ class DDP:
         "How the built-in loop spreads the model over the ranks: DDP (a whole replica on every rank, gradients "
         "averaged) or FSDP (FSDP2: every layer, then the model, sharded across the ranks, gradients "
         "reduce-scattered; checkpoints sharded, every rank writing its own shards, so a job of several nodes "
-        "needs checkpoint.storage.accessMode ReadWriteMany). Script jobs shard their own model.",
+        "needs checkpoint.storage.accessMode ReadWriteMany, or checkpoint.storage.uri). Script jobs shard their "
+        "own model.",
         "DDP", immutable=True,
     )
     comm_hook: Literal["None", "FP16", "PowerSGD"] = field(
@@ -315,7 +364,7 @@ class Resources:
 
 @dataclass
 class Storage:
-    """The checkpoint volume (cluster only)."""
+    """Where the checkpoints are kept: a volume (cluster only: the claim's settings), or object storage (uri)."""
 
     size: str = field(
         "Size of the PVC.", "1Gi", pattern=QUANTITY_PATTERN, pattern_hint="expected a quantity such as 1Gi"
@@ -334,9 +383,29 @@ class Storage:
     when_deleted: Literal["Delete", "Retain"] = field(
         "What happens to the checkpoint claims the operator created when the job is deleted: Delete "
         "them with the job, or Retain them (no owner reference) so the checkpoints can be copied off "
-        "or exported afterwards (as a StatefulSet's persistentVolumeClaimRetentionPolicy.whenDeleted).",
+        "or exported afterwards (as a StatefulSet's persistentVolumeClaimRetentionPolicy.whenDeleted). "
+        "Objects at a uri are never deleted with the job: the bucket is yours (a lifecycle rule expires them).",
         "Delete",
     )
+    uri: str = field(
+        "Checkpoints in object storage instead of a claim: s3://BUCKET/PREFIX/, this job's own prefix (each "
+        "replica writes under PREFIX/<replica>/; a DDP group under ddp-0/). No claim is made: each pod stages its "
+        "checkpoints on its own disk (an emptyDir), uploads them in the background and writes one commit object "
+        "per checkpoint once every object is up and checked, so a sharded (FSDP) job of several nodes needs no "
+        "ReadWriteMany claim. size, storageClassName, accessMode and existingClaim do not apply. Credentials: the "
+        "AWS_* variables locally, secretRef in a cluster (docs/object-storage.md).",
+        "", pattern=OBJECT_URI_PATTERN, pattern_hint=OBJECT_URI_HINT, max_length=OBJECT_URI_MAX,
+    )
+    secret_ref: str = field(SECRET_REF_DOC + " With uri only.", "", pattern=DNS1123_PATTERN,
+                            pattern_hint="expected a DNS-1123 name", max_length=253)
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.uri and self.existing_claim:
+            problems.append(("uri", "checkpoints go to a uri or to a claim (existingClaim), not both"))
+        if self.secret_ref and not self.uri:
+            problems.append(("secretRef", "applies to a uri (the credentials of its store); set uri or drop it"))
+        return problems
 
 
 @dataclass
@@ -345,7 +414,8 @@ class Checkpoint:
 
     interval_steps: int = field("Steps between checkpoints.", 50, minimum=1)
     keep_last: int = field("Checkpoints kept; older ones are deleted.", 3, minimum=1, maximum=1000)
-    storage: Storage = field("The checkpoint volume (cluster only).", default_factory=Storage)
+    storage: Storage = field("Where checkpoints are kept: a claim (cluster only), or object storage (uri).",
+                             default_factory=Storage)
 
 
 @dataclass
@@ -586,7 +656,7 @@ class Spec:
             # Rank 0 reads and writes the checkpoints and broadcasts them to the
             # group, so a volume per node (ReadWriteOnce) works; one claim
             # shared by pods that may land on several nodes does not.
-            if ddp.nodes > 1 and storage.existing_claim and storage.access_mode != "ReadWriteMany":
+            if ddp.nodes > 1 and storage.existing_claim and storage.access_mode != "ReadWriteMany" and not storage.uri:
                 problems.append(
                     (
                         "checkpoint.storage.accessMode",
@@ -596,11 +666,28 @@ class Spec:
                 )
             problems += self._strategy_problems(ddp)
             problems += self._fault_tolerance_problems(ddp)
+        problems += self._credentials_problems()
         problems += pod_template_problems(self.pod_template)
         if self.run_policy.scheduling_policy is not None:
             problems += [(f"runPolicy.schedulingPolicy.{p}", m)
                          for p, m in self.run_policy.scheduling_policy.pods_problems(self.pod_count)]
         return problems
+
+    def secret_refs(self) -> dict[str, str]:
+        """The Secrets the job names for object storage, by field path (those set)."""
+        refs = {"checkpoint.storage.secretRef": self.checkpoint.storage.secret_ref}
+        if self.dataset is not None:
+            refs["dataset.secretRef"] = self.dataset.secret_ref
+        return {path: name for path, name in refs.items() if name}
+
+    def _credentials_problems(self) -> list[tuple[str, str]]:
+        """One set of AWS_* variables per pod: every secretRef of the job must name the same Secret."""
+        refs = self.secret_refs()
+        if len(set(refs.values())) > 1:
+            (first, a), (second, b) = list(refs.items())[:2]
+            return [(second, f"must name the same Secret as {first} ({a!r}), got {b!r}: a pod holds one set of "
+                              "AWS_* credentials (put both stores' in one Secret, or use one store)")]
+        return []
 
     def _fault_tolerance_problems(self, ddp: DDP) -> list[tuple[str, str]]:
         """What cannot work with ddp.faultTolerance (the CRD holds the same rules in CEL, SPEC_CEL)."""
@@ -622,7 +709,7 @@ class Spec:
             problems.append(("ddp.strategy", f"faultTolerance replicates the whole model in every replica group: "
                                              f"use DDP, got {strategy} (sharding within a group is not combined "
                                              "with fault tolerance across groups yet)"))
-        if self.checkpoint.storage.access_mode == "ReadWriteMany":
+        if self.checkpoint.storage.access_mode == "ReadWriteMany" and not self.checkpoint.storage.uri:
             problems.append(("checkpoint.storage.accessMode",
                              "with faultTolerance every replica group writes its own checkpoints on its own "
                              "volume: use ReadWriteOnce, got ReadWriteMany"))
@@ -639,7 +726,8 @@ class Spec:
         if ddp.comm_hook != "None":
             problems.append(("ddp.commHook", f"{ddp.comm_hook} is a hook of DDP's gradient all-reduce; FSDP "
                                              "reduce-scatters its gradients: use None with strategy FSDP"))
-        if ddp.node_range[1] > 1 and self.checkpoint.storage.access_mode != "ReadWriteMany":
+        if (ddp.node_range[1] > 1 and self.checkpoint.storage.access_mode != "ReadWriteMany"
+                and not self.checkpoint.storage.uri):
             problems.append(("checkpoint.storage.accessMode",
                              f"strategy FSDP writes sharded checkpoints, each rank its own shards, into one "
                              f"directory every rank reads: a job of up to {ddp.node_range[1]} nodes needs "

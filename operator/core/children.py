@@ -16,7 +16,7 @@ from typing import Any
 
 from kubetrain_contract.checkpoints import RUN_CHECKPOINTS
 from kubetrain_contract.launch import (
-    FT_GROUP_VAR, FT_STORE_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, NODE_RANK_VAR, RDZV_PORT, REPLICA_VAR,
+    CHECKPOINT_URI_VAR, FT_GROUP_VAR, FT_STORE_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, NODE_RANK_VAR, RDZV_PORT, REPLICA_VAR,
     TERMINATION_LOG_VAR,
 )
 from kubetrain_contract.tls_files import FILES as TLS_FILES, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
@@ -140,6 +140,9 @@ class ClusterEndpoints:
         if self.job.spec.checkpoint.storage.existing_claim:
             return f"{self.run_dir(replica)}/{RUN_CHECKPOINTS}/{replica}"
         return f"{DATA_MOUNT}/checkpoints"
+
+    def data_cache_dir(self) -> str:
+        return f"{TMP_MOUNT}/kubetrain/data-cache"  # the pod's own disk (its tmp emptyDir)
 
     def local_addr(self) -> str | None:
         return None
@@ -327,7 +330,7 @@ def claims(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     resumes from them. They stay unowned, even if the new job says Delete.
     """
     storage = job.spec.checkpoint.storage
-    if storage.existing_claim or (job.spec.mode == "DDP" and not shared_checkpoints(job)):
+    if storage.uri or storage.existing_claim or (job.spec.mode == "DDP" and not shared_checkpoints(job)):
         return []
     if job.spec.mode == "DDP":
         replicas = ["ddp"]
@@ -357,6 +360,26 @@ def _security_context() -> dict[str, Any]:
     }
 
 
+# The keys of a job's object-storage Secret (spec.*.secretRef), each an environment variable of the same
+# name in the job's pods, as every S3 tool reads them; required ones first.
+CREDENTIAL_KEYS: tuple[tuple[str, bool], ...] = (
+    ("AWS_ACCESS_KEY_ID", True), ("AWS_SECRET_ACCESS_KEY", True), ("AWS_SESSION_TOKEN", False),
+    ("AWS_REGION", False), ("AWS_ENDPOINT_URL", False),
+)
+
+
+def credential_env(job: TrainingJob) -> list[dict[str, Any]]:
+    """The job's object-storage credentials as variables taken from its secretRef by the kubelet: the
+    operator never reads the Secret, and the values appear in no object it writes. A missing required
+    key keeps the pod from starting (CreateContainerConfigError), naming the key."""
+    refs = set(job.spec.secret_refs().values())
+    if not refs:
+        return []
+    [name] = refs  # validation: every secretRef of a job names the same Secret
+    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": name, "key": key, "optional": not required}}}
+            for key, required in CREDENTIAL_KEYS]
+
+
 def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[str, Any]:
     env = [{"name": k, "value": v} for k, v in replica.env.items()]
     env.append({"name": JOB_TOKEN_VAR, "valueFrom": {"secretKeyRef": {"name": token_name(job), "key": TOKEN_KEY}}})
@@ -364,6 +387,8 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
     env.append({"name": TERMINATION_LOG_VAR, "value": TERMINATION_LOG})
     if uses_tls(job):
         env.append({"name": TLS_DIR_VAR, "value": TLS_MOUNT})  # in the config volume (_config_volume)
+    if replica.role != "lighthouse":
+        env += credential_env(job)
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
     # A Lighthouse is a small server with no tensors: none of a trainer's resources (GPUs above all).
     role_resources = {"ps": job.spec.resources.ps, "lighthouse": {}}.get(replica.role, job.spec.resources.worker)
@@ -431,7 +456,8 @@ def _config_volume(job: TrainingJob) -> dict[str, Any]:
 
 def _data_volume(job: TrainingJob, replica: Replica) -> dict[str, Any]:
     storage = job.spec.checkpoint.storage
-    if not replica.stateful:
+    if not replica.stateful or storage.uri:
+        # Checkpoints in object storage: the pod's own disk stages them and keeps the newest.
         return {"name": DATA_VOLUME, "emptyDir": {}}
     if storage.existing_claim:
         return {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": storage.existing_claim}}
@@ -604,16 +630,19 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
         i = command.index("--rdzv-conf")
         del command[i : i + 2]
     # What differs from node to node is rendered from the pod's ordinal (and IP) below.
-    per_node = {"KUBETRAIN_REPLICA", FT_GROUP_VAR, FT_STORE_VAR}
+    per_node = {"KUBETRAIN_REPLICA", FT_GROUP_VAR, FT_STORE_VAR, CHECKPOINT_URI_VAR}
     env = {k: v for k, v in first.env.items() if k not in per_node}
     template_replica = Replica(role="ddp", index=0, command=tuple(command), env=env, ports=first.ports)
     storage = job.spec.checkpoint.storage
     # Without existingClaim the StatefulSet adds each pod's `data` volume from
     # its claim template; with one, or with the job's own ReadWriteMany claim,
     # every node mounts that claim.
+    # Checkpoints in object storage: no claim, each node stages on its own disk.
     shared_claim = storage.existing_claim or (claim_name(job, "ddp") if shared_checkpoints(job) else "")
     shared = {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": shared_claim}}
-    pod_spec = _pod_spec(job, template_replica, settings, shared if shared_claim else None)
+    own_disk = {"name": DATA_VOLUME, "emptyDir": {}}
+    pod_spec = _pod_spec(job, template_replica, settings,
+                         own_disk if storage.uri else shared if shared_claim else None)
     pod_spec["restartPolicy"] = "Always"  # the only policy a StatefulSet allows; the operator counts restarts
     container = pod_spec["containers"][0]
     container["env"][:0] = [
@@ -621,6 +650,11 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
         {"name": "KUBETRAIN_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     container["env"].append({"name": REPLICA_VAR, "value": "ddp-$(KUBETRAIN_NODE_RANK)"})
+    if CHECKPOINT_URI_VAR in first.env:
+        # A fault-tolerant job's groups keep a prefix each (`<uri>/ddp-<node>/`), the others share ddp-0's.
+        uri = first.env[CHECKPOINT_URI_VAR]
+        node_uri = uri.removesuffix("ddp-0/") + "ddp-$(KUBETRAIN_NODE_RANK)/" if fault_tolerant else uri
+        container["env"].append({"name": CHECKPOINT_URI_VAR, "value": node_uri})
     if fault_tolerant:
         container["env"][:0] = [{"name": POD_IP_VAR, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         container["env"] += [{"name": FT_GROUP_VAR, "value": "$(KUBETRAIN_NODE_RANK)"},
@@ -653,7 +687,7 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": storage.when_deleted, "whenScaled": "Retain"},
         },
     }
-    if not shared_claim:
+    if not shared_claim and not storage.uri:
         sts["spec"]["volumeClaimTemplates"] = [
             {"metadata": {"name": DATA_VOLUME, "labels": {LABEL_JOB: job.name}}, "spec": _claim_spec(job)}
         ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubetrain_contract.launch import (
-    CHECKPOINT_DIR_VAR, CODE_DIR_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_PORT_VAR, FT_LIGHTHOUSE_VAR,
+    CHECKPOINT_DIR_VAR, CHECKPOINT_URI_VAR, CODE_DIR_VAR, DATA_CACHE_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_PORT_VAR, FT_LIGHTHOUSE_VAR,
     FT_STORE_VAR, JOB_FILE_VAR, JOB_NAME_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR, NAMESPACE_VAR, PS_ADDRS_VAR,
     PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR, torchrun_command,
 )
@@ -64,6 +64,9 @@ class Endpoints(Protocol):
     def run_dir(self, replica: str) -> str: ...
 
     def checkpoint_dir(self, replica: str) -> str: ...
+
+    def data_cache_dir(self) -> str:
+        """Where a replica caches the objects of spec.dataset.uri: the machine's or the pod's own disk."""
 
     def local_addr(self) -> str | None:
         """Address a DDP node's agent advertises (None: the host's name)."""
@@ -131,6 +134,8 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             JOB_FILE_VAR: endpoints.job_file(),
             RUN_DIR_VAR: endpoints.run_dir(name),
             CHECKPOINT_DIR_VAR: endpoints.checkpoint_dir(name),
+            **({CHECKPOINT_URI_VAR: checkpoint_uri(job, name)} if spec.checkpoint.storage.uri else {}),
+            **({DATA_CACHE_VAR: endpoints.data_cache_dir()} if spec.dataset is not None and spec.dataset.uri else {}),
             METRICS_PORT_VAR: str(metrics_port),
             LISTEN_ADDRESS_VAR: endpoints.listen_address(),
             "PYTHONUNBUFFERED": "1",
@@ -193,8 +198,21 @@ def shared_checkpoints(job: TrainingJob) -> bool:
     """Whether a DDP job's nodes share one checkpoint directory: one ReadWriteMany claim that every pod
     mounts (locally, one directory), not a volume per node. Sharded checkpoints (every rank writes its own
     shards, every rank reads them all) need it; a plain one works either way (rank 0 writes, the group
-    takes the newest any node holds)."""
-    return job.spec.mode == "DDP" and job.spec.checkpoint.storage.access_mode == "ReadWriteMany"
+    takes the newest any node holds). Checkpoints in object storage share the store instead: each node
+    stages its own on its own disk."""
+    return (job.spec.mode == "DDP" and job.spec.checkpoint.storage.access_mode == "ReadWriteMany"
+            and not job.spec.checkpoint.storage.uri)
+
+
+def checkpoint_uri(job: TrainingJob, replica: str) -> str:
+    """A replica's checkpoint prefix in object storage (spec.checkpoint.storage.uri): `<uri>/<replica>/`, as a
+    run directory's checkpoints/<replica>/. A DDP group's nodes share `<uri>/ddp-0/`, as with one shared
+    claim (a sharded state needs one place every rank reads); a fault-tolerant job's replica groups each
+    keep their own, as each keeps its own volume."""
+    root = job.spec.checkpoint.storage.uri.rstrip("/")
+    owner = "ddp-0" if job.spec.mode == "DDP" and not job.spec.fault_tolerant and replica.startswith("ddp-") \
+        else replica
+    return f"{root}/{owner}/"
 
 
 def entry_role(job: TrainingJob, role: str) -> str:

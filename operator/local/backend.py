@@ -160,6 +160,9 @@ class LocalEndpoints:
             return str(self.run.checkpoint_dir("ddp-0"))
         return str(self.run.checkpoint_dir(replica))
 
+    def data_cache_dir(self) -> str:
+        return str(self.run.path / "cache" / "data")
+
     def local_addr(self) -> str | None:
         return "127.0.0.1"  # every byte stays on loopback
 

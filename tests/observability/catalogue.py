@@ -18,9 +18,10 @@ ALERTS = ROOT / "charts" / "kubetrain" / "files" / "alerts.yaml"
 SECTIONS = {"Trainer": "trainer", "Operator": "operator", "Process (prometheus-client's standard collectors)": "process"}
 # Labels a kubetrain series may carry: the replica's, and small fixed enums.
 # `name` is bounded by MAX_REPORTED_METRICS per process (kubetrain.report).
-# lane: urgent|routine; verb: HTTP verbs; resource: the client's path templates (kube.resource_of), never names.
+# lane: urgent|routine; verb: HTTP verbs; resource: the client's path templates (kube.resource_of), never names;
+# source: cache|store (a dataset shard's).
 BOUNDED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "mode", "state", "reason",
-                  "name", "lane", "verb", "resource"}
+                  "name", "lane", "verb", "resource", "source"}
 BASE_UNITS = {"seconds": "_seconds", "bytes": "_bytes"}
 # Scaled or non-base units Prometheus's naming guide rules out.
 NON_BASE = re.compile(r"_(milliseconds|microseconds|nanoseconds|ms|us|minutes|hours|days|kilobytes|megabytes|"

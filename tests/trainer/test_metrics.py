@@ -14,7 +14,7 @@ from kubetrain_trainer.errors import ConfigError
 from kubetrain_trainer.metrics import TrainerMetrics
 
 LABELS = {"namespace": "default", "job": "digits", "role": "worker", "replica": "worker-1"}
-ALLOWED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "name", "le"}
+ALLOWED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "name", "source", "le"}
 NAME = re.compile(r"kubetrain_[a-z][a-z0-9_]*")
 # Unit words that must appear as the suffix (before _total), never in the middle or in another form.
 UNIT_SUFFIXES = ("_seconds", "_bytes")
@@ -58,6 +58,10 @@ CONTRACT = {
     "kubetrain_ft_discarded_steps": "counter",
     "kubetrain_ft_heals": "counter",
     "kubetrain_ft_heal_duration_seconds": "histogram",
+    "kubetrain_checkpoint_upload_seconds": "histogram",
+    "kubetrain_object_store_bytes": "counter",
+    "kubetrain_object_store_retries": "counter",
+    "kubetrain_data_shard_reads": "counter",
 }
 
 
@@ -71,6 +75,8 @@ def touched() -> TrainerMetrics:
     m.rpc_retries_total.labels(method="PushPull").inc()
     m.staleness_steps.observe(2)
     m.reported_metric.labels(name="accuracy").set(0.5)
+    m.object_store_bytes_total.labels(direction="upload").inc(10)
+    m.data_shard_reads_total.labels(source="cache").inc()
     return m
 
 

@@ -37,7 +37,7 @@ from kubetrain_contract.launch import fault_armed, rank_replica
 
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints, ProgressReporter
-from ..data import ShardCursor, resume_group_cursor
+from ..data import resume_group_cursor
 from ..device import make_deterministic, select_device
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
 from ..events import EventLog, startup, write_result
@@ -144,11 +144,10 @@ class DDPTrainer(TrainState):
         self.train_y = self.data.train_y.to(self.device)
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
-        self.cursor = ShardCursor(
-            len(self.train_x), self.rank, self.world_size, spec.training.batch_size, spec.training.seed
-        )
+        self.cursor = self.data.cursor(self.rank, self.world_size, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
         self.metrics = TrainerMetrics(self.ctx)
+        self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, replica)
         # The first rank of each node reads its node's volume; only rank 0 writes.
         self.checkpoints = JobCheckpoints(self.ctx, self.metrics, self.events,

@@ -36,7 +36,6 @@ import torch
 
 from ..compression import GradientCompressor, copy_crc32
 from ..context import ReplicaContext
-from ..data import ShardCursor
 from ..device import make_deterministic, select_device
 from ..errors import EXIT_OK, EXIT_RELEASED, EXIT_TERMINATED, ConfigError, TransientError
 from ..events import EventLog, startup, write_result
@@ -116,12 +115,13 @@ class Worker:
         """The workers of the job's current set (ps-0's membership): the job file's size until registered."""
         self.membership = 0
         self.redealt = False
-        self.cursor = ShardCursor(len(self.train_x), ctx.index, self.world, spec.training.batch_size, spec.training.seed)
+        self.cursor = self.data.cursor(ctx.index, self.world, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
         self.local_total = planned_worker_steps(ctx, self.cursor.steps_per_epoch)
         self.epochs = None if spec.training.max_steps is not None else spec.training.effective_epochs
         self.compressor = GradientCompressor(self.ps.compression, spec.training.optimizer, self.params)
         self.metrics = TrainerMetrics(ctx)
+        self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, ctx.replica)
         self.incarnation = random.getrandbits(63) or 1
         self.client = PSClient(
@@ -312,8 +312,7 @@ class Worker:
         self.membership, self.world = registration.membership, registration.world_size
         spec = self.ctx.spec
         if resized:
-            self.cursor = ShardCursor(len(self.train_x), self.ctx.index, self.world, spec.training.batch_size,
-                                      spec.training.seed)
+            self.cursor = self.data.cursor(self.ctx.index, self.world, spec.training.batch_size, spec.training.seed)
             self.local_total = planned_worker_steps(self.ctx, self.cursor.steps_per_epoch)
         if registration.cursor_json:
             self.cursor.load_state_dict(json.loads(registration.cursor_json))
