@@ -62,8 +62,10 @@ INDEX_THREADS = 8
 # Shards in one dataset: each is an index entry and a cache file; more is a listing that is not a dataset.
 MAX_SHARDS = 100_000
 # The tail of an .npz read to find its members: the zip's end record and central directory (a member's
-# entry is under 100 bytes; an .npz holds x and y).
-ZIP_TAIL_BYTES = 64 << 10
+# entry is under 100 bytes; an .npz holds x and y, numpy writes no comment). A zip with a long comment is
+# read again with ZIP_MAX_TAIL_BYTES, the most an end record with its comment can take.
+ZIP_TAIL_BYTES = 4 << 10
+ZIP_MAX_TAIL_BYTES = 22 + 65535 + 76
 # A member's local header and the .npy header after it fit in this (numpy pads headers to 64 bytes, a
 # few hundred at most).
 NPY_HEADER_BYTES = 4096
@@ -172,6 +174,10 @@ def _zip_members(read: Callable[[int, int], bytes], size: int) -> dict[str, tupl
     tail_start = max(0, size - ZIP_TAIL_BYTES)
     tail = read(tail_start, size - tail_start)
     end = tail.rfind(b"PK\x05\x06")
+    if end < 0 and size > ZIP_TAIL_BYTES:
+        tail_start = max(0, size - ZIP_MAX_TAIL_BYTES)
+        tail = read(tail_start, size - tail_start)
+        end = tail.rfind(b"PK\x05\x06")
     if end < 0 or len(tail) - end < 22:
         raise BadShard("not a zip file (an .npz is one): no end of central directory")
     entries, cd_size, cd_offset = struct.unpack("<10xHII", tail[end:end + 20])[0:3]
