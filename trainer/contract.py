@@ -75,6 +75,7 @@ class JobCheckpoints:
         """The replica's prefix in object storage (spec.checkpoint.storage.uri), or None: a volume."""
         if self.uri is not None:
             attach_metrics(shared_store(), metrics)
+            shared_store().check_bucket(self.uri, "checkpoints")
         self.store: CheckpointStore | None = None
         if reader or writer:
             if self.uri is not None:

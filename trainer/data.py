@@ -127,6 +127,7 @@ def _object_npz(uri_text: str) -> tuple[np.ndarray, np.ndarray]:
     """One .npz object of object storage, fetched into the data cache once (kept while its size is the same)."""
     uri = parse_uri(uri_text, "spec.dataset.uri")
     store = shared_store()
+    store.check_bucket(uri)
     info = store.head(uri)
     if info is None:
         raise LoadError(f"spec.dataset.uri: {uri}: no such object at {store.endpoint}")
@@ -141,7 +142,9 @@ def _shard_storage(spec: Dataset) -> ShardStorage | None:
     """Where the spec's shards lie: a uri prefix (any uri but one ending in .npz) or a path directory; None for
     one file or object, or data that is not a file at all."""
     if spec.uri is not None and not spec.uri.endswith(".npz"):
-        return ObjectStorage(parse_uri(spec.uri, "spec.dataset.uri").prefix())
+        prefix = parse_uri(spec.uri, "spec.dataset.uri").prefix()
+        shared_store().check_bucket(prefix)
+        return ObjectStorage(prefix)
     if spec.path is not None and Path(spec.path).is_dir():
         return DirectoryStorage(Path(spec.path), "spec.dataset.path")
     return None

@@ -106,6 +106,21 @@ class ObjectCommit:
         return commit
 
 
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """A committed checkpoint as a restore names it: its commit and where its objects lie."""
+
+    commit: ObjectCommit
+    uri: ObjectURI
+
+    @property
+    def name(self) -> str:
+        return self.commit.name
+
+    def __str__(self) -> str:
+        return str(self.uri)
+
+
 class ObjectCheckpoints:
     """One replica's checkpoint prefix in the store: its commits and objects, and the cleanup its writer does.
 
@@ -383,7 +398,8 @@ class ObjectShardedStore(ShardedStore):
             self.remote.clean()
 
     def newest(self) -> tuple[int, Any] | None:
-        """Every rank: (step, commit) of the newest committed checkpoint whose objects all verify; None if none.
+        """Every rank: (step, CommittedCheckpoint) of the newest committed checkpoint whose objects all verify;
+        None if none.
 
         Rank 0 names a candidate, every rank hashes its share of the objects as the store serves them, and a
         candidate any rank finds damaged is set aside by rank 0 and the previous one tried.
@@ -402,7 +418,7 @@ class ObjectShardedStore(ShardedStore):
             problems = [p for p in self._all_gather(problem) if p]
             if not problems:
                 self.durable_step = commit.step
-                return commit.step, commit
+                return commit.step, CommittedCheckpoint(commit, self.remote.uri(commit.folder))
             if self.rank == 0:
                 self.remote.set_aside(commit, "; ".join(problems))
             if self.distributed:
@@ -425,12 +441,12 @@ class ObjectShardedStore(ShardedStore):
         return None
 
     def load(self, path: Any, template: dict[str, Any]) -> None:
-        """Every rank: load checkpoint `path` (a commit) into `template` in place, reading its pieces straight
+        """Every rank: load checkpoint `path` (a CommittedCheckpoint) into `template` in place, reading its pieces straight
         from the store (ranged reads of its own shards only)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        commit: ObjectCommit = path
+        commit: ObjectCommit = path.commit
         reader = ObjectReader(self.remote, commit)
         try:
             with _alone_is_meant():

@@ -751,6 +751,16 @@ class ObjectStore:
                         aborted)
         return aborted
 
+    def check_bucket(self, uri: ObjectURI, action: str = "read") -> None:
+        """LoadError naming the URI when its bucket does not exist or may not be read: checked once before a
+        job uses a store (a PUT to a missing bucket is an error on AWS, and some compatible stores make the
+        bucket instead: a typo in a URI would then put a job's checkpoints in a bucket nobody meant)."""
+        try:
+            self.request("HEAD", uri, bucket_only=True)
+        except StoreError as err:
+            code = "NoSuchBucket" if err.code in {"NotFound", "404"} else err.code
+            raise translate(StoreError(code, err.message, err.status), uri, action, self.endpoint) from None
+
     def ensure_bucket(self, uri: ObjectURI) -> None:
         """Create the bucket if it does not exist (tests, benchmarks); a job never creates one."""
         try:

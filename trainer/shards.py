@@ -515,7 +515,7 @@ class ShardedRows:
         self.offsets = np.cumsum([0] + [m.rows for m in metas])
         self._decoded: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
-        self._last: tuple[int, int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._prefetcher: _Prefetcher | None = None
 
     def __len__(self) -> int:
@@ -524,12 +524,15 @@ class ShardedRows:
     def shard_of(self, indices: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.offsets, indices, side="right") - 1
 
-    def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) of the split's rows `indices`, in that order."""
-        key = (id(indices), indices.data_ptr() if indices.numel() else 0)
+    def rows(self, indices: torch.Tensor, key: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of the split's rows `indices`, in that order. `key` names the request for the one-entry cache
+        (a slice's bounds); by default the indices tensor itself."""
+        key = indices if key is None else key
         last = self._last
-        if last is not None and last[:2] == key:  # the loop asks for x, then y, of the same batch
-            return last[2]
+        # The loop asks for x, then y, of the same batch. The last key is held here, so no other tensor can
+        # take its identity (a freed batch's id and memory are reused by the next one).
+        if last is not None and (last[0] is key or (isinstance(key, tuple) and last[0] == key)):
+            return last[1]
         idx = indices.numpy() if isinstance(indices, torch.Tensor) else np.asarray(indices)
         shards = self.shard_of(idx)
         unique = np.unique(shards)
@@ -550,7 +553,7 @@ class ShardedRows:
                 out_y[torch.as_tensor(mask)] = y[local]
             assert out_x is not None and out_y is not None
             result = (out_x, out_y)
-        self._last = (*key, result)
+        self._last = (key, result)
         return result
 
     def decoded(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -684,8 +687,10 @@ class LazyRows:
 
     def __getitem__(self, key: Any) -> torch.Tensor:
         if isinstance(key, slice):
-            key = torch.arange(*key.indices(len(self)))
-        out = self.source.rows(key.cpu() if isinstance(key, torch.Tensor) else torch.as_tensor(key))[self.which]
+            bounds = key.indices(len(self))
+            out = self.source.rows(torch.arange(*bounds), key=("slice", *bounds))[self.which]
+        else:
+            out = self.source.rows(key.cpu() if isinstance(key, torch.Tensor) else torch.as_tensor(key))[self.which]
         return out.to(self.device) if self.device is not None else out
 
     def to(self, device: Any) -> "LazyRows":

@@ -88,10 +88,13 @@ def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int],
 @pytest.mark.parametrize("mode, spec, chief, sizes, unit", [
     ("ParameterServer", {"parameterServer": {"workers": 2}}, "worker-0", [3, 1], "workers"),
     ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2}}, "ddp-0", [1, 2], "nodes"),
+    # FSDP with its sharded checkpoints in object storage (the real S3 server): no shared volume at all;
+    # each resize writes the shards of the old size to the bucket and the new size reads them resharded.
     ("DDP", {"ddp": {"nodes": 2, "minNodes": 1, "maxNodes": 2, "strategy": "FSDP"},
-             "checkpoint": {"storage": {"accessMode": "ReadWriteMany"}}}, "ddp-0", [1, 2], "nodes"),
-], ids=["ps-2-3-1", "ddp-2-1-2", "fsdp-2-1-2"])
-def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, sizes, unit):
+             "checkpoint": {"storage": {"uri": "s3://{bucket}/elastic/"}}}, "ddp-0", [1, 2], "nodes"),
+], ids=["ps-2-3-1", "ddp-2-1-2", "fsdp-2-1-2-s3"])
+def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_path, mode, spec, chief, sizes, unit,
+                                                                           request):
     # 575 steps at 2 replicas (digits, batch 32) in 25 epochs: the resizes must land mid-run. At full speed
     # they need not: a live resize (ParameterServer) costs no restart, and the job would run on at a hundred
     # steps a second and more (its tensors on the data plane) while ps-0 reads the new size and worker-2
@@ -105,13 +108,22 @@ def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_p
     replicas = [f"worker-{i}" for i in range(3)] if mode == "ParameterServer" else ["ddp-0", "ddp-1"]
     factor = FSDP_SLOWDOWN if spec.get("ddp", {}).get("strategy") == "FSDP" else SLOWDOWN
     slow = {SLOWDOWN_VAR: ",".join(f"{replica}:{factor}" for replica in replicas)}
-    fixed = kubetrain("run", str(manifest(tmp_path, "fixed", mode, epochs, **spec)), "--run-dir",
-                      str(tmp_path / "fixed"), "--quiet", timeout=RUN_TIMEOUT_SECONDS)
+    store_env: dict[str, str] = {}
+    fixed_spec = spec
+    uri = spec.get("checkpoint", {}).get("storage", {}).get("uri", "")
+    if uri:
+        s3 = request.getfixturevalue("s3")
+        store_env, bucket = s3.env, s3.bucket()
+        spec = {**spec, "checkpoint": {"storage": {"uri": uri.format(bucket=bucket)}}}
+        fixed_spec = {**spec, "checkpoint": {"storage": {"uri": f"s3://{bucket}/fixed/"}}}
+    fixed = kubetrain("run", str(manifest(tmp_path, "fixed", mode, epochs, **fixed_spec)),
+                      "--run-dir", str(tmp_path / "fixed"), "--quiet", timeout=RUN_TIMEOUT_SECONDS, env=store_env)
     assert fixed.returncode == 0, fixed.stderr
     baseline = json.loads((tmp_path / "fixed" / "summary.json").read_text())
 
     run = tmp_path / "elastic"
-    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, sizes, slow)
+    code, out = run_with_resizes(manifest(tmp_path, "elastic", mode, epochs, **spec), run, chief, sizes,
+                                 {**slow, **store_env})
     assert code == 0, out
     summary = json.loads((run / "summary.json").read_text())
     print(f"\n{mode} 2 -> {sizes[0]} -> {sizes[1]}: accuracy {summary['eval_accuracy']:.4f}, the same job at a "
@@ -150,9 +162,12 @@ def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_p
         # there: no step lost.
         assert len(stops) == 2 and starts[1:] == stops, (starts, stops)
         if spec["ddp"].get("strategy") == "FSDP":
-            # Every restart loaded the sharded checkpoint, resharded 2 -> 1 -> 2 ranks.
+            # Every restart loaded the sharded checkpoint, resharded 2 -> 1 -> 2 ranks, from the bucket.
             resumes = [e for e in events if e.get("event") == "resume"]
             assert [e["step"] for e in resumes] == stops and all(e.get("sharded") for e in resumes), resumes
+            assert all(e["path"].startswith(f"s3://{bucket}/elastic/ddp-0/sharded-") for e in resumes), resumes
+            saves = [e for e in events if e.get("event") == "checkpoint"]
+            assert saves and all(e["uri"].startswith(f"s3://{bucket}/elastic/ddp-0/") for e in saves), saves
 
 
 def test_scale_refuses_a_size_the_job_cannot_take_naming_the_field(tmp_path):
