@@ -75,6 +75,13 @@ def _allowances(value: str) -> frozenset[str]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _secret_names(value: str) -> frozenset[str]:
+    try:
+        return parse_secret_names(value, "--object-store-secrets")
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--object-store-secrets: ")) from None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
@@ -88,7 +95,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # manifest's directory (kubetrain run's code directory), else as installed packages.
         code_dir = Path(path).resolve().parent
         # What the template asks of the node, judged as the cluster's policy and operator judge it.
-        settings = Settings(pod_security_allow=frozenset(args.allow))
+        settings = Settings(pod_security_allow=frozenset(args.allow), object_store_secrets=args.object_store_secrets)
         missing = [f"{path}: {p}" for job in jobs for p in pod_security.problems(job, settings)]
         if len(missing) > MAX_SHOWN_PROBLEMS:
             missing[MAX_SHOWN_PROBLEMS:] = [f"{path}: ... and {len(missing) - MAX_SHOWN_PROBLEMS} more problems"]
@@ -237,6 +244,21 @@ def parse_gang_schedulers(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def parse_secret_names(text: str | frozenset[str], flag: str) -> frozenset[str]:
+    """Comma-separated Secret names (DNS-1123); UsageError naming the flag and the bad name."""
+    if isinstance(text, frozenset):
+        return text
+    import re
+
+    from kubetrain_operator.api.spec import DNS1123_PATTERN
+
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    for name in sorted(names):
+        if not re.fullmatch(DNS1123_PATTERN, name) or len(name) > 253:
+            raise UsageError(f"{flag}: {name!r} is not a Secret name (a DNS-1123 name)")
+    return names
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     from kubetrain_operator.api.podtemplate import parse_allowances
     from kubetrain_operator.controller.run import run
@@ -257,6 +279,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
         kueue=args.kueue,
         metrics_from=parse_metrics_from(args.metrics_from_json),
         pod_security_allow=allowed,
+        object_store_secrets=parse_secret_names(args.object_store_secrets, "--object-store-secrets"),
         namespaces=args.namespace,
         metrics_port=args.metrics_port,
         liveness_port=args.liveness_port,

@@ -9,6 +9,7 @@ from kubetrain_operator.api.podtemplate import ALLOWANCES
 
 from .commands import (
     _allowances,
+    _secret_names,
     cmd_bench,
     cmd_checkpoints,
     cmd_compare,
@@ -58,6 +59,9 @@ def add_local_commands(sub: Subparsers) -> None:
     p.add_argument("--allow", type=_allowances, default=frozenset(), metavar="NAME,...",
                    help="check for a cluster whose kubetrain installation allows these in spec.podTemplate "
                         f"(its chart's podSecurity.allow): {', '.join(ALLOWANCES)}")
+    p.add_argument("--object-store-secrets", type=_secret_names, default=frozenset(), metavar="NAME,...",
+                   help="check for a cluster whose kubetrain installation lets jobs name these Secrets as "
+                        "object-storage credentials (its chart's objectStorage.secrets)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help="run a TrainingJob on this machine as local processes (resumes an unfinished run)")
@@ -187,6 +191,10 @@ def add_operator_command(sub: Subparsers) -> None:
     p.add_argument("--pod-security-allow", default="", metavar="NAMES",
                    help="comma-separated podTemplate allowances (privileged, hostNamespaces, hostPath, capabilities, "
                         "root, serviceAccount); default: none, a job asking for one fails with PodSecurity")
+    p.add_argument("--object-store-secrets", default="", metavar="NAMES",
+                   help="comma-separated Secret names jobs may give as object-storage credentials (secretRef of "
+                        "spec.dataset, spec.checkpoint.storage); default: none, a job naming one fails with "
+                        "PodSecurity (the allowance secrets lets them name any)")
     p.add_argument("--no-network-policy", action="store_true",
                    help="do not give each job a NetworkPolicy (by default its pods accept connections only from "
                         "the job's own pods, and on the metrics port from --metrics-from-json)")

@@ -476,18 +476,45 @@ def pod_security_rules() -> dict[str, Any]:
         }],
         "variables": variables,
         "validations": [v for check in podtemplate.SECURITY_CHECKS if not check.rendered_only
-                        for v in _validations(check)],
+                        for v in _validations(check)] + secret_ref_validations(),
     }
 
 
-def pod_security_policy(allowed: Any = (), name: str = POD_SECURITY_NAME,
-                        namespace: str | None = None) -> list[dict[str, Any]]:
+SECRETS_PLACEHOLDER = "OBJECT_STORE_SECRETS"
+"""In a secretRef rule's expression: the list of Secrets jobs may name (the chart's objectStorage.secrets)."""
+SECRET_REF_MESSAGE = ("not a Secret this kubetrain installation lets jobs name as object-storage credentials (the "
+                      "chart's objectStorage.secrets lists them; podSecurity.allow: [secrets] allows any)")
+
+
+def secret_ref_validations() -> list[dict[str, str]]:
+    """The object-storage credentials a job names (spec.*.secretRef) must be in the installation's list, as
+    core/podsecurity.secret_ref_problems judges; the list stands as SECRETS_PLACEHOLDER, which the chart and
+    `pod_security_policy` fill in."""
+    out = []
+    for path in SECRET_REF_PATHS:
+        parts = path.split(".")
+        guard = " || ".join(f"!has(object.spec.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+        field = f"object.spec.{path}.secretRef"
+        out.append({"allow": "secrets",
+                    "expression": f"{guard} || !has({field}) || {field} == '' || {field} in {SECRETS_PLACEHOLDER}",
+                    "message": f"spec.{path}.secretRef: {SECRET_REF_MESSAGE}"})
+    return out
+
+
+SECRET_REF_PATHS = ("checkpoint.storage", "dataset")
+
+
+def pod_security_policy(allowed: Any = (), name: str = POD_SECURITY_NAME, namespace: str | None = None,
+                        secrets: Any = ()) -> list[dict[str, Any]]:
     """The ValidatingAdmissionPolicy and its binding as the chart renders them (none when all is allowed).
 
-    `namespace`: bind to that namespace only (the chart's `operator.namespaced`).
+    `namespace`: bind to that namespace only (the chart's `operator.namespaced`); `secrets`: the Secrets jobs
+    may name as object-storage credentials (the chart's objectStorage.secrets).
     """
     rules = pod_security_rules()
-    validations = [{k: v for k, v in rule.items() if k != "allow"}
+    names = json.dumps(sorted(secrets), separators=(",", ":"))
+    validations = [{k: v.replace(SECRETS_PLACEHOLDER, names) if k == "expression" else v
+                    for k, v in rule.items() if k != "allow"}
                    for rule in rules.pop("validations") if rule["allow"] not in allowed]
     if not validations:
         return []

@@ -93,6 +93,7 @@ def run(
     lease_name: str = "kubetrain-operator",
     lease_namespace: str = "",
     pod_security_allow: frozenset[str] = frozenset(),
+    object_store_secrets: frozenset[str] = frozenset(),
     network_policy: bool = True,
     metrics_from: tuple[dict[str, Any], ...] = (),
     kueue: bool = False,
@@ -102,7 +103,7 @@ def run(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
     settings = Settings(image=trainer_image, pull_policy=pull_policy, pod_security_allow=pod_security_allow,
-                        network_policy=network_policy, metrics_from=metrics_from, gang_schedulers=gang_schedulers)
+                        object_store_secrets=object_store_secrets, network_policy=network_policy, metrics_from=metrics_from, gang_schedulers=gang_schedulers)
     config = OperatorConfig(settings=settings, scrape_networks=scrape_networks, scrape=scrape,
                             namespaces=list(namespaces), workers=workers, kueue=kueue)
     handlers.register(Controller(config))

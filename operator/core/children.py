@@ -63,6 +63,10 @@ class Settings:
     pod_security_allow: frozenset[str] = frozenset()
     """What spec.podTemplate may ask of the node beyond Pod Security `restricted` (`--pod-security-allow`,
     the chart's podSecurity.allow); api/podtemplate.pod_security_problems judges a job by it."""
+    object_store_secrets: frozenset[str] = frozenset()
+    """The Secrets of their namespace that jobs may name as object-storage credentials (spec.dataset.secretRef,
+    spec.checkpoint.storage.secretRef): `--object-store-secrets`, the chart's objectStorage.secrets. The
+    `secrets` allowance lets a job name any (core/podsecurity.secret_ref_problems)."""
     network_policy: bool = False
     """Give every job a NetworkPolicy (`network_policy`). The operator's `--no-network-policy` (the
     chart's networkPolicy.enabled) turns it off; off here, so that a caller of these pure functions

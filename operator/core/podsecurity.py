@@ -32,7 +32,21 @@ def problems(job: TrainingJob, settings: Settings) -> list[str]:
     (the config volume projecting the job's own Secret, the token variable) are kubetrain's.
     """
     bare = TrainingJob(metadata=job.metadata, spec=dataclasses.replace(job.spec, pod_template={}))
-    found: set[str] = set()
+    found: set[str] = set(secret_ref_problems(job, settings))
     for mine, own in zip(workloads(job, UID, settings), workloads(bare, UID, settings)):
         found.update(rendered_pod_problems(_pod_of(mine), _pod_of(own), settings.pod_security_allow))
     return sorted(found)
+
+
+def secret_ref_problems(job: TrainingJob, settings: Settings) -> list[str]:
+    """A secretRef (the job's object-storage credentials) naming a Secret the installation does not let jobs
+    name. kubetrain puts that Secret's keys into the job's pods itself, so the template's `secrets` check
+    never sees it: without this rule a job could read any Secret of its namespace (another job's token and
+    TLS key among them) through a script that prints its environment."""
+    if "secrets" in settings.pod_security_allow:
+        return []
+    return [f"spec.{path}: Secret {name!r} is not one this kubetrain installation lets jobs name as "
+            f"object-storage credentials (the chart's objectStorage.secrets lists them"
+            f"{': ' + ', '.join(sorted(settings.object_store_secrets)) if settings.object_store_secrets else ', now none'}"
+            "; podSecurity.allow: [secrets] allows any)"
+            for path, name in job.spec.secret_refs().items() if name not in settings.object_store_secrets]

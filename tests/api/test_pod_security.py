@@ -295,9 +295,12 @@ def test_the_charts_policy_rules_are_generated_from_the_table():
         f"run: python -m kubetrain_operator.api.crd --pod-security > {crd.POD_SECURITY_FILE}"
     rules = yaml.safe_load(committed)["validations"]
     assert {r["allow"] for r in rules} == set(ALLOWANCES)
-    # Every message is a check's message, after the path the API server prints.
-    messages = {c.message for c in SECURITY_CHECKS}
+    # Every message is a check's message, after the path the API server prints; the object-storage
+    # credentials' rules (one per secretRef) are the last, lifted by the same allowance as a template's Secrets.
+    messages = {c.message for c in SECURITY_CHECKS} | {crd.SECRET_REF_MESSAGE}
     assert all(r["message"].split(": ", 1)[1] in messages for r in rules)
+    assert [r["message"].split(":")[0] for r in rules if r["message"].endswith(crd.SECRET_REF_MESSAGE)] == \
+        ["spec.checkpoint.storage.secretRef", "spec.dataset.secretRef"]
 
 
 def test_the_charts_values_schema_lists_the_allowances():
@@ -383,6 +386,15 @@ def test_the_api_server_refuses_it_with_the_validators_message(cluster, policies
         assert lenient.returncode == 0, lenient.stderr
     else:
         assert case.problem in lenient.stderr, lenient.stderr
+
+
+@pytest.mark.cluster
+def test_the_api_server_refuses_object_storage_credentials_the_chart_does_not_list(cluster, policies):
+    job = manifest({}, "creds")
+    job["spec"]["checkpoint"] = {"storage": {"uri": "s3://bkt/run/", "secretRef": "team-secret"}}
+    done = apply(cluster, policies["strict"], job)
+    assert done.returncode != 0 and f"spec.checkpoint.storage.secretRef: {crd.SECRET_REF_MESSAGE}" in done.stderr, \
+        done.stderr
 
 
 @pytest.mark.cluster
