@@ -107,3 +107,23 @@ def secret_free(text: str, s3: S3, where: str = "") -> None:
 def tree(store, uri) -> dict[str, int]:
     """{key relative to `uri`: size} of every object under a prefix."""
     return {i.uri.key[len(uri.key):]: i.size for i in store.list(uri)}
+
+
+DIGITS_SHARDS = 8
+
+
+def put_digits(store, bucket: str, prefix: str = "digits/") -> str:
+    """scikit-learn's digits as DIGITS_SHARDS .npz shards under s3://bucket/prefix; the prefix's URI."""
+    import io
+
+    import numpy as np
+
+    from kubetrain_trainer.data import digits
+    from kubetrain_trainer.objstore import ObjectURI
+
+    x, y = digits()
+    for i, (xs, ys) in enumerate(zip(np.array_split(x, DIGITS_SHARDS), np.array_split(y, DIGITS_SHARDS))):
+        buf = io.BytesIO()
+        np.savez(buf, x=xs, y=ys)
+        store.put_bytes(ObjectURI(bucket, f"{prefix}part-{i:03d}.npz"), buf.getvalue())
+    return f"s3://{bucket}/{prefix}"

@@ -116,7 +116,7 @@ def e2e() -> Iterator[E2E]:
                         timeout=320)
         FIGURES.append(f"fixture: hack/cluster up --real-node {up_seconds:.0f} s{' (reused)' if reused else ''}; "
                        f"hack/images build --load {load_seconds:.0f} s; chart installed {time.monotonic() - started - load_seconds:.0f} s")
-        yield E2E(cluster=cluster, pod_cidr=net["pod_cidr"], containerd=containerd)
+        yield E2E(cluster=cluster, pod_cidr=net["pod_cidr"], containerd=containerd, host_ip=net["host_ip"])
     finally:
         if not KEEP:
             started = time.monotonic()
@@ -142,3 +142,34 @@ def custom_image(e2e: E2E) -> str:
     FIGURES.append(f"fixture: example user image {CUSTOM_IMAGE}: hack/images build --load --examples "
                    f"{time.monotonic() - started:.1f} s ({'; '.join(done) or 'nothing to build or load'})")
     return CUSTOM_IMAGE
+
+
+# The object-storage Secret of the e2e namespace: what the chart's objectStorage.secrets lets jobs name
+# (hack/values-e2e.yaml).
+S3_SECRET = "kubetrain-s3"
+
+
+@pytest.fixture(scope="session")
+def e2e_s3(e2e: E2E):
+    """A real S3 server (hack/objstore) that the real node's pods reach at the host end of its veth, and the
+    Secret `kubetrain-s3` in the e2e namespace holding its AWS_* keys (the endpoint as the pods reach it).
+    Yields the server as tests/objstorelib.py's S3 (its env: the endpoint on loopback, for the test itself)."""
+    from objstorelib import S3, objstore, parse_exports
+
+    name = f"kt-s3-e2e-{os.getpid()}"
+    up = objstore("up", "--bind", e2e.host_ip, name=name)
+    if up.returncode != 0:
+        objstore("down", name=name)
+        pytest.fail(f"hack/objstore up --bind {e2e.host_ip} failed ({up.returncode}):\n{up.stderr}", pytrace=False)
+    try:
+        server = S3(name, parse_exports(up.stdout))
+        port = server.endpoint.rsplit(":", 1)[1]
+        keys = {**server.env, "AWS_ENDPOINT_URL": f"http://{e2e.host_ip}:{port}"}
+        e2e.kube.run("delete", "secret", S3_SECRET, "--ignore-not-found", timeout=60)
+        e2e.kube.run("create", "secret", "generic", S3_SECRET, *[f"--from-literal={k}={v}" for k, v in keys.items()],
+                     timeout=60)
+        yield server
+    finally:
+        e2e.kube.run("delete", "secret", S3_SECRET, "--ignore-not-found", timeout=60, check=False)
+        down = objstore("down", name=name)
+        assert down.returncode == 0, f"hack/objstore down failed: {down.stderr}"

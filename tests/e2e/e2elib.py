@@ -59,6 +59,8 @@ class E2E:
     cluster: Cluster
     pod_cidr: str
     containerd: str
+    host_ip: str = ""
+    """The host end of the real node's veth: what pods reach this machine's servers at (the S3 server)."""
 
     @property
     def kube(self) -> Kubectl:

@@ -5,7 +5,6 @@ traceback and no secret in any output."""
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,26 +15,15 @@ import torch
 import yaml
 
 from helpers.jsonl import read_events
-from objstorelib import secret_free, tree
+from objstorelib import DIGITS_SHARDS, put_digits, secret_free, tree
 from support import job_doc, kubetrain
 from kubetrain_operator.api import load_one
 from kubetrain_trainer.checkpoint import spec_hash
-from kubetrain_trainer.data import digits
 from kubetrain_trainer.object_checkpoints import ObjectCheckpointStore
 from kubetrain_trainer.objstore import ObjectURI
 from kubetrain_trainer.shards import eval_shards
 
-SHARDS = 8
-
-
-def put_digits(store, bucket: str, prefix: str = "digits/") -> str:
-    """scikit-learn's digits as SHARDS .npz shards under s3://bucket/prefix; the prefix's URI."""
-    x, y = digits()
-    for i, (xs, ys) in enumerate(zip(np.array_split(x, SHARDS), np.array_split(y, SHARDS))):
-        buf = io.BytesIO()
-        np.savez(buf, x=xs, y=ys)
-        store.put_bytes(ObjectURI(bucket, f"{prefix}part-{i:03d}.npz"), buf.getvalue())
-    return f"s3://{bucket}/{prefix}"
+SHARDS = DIGITS_SHARDS
 
 
 def run(tmp_path: Path, s3, doc: dict, name: str, *args: str):
