@@ -248,10 +248,6 @@ def parse_secret_names(text: str | frozenset[str], flag: str) -> frozenset[str]:
     """Comma-separated Secret names (DNS-1123); UsageError naming the flag and the bad name."""
     if isinstance(text, frozenset):
         return text
-    import re
-
-    from kubetrain_operator.api.spec import DNS1123_PATTERN
-
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     for name in sorted(names):
         if not re.fullmatch(DNS1123_PATTERN, name) or len(name) > 253:
@@ -356,7 +352,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    path = _client(args).export(args.job, args.out)
+    path = _client(args).export(args.job, args.out, args.format)
     print(path)
     return 0
 
@@ -381,16 +377,38 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         from kubetrain_trainer import verify
     except ImportError as err:
         raise UsageError(f"kubetrain checkpoints needs the trainer's dependencies (torch): {err}") from None
-    if args.action == "verify":
-        return verify.main_verify(args.dirs[0], job_file=args.job, as_json=args.json, run_eval=not args.no_eval)
-    if args.action == "compare":
-        return verify.main_compare(args.dirs, tolerance=args.tolerance, as_json=args.json)
-    if args.action == "export":
-        from kubetrain_trainer import export
+    if args.action in ("verify", "compare", "export"):
+        import tempfile
 
-        return export.main_export(args.dirs, args.out, job_file=args.job)
+        with tempfile.TemporaryDirectory(prefix="kubetrain-checkpoints-") as staging:
+            sources = staged_sources(args.action, args.dirs, Path(staging))
+            if sources is None:
+                return EXIT_LOAD
+            if args.action == "verify":
+                return verify.main_verify(sources[0], job_file=args.job, as_json=args.json,
+                                          run_eval=not args.no_eval)
+            if args.action == "compare":
+                return verify.main_compare(sources, tolerance=args.tolerance, as_json=args.json)
+            from kubetrain_trainer import export
+
+            return export.main_export(sources, args.out, job_file=args.job, fmt=args.format)
     job, faults = recovery_inputs(args.dirs[0], args.fault)
     return verify.main_recovery(job, args.fault, faults, args.run_root, run_locally, as_json=args.json)
+
+
+def staged_sources(action: str, sources: list[str], staging: Path) -> list[str] | None:
+    """SOURCEs with object storage copied here (kubetrain_trainer.object_checkpoints.stage_sources); None after
+    printing why when the store refused (a missing bucket, denied credentials: the URI named)."""
+    from kubetrain_trainer.errors import ConfigError, TrainerError
+    from kubetrain_trainer.object_checkpoints import stage_sources
+
+    try:
+        return stage_sources(sources, staging)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    except TrainerError as err:
+        print(f"kubetrain checkpoints {action}: error: {err}", file=sys.stderr)
+        return None
 
 
 def recovery_inputs(manifest: str | Path, fault: str) -> tuple[Any, dict[str, int]]:

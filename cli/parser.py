@@ -122,9 +122,12 @@ def add_job_commands(sub: Subparsers) -> None:
     p.set_defaults(func=cmd_wait)
 
     p = sub.add_parser("export", help="a job's trained weights as a plain torch.save state_dict, from a cluster "
-                                      "(a short-lived pod on its checkpoint claims) or a local run")
+                                      "(a short-lived pod on its checkpoint claims or its checkpoint URI) or a "
+                                      "local run")
     job_args(p)
     p.add_argument("--out", required=True, metavar="FILE", help="the file to write (replaced atomically)")
+    p.add_argument("--format", choices=("torch", "safetensors"), default="torch",
+                   help="torch (default) or safetensors (the tensors only)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compare", help="run variants of one manifest locally (modes, compression) and report")
@@ -140,12 +143,12 @@ def add_checkpoints_command(sub: Subparsers) -> None:
     p = sub.add_parser("checkpoints", help="validate, compare and export checkpoints")
     csub = subcommands(p, "action", "ACTION")
     c = csub.add_parser("verify", help="check every checkpoint of a directory, load it, evaluate the newest")
-    c.add_argument("dirs", nargs=1, metavar="DIR")
+    c.add_argument("dirs", nargs=1, metavar="DIR", help="a run directory, a checkpoint directory, or s3://BUCKET/PREFIX/")
     c.add_argument("--job", help="the job's manifest (default: job.yaml of the run directory)")
     c.add_argument("--no-eval", action="store_true", help="skip evaluating the model on the eval split")
     c.add_argument("--json", action="store_true")
     c = csub.add_parser("compare", help="compare the final checkpoints of several runs")
-    c.add_argument("dirs", nargs="+", metavar="DIR")
+    c.add_argument("dirs", nargs="+", metavar="DIR", help="run directories or s3://BUCKET/PREFIX/ URIs")
     c.add_argument("--tolerance", type=float, default=1e-6)
     c.add_argument("--json", action="store_true")
     c = csub.add_parser("recovery", help="run a job with a fault and without, and compare their final checkpoints")
@@ -157,11 +160,16 @@ def add_checkpoints_command(sub: Subparsers) -> None:
         "export",
         help="write the model's weights of the newest usable checkpoint as a plain torch.save state_dict",
         description="SOURCE: a run directory, one replica's checkpoint directory, a directory holding replica "
-        "directories (ps-0/, ps-1/ ...), or several shard directories of a ParameterServer job. Exit 2: bad "
+        "directories (ps-0/, ps-1/ ...), several shard directories of a ParameterServer job, or a job's "
+        "checkpoint URI in object storage (s3://BUCKET/PREFIX/, its committed checkpoints). Exit 2: bad "
         "input; 3: no usable checkpoint.",
     )
     c.add_argument("dirs", nargs="+", metavar="SOURCE")
-    c.add_argument("--out", required=True, metavar="FILE", help="the file to write (replaced atomically)")
+    c.add_argument("--out", required=True, metavar="FILE",
+                   help="the file to write (replaced atomically), or s3://BUCKET/KEY (uploaded once whole)")
+    c.add_argument("--format", choices=("torch", "safetensors"), default="torch",
+                   help="torch: a torch.save state_dict (default); safetensors: the tensors as a .safetensors "
+                        "file (what Hugging Face tools load; non-tensor values of a script's state are left out)")
     c.add_argument("--job", metavar="FILE", help="the job's manifest (default: job.yaml of the run directory)")
     p.set_defaults(func=cmd_checkpoints)
 

@@ -39,6 +39,7 @@ stderr, no traceback.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -91,7 +92,7 @@ class Exported:
     step: int
     tensors: int
     tensor_bytes: int
-    out: Path
+    out: Path | str
     file_bytes: int
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -334,27 +335,110 @@ def _merge_shards(reader: _Reader, source: Source, shards: list[str]) -> tuple[i
     return step, params, [current[s][0].path for s in shards]
 
 
+FORMATS = ("torch", "safetensors")
+
+
 def export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
-           on_skip: Callable[[Path, str], None] | None = None) -> Exported:
-    """Write the weights of the newest usable checkpoint under `sources` to `out`; ExportError on bad input.
+           on_skip: Callable[[Path, str], None] | None = None, fmt: str = "torch") -> Exported:
+    """Write the weights of the newest usable checkpoint under `sources` to `out` (a file, or s3://BUCKET/KEY,
+    uploaded once written whole) as `fmt`; ExportError on bad input.
 
     `on_skip(path, reason)` hears of every checkpoint passed over as corrupt.
     """
-    out = Path(out)
-    if not out.parent.is_dir():
-        raise ExportError(f"{out.parent}: no such directory (the directory of --out {out})", EXIT_USAGE)
-    if out.is_dir():
-        raise ExportError(f"{out}: is a directory; --out names the file to write", EXIT_USAGE)
+    if fmt not in FORMATS:
+        raise ExportError(f"--format: expected {' or '.join(FORMATS)}, got {fmt!r}", EXIT_USAGE)
+    target = _target(out)
     source = locate(sources, job_file)
     kind, step, weights, files, notes = _weights(source, _Reader(source, on_skip or (lambda path, reason: None)))
     tensors = _tensors(weights)
+    if fmt == "safetensors":
+        weights, left_out = flat_tensors(weights)
+        if left_out:
+            notes.append(f"safetensors holds tensors only: {len(left_out)} other value(s) left out "
+                         f"({', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''})")
+        if not weights:
+            raise ExportError(f"{', '.join(str(p) for p in files)}: holds no tensors to write as safetensors")
     try:
-        file_bytes = atomic_write(out, lambda f: torch.save(weights, f))
+        with _written(target) as path:
+            file_bytes = atomic_write(path, lambda f: _write(weights, f, fmt))
     except OSError as err:
         raise ExportError(f"{out}: could not be written ({err.strerror or err})", EXIT_USAGE) from None
     return Exported(kind=kind, mode=source.job.spec.mode if source.job is not None else None, step=step,
                     tensors=len(tensors), tensor_bytes=sum(t.numel() * t.element_size() for t in tensors),
-                    out=out, file_bytes=file_bytes, files=files, notes=notes)
+                    out=target if isinstance(target, Path) else str(target), file_bytes=file_bytes, files=files,
+                    notes=notes)
+
+
+def _target(out: str | Path) -> Any:
+    """--out as a Path to write, or an ObjectURI to upload to; ExportError (exit 2) when it cannot be one."""
+    from .errors import ConfigError
+    from .objstore import is_uri, parse_uri
+
+    if is_uri(str(out)):
+        try:
+            uri = parse_uri(str(out), "--out")
+        except ConfigError as err:
+            raise ExportError(str(err), EXIT_USAGE) from None
+        if uri.is_prefix:
+            raise ExportError(f"--out {out}: names a prefix; give the object's key (s3://BUCKET/KEY)", EXIT_USAGE)
+        return uri
+    path = Path(out)
+    if not path.parent.is_dir():
+        raise ExportError(f"{path.parent}: no such directory (the directory of --out {path})", EXIT_USAGE)
+    if path.is_dir():
+        raise ExportError(f"{path}: is a directory; --out names the file to write", EXIT_USAGE)
+    return path
+
+
+@contextlib.contextmanager
+def _written(target: Any) -> Iterator[Path]:
+    """The path to write: the target itself, or a temporary file uploaded to the target once written whole."""
+    if isinstance(target, Path):
+        yield target
+        return
+    import tempfile
+
+    from .errors import TrainerError
+    from .objstore import shared_store
+
+    with tempfile.TemporaryDirectory(prefix="kubetrain-export-") as tmp:
+        path = Path(tmp) / target.name
+        yield path
+        try:
+            shared_store().upload(path, target)
+        except TrainerError as err:
+            raise ExportError(str(err)) from None
+
+
+def _write(weights: Any, f: Any, fmt: str) -> None:
+    if fmt == "torch":
+        torch.save(weights, f)
+        return
+    from safetensors.torch import save
+
+    f.write(save(weights, metadata={"format": "pt"}))
+
+
+def flat_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors of a (nested) state under dotted names (`model.0.weight`), each its own contiguous copy
+    (safetensors refuses tensors that share memory), and the names of the values that are not tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    others: list[str] = []
+    if isinstance(state, torch.Tensor):
+        tensors[prefix or "tensor"] = state.detach().cpu().contiguous().clone()
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            found, left = flat_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+            tensors.update(found)
+            others += left
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            found, left = flat_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+            tensors.update(found)
+            others += left
+    else:
+        others.append(prefix or type(state).__name__)
+    return tensors, others
 
 
 def _weights(source: Source, reader: _Reader) -> tuple[str, int, Any, list[Path], list[str]]:
@@ -387,8 +471,9 @@ def _weights(source: Source, reader: _Reader) -> tuple[str, int, Any, list[Path]
 
 
 def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
-                stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """`kubetrain checkpoints export SOURCE... --out FILE [--job FILE]`: 0 written, 2 bad input, 3 no usable data."""
+                stdout: TextIO | None = None, stderr: TextIO | None = None, fmt: str = "torch") -> int:
+    """`kubetrain checkpoints export SOURCE... --out FILE|s3://... [--format F] [--job FILE]`: 0 written, 2 bad
+    input, 3 no usable data."""
     prefix = "kubetrain checkpoints export"
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr  # looked up now: tests and callers redirect sys.*
 
@@ -396,7 +481,7 @@ def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path
         print(f"{prefix}: skipped {path}: {reason}", file=stderr)
 
     try:
-        done = export(sources, out, job_file, on_skip=skipped)
+        done = export(sources, out, job_file, on_skip=skipped, fmt=fmt)
     except ExportError as err:
         print(f"{prefix}: error: {err}", file=stderr)
         return err.exit_code

@@ -551,3 +551,92 @@ def write_job(root: ObjectURI, manifest: bytes, store: ObjectStore | None = None
     if store.head(uri) is None:
         store.put_bytes(uri, manifest)
 
+
+
+# --- read-only copies, for the tools (`kubetrain checkpoints verify|compare|export`) --------------------------
+
+
+def mirror(uri: ObjectURI, into: Path, store: ObjectStore | None = None) -> Path:
+    """The committed checkpoints under `uri` copied into `into` as a run directory, which the tools read as
+    they read a volume's: `job.yaml` (when the job's manifest is there), `checkpoints/<replica>/` with each
+    plain checkpoint's file, each sharded one's folder and a COMMIT of its files' lengths and sha256 (the
+    digests of the commit), and `latest`. `uri` is the job's URI (replica prefixes below it) or one replica's
+    prefix. Objects are copied as the store serves them, not checked here: the tools check them, and name a
+    damaged one, as they do on a volume. Only committed checkpoints are copied (uploads cut short are not).
+    """
+    from .sharded import Commit
+
+    store = store or shared_store()
+    store.check_bucket(uri)
+    prefix = uri.prefix()
+    keys = [i.uri.key[len(prefix.key):] for i in store.list(prefix)]
+    if any(COMMIT_KEY_PATTERN.fullmatch(k) for k in keys):
+        replicas = {prefix.name or "checkpoints": prefix}
+    else:
+        names = sorted({k.split("/", 1)[0] for k in keys if COMMIT_KEY_PATTERN.fullmatch(k.split("/", 1)[-1])})
+        replicas = {name: prefix.child(name + "/") for name in names}
+    if not replicas:
+        raise LoadError(f"{prefix}: no committed checkpoints here (expected <replica>/commits/ or commits/)")
+    into.mkdir(parents=True, exist_ok=True)
+    if JOB_OBJECT in keys:
+        (into / JOB_OBJECT).write_bytes(store.get_bytes(prefix.child(JOB_OBJECT)))
+    for replica, where in replicas.items():
+        remote = ObjectCheckpoints(where, store)
+        local = into / "checkpoints" / replica
+        local.mkdir(parents=True, exist_ok=True)
+        commits = remote.commits()
+        for commit in commits:
+            if not commit.sharded:
+                [(key, _)] = commit.objects.items()
+                store.download(remote.uri(key), local / commit.name)
+                continue
+            folder = local / commit.name
+            folder.mkdir(exist_ok=True)
+            files = {}
+            for key, digest in commit.objects.items():
+                name = key.split("/", 1)[1]
+                store.download(remote.uri(key), folder / name)
+                files[name] = digest
+            atomic_write(folder / "COMMIT", Commit(commit.step, commit.spec_hash, commit.world_size, files).to_json())
+        if commits:
+            atomic_write(local / LATEST, commits[-1].name.encode() + b"\n")
+    return into
+
+
+def job_uri(run_dir: Path) -> ObjectURI | None:
+    """The checkpoint URI of the job of run directory `run_dir` (its job.yaml's spec.checkpoint.storage.uri)."""
+    from kubetrain_contract.checkpoints import RUN_JOB_FILE
+    from kubetrain_operator.api import InvalidSpec, load_one
+
+    from .objstore import parse_uri
+
+    manifest = run_dir / RUN_JOB_FILE
+    if not manifest.is_file():
+        return None
+    try:
+        uri = load_one(manifest).spec.checkpoint.storage.uri
+    except (InvalidSpec, OSError):
+        return None
+    return parse_uri(uri, f"{manifest}: spec.checkpoint.storage.uri") if uri else None
+
+
+def stage_sources(sources: list[str], into: Path) -> list[str]:
+    """SOURCE arguments of the tools with object storage made local: an `s3://` URI, and a run directory whose
+    job keeps its checkpoints at a URI, become a mirror of what is committed there (a run directory's own
+    checkpoints/ is only the staging of the newest)."""
+    from .objstore import is_uri, parse_uri
+
+    out = []
+    for i, source in enumerate(sources):
+        target = into / f"source-{i}"
+        if is_uri(source):
+            out.append(str(mirror(parse_uri(source, "SOURCE"), target)))
+            continue
+        uri = job_uri(Path(source)) if Path(source).is_dir() else None
+        if uri is None:
+            out.append(source)
+            continue
+        mirror(uri, target)
+        shutil.copyfile(Path(source) / JOB_OBJECT, target / JOB_OBJECT)  # the run's manifest, defaults filled in
+        out.append(str(target))
+    return out

@@ -146,15 +146,19 @@ class Client:
         """Delete the job: its replicas stop; its checkpoints go (in a cluster unless whenDeleted: Retain)."""
         self.backend.delete(name)
 
-    def export(self, name: str, path: str | Path) -> Path:
-        """The trained weights of the job's newest valid checkpoint as a plain `torch.save` state_dict file.
+    def export(self, name: str, path: str | Path, format: str = "torch") -> Path:  # noqa: A002 - the CLI's name
+        """The trained weights of the job's newest valid checkpoint as a plain `torch.save` state_dict file
+        (`format="safetensors"`: a .safetensors file of its tensors).
 
-        In a cluster a short-lived read-only pod mounts the job's checkpoint claims, exports there and the
-        file is copied out (docs/client.md#permissions: pods create/delete and pods/exec)."""
+        In a cluster a short-lived read-only pod mounts the job's checkpoint claims (or, with checkpoints in
+        object storage, reads its URI with the job's credentials), exports there and the file is copied out
+        (docs/client.md#permissions: pods create/delete and pods/exec)."""
+        if format not in ("torch", "safetensors"):
+            raise ClientError(f"{name}: export: format must be torch or safetensors, got {format!r}")
         path = Path(path)
         if not path.parent.is_dir():
             raise ClientError(f"{name}: export: {path.parent} is no directory")
-        return self.backend.export(name, path)
+        return self.backend.export(name, path, format)
 
     def report(self, names: Sequence[str], out: str | Path, prometheus: str | None = None) -> Path:
         """A comparison report (docs/reports.md) of these jobs in `out`: report.md, report.json and its plots.
@@ -197,8 +201,8 @@ class JobHandle:
     def events(self) -> list[Event]:
         return self.client.events(self.name)
 
-    def export(self, path: str | Path) -> Path:
-        return self.client.export(self.name, path)
+    def export(self, path: str | Path, format: str = "torch") -> Path:  # noqa: A002
+        return self.client.export(self.name, path, format)
 
     def delete(self) -> None:
         self.client.delete(self.name)

@@ -289,7 +289,7 @@ class ClusterBackend(Backend):
 
     # -- export ------------------------------------------------------------------------------
 
-    def export(self, name: str, path: Path) -> Path:
+    def export(self, name: str, path: Path, fmt: str = "torch") -> Path:
         job = self.spec(name)
         image = job.spec.image or self._image_of_pods(name)
         if not image:
@@ -308,9 +308,10 @@ class ClusterBackend(Backend):
                 "python", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])", job_file, manifest])
             if code != 0:
                 raise ClientError(f"{name}: export pod {pod_name}: cannot write the job file: {output.strip()}")
+            source = job.spec.checkpoint.storage.uri or EXPORT_ROOT
             code, output = self._exec(pod_name, [
-                "python", "-m", "kubetrain_cli", "checkpoints", "export", EXPORT_ROOT, "--job", job_file,
-                "--out", out], timeout=EXPORT_SECONDS)
+                "python", "-m", "kubetrain_cli", "checkpoints", "export", source, "--job", job_file,
+                "--out", out, "--format", fmt], timeout=EXPORT_SECONDS)
             if code != 0:
                 raise ClientError(f"{name}: export failed: {output.strip().splitlines()[-1] if output.strip() else code}")
             self._copy_out(pod_name, out, Path(path))

@@ -2,7 +2,9 @@
 
 It mounts every claim that holds the job's checkpoints read-only, under
 `/kubetrain/export/<replica>` (the layout `kubetrain checkpoints export`
-reads as "a directory holding replica directories"), runs the job's own image
+reads as "a directory holding replica directories"), or, for a job whose
+checkpoints are in object storage, carries the job's credentials (its
+secretRef, as the job's own pods) and reads the URI; it runs the job's own image
 (so the checkpoint is read by the kubetrain that wrote it) and only sleeps:
 the client runs the export in it and copies the file out (`kubectl exec`'s
 API), then deletes it. It complies with Pod Security `restricted`, and it
@@ -15,7 +17,7 @@ from typing import Any
 
 from ..api import TrainingJob
 from ..api.podtemplate import CONTAINER, TMP_MOUNT, TMP_VOLUME
-from ..core.children import RUN_AS_USER, claim_name
+from ..core.children import RUN_AS_USER, claim_name, credential_env
 
 EXPORT_ROOT = "/kubetrain/export"
 LABEL_EXPORT = "kubetrain.dev/export-of"
@@ -37,6 +39,8 @@ def checkpoint_claims(job: TrainingJob) -> list[tuple[str, str, str]]:
     else:
         holders = ["single-0"]
     storage = spec.checkpoint.storage
+    if storage.uri:  # in object storage: no claim; the pod reads the URI with the job's credentials
+        return []
     if storage.existing_claim:  # <job>/checkpoints/<replica>; every DDP node uses ddp-0's
         holders = holders[:1] if spec.mode == "DDP" else holders
         return [(r, storage.existing_claim, f"{job.name}/checkpoints/{r}") for r in holders]
@@ -71,7 +75,8 @@ def export_pod(job: TrainingJob, name: str, image: str, pull_policy: str = "IfNo
             "image": image,
             "imagePullPolicy": pull_policy,
             "command": ["sleep", str(POD_SECONDS)],
-            "env": [{"name": "HOME", "value": TMP_MOUNT}, {"name": "PYTHONSAFEPATH", "value": "1"}],
+            "env": [{"name": "HOME", "value": TMP_MOUNT}, {"name": "PYTHONSAFEPATH", "value": "1"},
+                    *credential_env(job)],
             "volumeMounts": mounts,
             "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
                                 "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},

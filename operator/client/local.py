@@ -236,10 +236,10 @@ class LocalBackend(Backend):
         self._stop(run)
         shutil.rmtree(run.path)
 
-    def export(self, name: str, path: Path) -> Path:
+    def export(self, name: str, path: Path, fmt: str = "torch") -> Path:
         run = self.run_dir(name)
         done = subprocess.run([sys.executable, "-m", "kubetrain_cli", "checkpoints", "export", str(run.path),
-                               "--out", str(path)], capture_output=True, text=True,
+                               "--out", str(path), "--format", fmt], capture_output=True, text=True,
                               env={**os.environ, "PYTHONSAFEPATH": "1"})
         if done.returncode != 0:
             raise ClientError(f"{name}: export failed: {done.stderr.strip() or done.stdout.strip()}")

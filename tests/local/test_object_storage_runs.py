@@ -96,6 +96,27 @@ def test_a_single_job_killed_mid_training_or_mid_upload_resumes_to_the_fault_fre
         assert commits == objects and len(commits) == 3, left  # keepLast 3, each object with its commit
         assert "job.yaml" in left
 
+    # The tools read the bucket as they read a volume: verify, compare, and export to s3:// and to a file.
+    verified = kubetrain("checkpoints", "verify", f"s3://{bucket}/save/", "--no-eval", "--json", env=s3.env)
+    assert verified.returncode == 0, verified.stderr
+    report = json.loads(verified.stdout)
+    assert report["ok"] and report["replicas"]["single-0"]["latest"] == f"ckpt-{step_a:08d}.pt", report
+    assert [c["step"] for c in report["replicas"]["single-0"]["checkpoints"] if c["ok"]] == [100, 120, step_a]
+    same = kubetrain("checkpoints", "compare", f"s3://{bucket}/clean/", f"s3://{bucket}/save/", "--json", env=s3.env)
+    assert same.returncode == 0, same.stdout + same.stderr
+    exported = kubetrain("checkpoints", "export", f"s3://{bucket}/save/", "--out",
+                         f"s3://{bucket}/exports/model.safetensors", "--format", "safetensors", env=s3.env)
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load
+
+    assert_same_weights(load(s3.store().get_bytes(ObjectURI(bucket, "exports/model.safetensors"), 1 << 30)),
+                        state_a["model"])
+    from_run = kubetrain("checkpoints", "export", str(clean_dir), "--out", str(tmp_path / "model.pt"), env=s3.env)
+    assert from_run.returncode == 0, from_run.stderr
+    assert_same_weights(torch.load(tmp_path / "model.pt", weights_only=True), state_a["model"])
+    for out in (verified, same, exported, from_run):
+        secret_free(out.stdout + out.stderr, s3)
+
 
 def test_ddp_and_parameter_server_jobs_read_s3_shards_checkpoint_to_s3_and_survive_a_kill(tmp_path, s3, bucket):
     data = put_digits(s3.store(), bucket)
