@@ -14,8 +14,10 @@ calls `run_bench`, which loads only the benchmark asked for:
   loopback socket, and over mutual TLS against plaintext;
 - `contract` (contract.py, script.py): what kubetrain.report and
   kubetrain.save cost a user's script;
-- `checkpoint` (checkpoint.py, sharded.py): what a background checkpoint
-  costs the training loop against a synchronous one, or a sharded one.
+- `checkpoint` (checkpoint.py, sharded.py, objstore.py): what a background checkpoint
+  costs the training loop against a synchronous one, or a sharded one, on disk or in
+  object storage (`--to s3://...`, with the upload against a plain PUT);
+- `data` (objstore.py): the data loader on s3:// shards against the same shards on disk.
 
 transport, contract and checkpoint import torch at module level: they are
 loaded inside `run_bench`, so that the others run without it.
@@ -93,9 +95,24 @@ def _bench_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         from .sharded import bench_sharded
     except ImportError as err:
         raise SystemExit(f"kubetrain bench checkpoint needs the trainer's dependencies (torch): {err}")
+    if args.to:
+        from .objstore import bench_checkpoint_to, bench_sharded_to
+
+        return bench_sharded_to(args.to, args.gib) if args.sharded else bench_checkpoint_to(args.to, args.model_mb,
+                                                                                           args.rounds)
     if args.sharded:
         return bench_sharded(args.gib, args.dir)
     return bench_checkpoint(args.model_mb, args.steps, args.every, args.rounds, args.dir)
+
+
+def _bench_data(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        from .objstore import bench_data
+    except ImportError as err:
+        raise SystemExit(f"kubetrain bench data needs the trainer's dependencies (torch): {err}")
+    if args.batch < 1 or args.make < 0 or args.rows < 1 or args.features < 1:
+        raise ValueError("--batch, --rows and --features must be at least 1, --make at least 0")
+    return bench_data(args.source, args.batch, args.cache, args.make, args.rows, args.features)
 
 
 def _bench_modes(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,7 +125,7 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 BENCHES = {"transport": _bench_transport, "contract": _bench_contract, "compression": _bench_compression,
-           "ft": _bench_ft, "checkpoint": _bench_checkpoint, "modes": _bench_modes}
+           "ft": _bench_ft, "checkpoint": _bench_checkpoint, "modes": _bench_modes, "data": _bench_data}
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -85,6 +85,19 @@ def build(layers: int) -> Any:
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
 
 
+def make_store(directory: str, store_uri: str) -> Any:
+    """The sharded store under measure: on the shared directory, or in object storage (every rank staging
+    on its own)."""
+    from kubetrain_trainer.sharded import ShardedStore
+
+    if not store_uri:
+        return ShardedStore(Path(directory) / "sharded", keep_last=1, spec_hash="bench")
+    from kubetrain_trainer.object_checkpoints import ObjectShardedStore
+    from kubetrain_trainer.objstore import parse_uri
+
+    return ObjectShardedStore(Path(directory) / "stage", parse_uri(store_uri, "--to"), keep_last=1, spec_hash="bench")
+
+
 def worker(directory: str, layers: int, out: str) -> None:
     """One rank of the group (torchrun's environment)."""
     import torch
@@ -95,7 +108,6 @@ def worker(directory: str, layers: int, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from kubetrain_trainer.checkpoint import CheckpointStore
-    from kubetrain_trainer.sharded import ShardedStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -120,7 +132,7 @@ def worker(directory: str, layers: int, out: str) -> None:
 
     mine = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in leaves(state()))
     total = sum(t.numel() * t.element_size() for t in leaves(state()))
-    store = ShardedStore(Path(directory) / "sharded", keep_last=1, spec_hash="bench")
+    store = make_store(directory, os.environ.get(STORE_VAR, ""))
     result: dict[str, Any] = {"rank": rank, "shard_bytes": mine, "state_bytes": total}
 
     def timed(label: str, fn: Any) -> None:
@@ -164,14 +176,12 @@ def restore_alone(directory: str, layers: int, out: str) -> None:
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from kubetrain_trainer.sharded import ShardedStore, complete
-
     torch.set_num_threads(1)
     model = build(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     msd, osd = get_state_dict(model, optimizer)
-    store = ShardedStore(Path(directory) / "sharded", keep_last=1, spec_hash="bench")
-    [(_, path)] = complete(store.directory)
+    store = make_store(directory, os.environ.get(STORE_VAR, ""))
+    _, path = store.newest()
     with PeakRSS() as peak:
         started = time.perf_counter()
         store.load(path, {"model": msd, "optimizer": osd})
@@ -179,7 +189,11 @@ def restore_alone(directory: str, layers: int, out: str) -> None:
     Path(out).write_text(json.dumps({"restore_2_to_1_seconds": seconds, "restore_2_to_1_extra_bytes": peak.extra}))
 
 
-def bench_sharded(gib: float, directory: str | None = None) -> dict[str, Any]:
+STORE_VAR = "KUBETRAIN_BENCH_STORE_URI"
+"""The group's and the lone restore's checkpoint prefix in object storage (`--to`); unset: the directory."""
+
+
+def bench_sharded(gib: float, directory: str | None = None, store_uri: str | None = None) -> dict[str, Any]:
     if not 0.1 <= gib <= 64:
         raise ValueError(f"--gib {gib}: expected 0.1 to 64 (GiB of state in all)")
     if directory is not None and not Path(directory).is_dir():
@@ -187,7 +201,8 @@ def bench_sharded(gib: float, directory: str | None = None) -> dict[str, Any]:
     layers = layers_for(gib)
     tmp = tempfile.mkdtemp(prefix="kubetrain-bench-sharded-", dir=directory)
     try:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONSAFEPATH": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONSAFEPATH": "1",
+               STORE_VAR: store_uri or ""}
         group_out, alone_out = Path(tmp) / "group.json", Path(tmp) / "alone.json"
         for argv in ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", __name__, "worker", tmp,

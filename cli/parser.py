@@ -241,6 +241,7 @@ def add_bench_command(sub: Subparsers) -> None:
     b.add_argument("--out", help="also write the JSON here")
     add_bench_ft(bsub)
     add_bench_checkpoint(bsub)
+    add_bench_data(bsub)
     p.set_defaults(func=cmd_bench)
 
 
@@ -286,4 +287,19 @@ def add_bench_checkpoint(bsub: Subparsers) -> None:
                    help="a sharded checkpoint instead: FSDP2 over 2 ranks, every rank writing its shards, against "
                         "its synchronous save and against rank 0's torch.save of the gathered state")
     b.add_argument("--gib", type=float, default=1.0, help="--sharded: GiB of state in all (parameters and AdamW's)")
+    b.add_argument("--to", metavar="s3://BUCKET/PREFIX",
+                   help="checkpoints in object storage (the store of the AWS_* variables; locally: eval $(hack/objstore "
+                        "up)): the background save against a synchronous upload, and the upload against one plain PUT")
+    b.add_argument("--out", help="also write the JSON here")
+
+
+def add_bench_data(bsub: Subparsers) -> None:
+    b = bsub.add_parser("data", help="the data loader on s3:// shards against the same shards on local disk")
+    b.add_argument("--from", dest="source", required=True, metavar="s3://BUCKET/PREFIX/",
+                   help="a prefix of .npz shards (the store of the AWS_* variables)")
+    b.add_argument("--make", type=int, default=0, metavar="N", help="first put N shards of random rows there")
+    b.add_argument("--rows", type=int, default=20000, help="--make: rows per shard")
+    b.add_argument("--features", type=int, default=256, help="--make: float32 features per row")
+    b.add_argument("--batch", type=int, default=256, help="samples per batch")
+    b.add_argument("--cache", default="10Gi", help="the shard cache's size (spec.dataset.cacheSize)")
     b.add_argument("--out", help="also write the JSON here")

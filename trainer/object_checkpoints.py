@@ -341,22 +341,29 @@ class ObjectShardedStore(ShardedStore):
         started = time.monotonic()
         folder = object_key(f"sharded-{step:08d}", tmp.name.rsplit("-", 1)[-1].removesuffix(".tmp"))
         mine: dict[str, tuple[int, str]] | str
+        # Each rank stages in a folder of its own: ranks of one node share the directory, and one rank's
+        # cleanup must not take another's files from under its upload.
+        stage = tmp / f"rank-{self.rank}"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            stage.mkdir(parents=True, exist_ok=True)
             # No fsync: the local files are only staged for the upload, whose objects are checked.
-            writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=False, thread_count=1)
+            writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=False, thread_count=1)
             with _alone_is_meant():
                 dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
             mine = {}
             midway = (lambda: self.mid_save(step)) if self.mid_save is not None else None
-            for name in rank_files(tmp, self.rank):
-                mine[folder + name] = self.remote.upload(tmp / name, folder + name, midway=midway)
+            for name in rank_files(stage, self.rank):
+                mine[folder + name] = self.remote.upload(stage / name, folder + name, midway=midway)
                 midway = None
         except BaseException as err:  # noqa: BLE001 - told to rank 0 below, raised by this rank's next save
             self._error = err
             mine = f"rank {self.rank}: {type(err).__name__}: {err}"
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(stage, ignore_errors=True)
+            try:
+                tmp.rmdir()  # the last rank of the node out removes the save's folder
+            except OSError:
+                pass
         try:
             everyone = self._gather(mine, group)
             if self.rank == 0:
