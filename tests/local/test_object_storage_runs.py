@@ -6,6 +6,8 @@ traceback and no secret in any output."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import yaml
 
 from helpers.jsonl import read_events
 from objstorelib import DIGITS_SHARDS, put_digits, secret_free, tree
-from support import job_doc, kubetrain
+from support import EXAMPLES, ROOT, job_doc, kubetrain
 from kubetrain_operator.api import load_one
 from kubetrain_trainer.checkpoint import spec_hash
 from kubetrain_trainer.object_checkpoints import ObjectCheckpointStore
@@ -127,11 +129,22 @@ def test_ddp_and_parameter_server_jobs_read_s3_shards_checkpoint_to_s3_and_survi
         return job_doc(name, mode, checkpoint={"intervalSteps": 20, "storage": {"uri": f"s3://{bucket}/{name}/"}},
                        **common, **extra)
 
-    # DDP, 2 nodes: rank 0 writes the group's checkpoints to <uri>/ddp-0/, every node reads them.
-    ddp = {"ddp": {"nodes": 2}}
-    clean, clean_dir = run(tmp_path, s3, doc("ddp-clean", "DDP", **ddp), "ddp-clean")
+    # DDP, 2 nodes: examples/s3 (its put_digits.py makes the bucket and the shards). Rank 0 writes the group's
+    # checkpoints to <uri>/ddp-0/, every node reads them.
+    made = subprocess.run([sys.executable, str(EXAMPLES / "s3" / "put_digits.py")], env=s3.environ(),
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and "8 shards of 1797 digits in s3://kubetrain-examples/digits/" in made.stdout, made
+
+    def example(name: str) -> dict:
+        doc = yaml.safe_load((EXAMPLES / "s3" / "job.yaml").read_text())
+        doc["metadata"]["name"] = name
+        doc["spec"]["training"]["epochs"] = 4
+        doc["spec"]["checkpoint"]["storage"]["uri"] = f"s3://{bucket}/{name}/"
+        return doc
+
+    clean, clean_dir = run(tmp_path, s3, example("ddp-clean"), "ddp-clean")
     assert clean.returncode == 0, clean.stderr
-    faulty, faulty_dir = run(tmp_path, s3, doc("ddp-faulty", "DDP", **ddp), "ddp-faulty", "--fault", "ddp-1:kill@step=50")
+    faulty, faulty_dir = run(tmp_path, s3, example("ddp-faulty"), "ddp-faulty", "--fault", "ddp-1:kill@step=50")
     assert faulty.returncode == 0, faulty.stderr
     step_a, state_a = newest_state(s3, f"s3://{bucket}/ddp-clean/", "ddp-0", clean_dir)
     step_b, state_b = newest_state(s3, f"s3://{bucket}/ddp-faulty/", "ddp-0", faulty_dir)
@@ -152,6 +165,21 @@ def test_ddp_and_parameter_server_jobs_read_s3_shards_checkpoint_to_s3_and_survi
     print(f"\nParameterServer from s3://: accuracy {accuracy[0]:.4f} fault-free, {accuracy[1]:.4f} with ps-0 killed")
     assert accuracy[1] >= accuracy[0] - 0.03  # asynchronous arrival: the PS is equal within its band, not bitwise
     assert any(k.startswith("ps-0/commits/") for k in tree(s3.store(), ObjectURI(bucket, "ps-faulty/")))
+
+
+def test_a_script_reads_s3_shards_through_kubetrain_data_and_a_kill_loses_no_sample(tmp_path, s3, bucket):
+    data = put_digits(s3.store(), bucket)
+    epochs = 3
+    doc = job_doc("counter", script={"command": ["python", "shard_counter.py", data, str(epochs)],
+                                      "workingDir": str(ROOT / "tests" / "assets" / "scripts")},
+                  checkpoint={"storage": {"uri": f"s3://{bucket}/counter/"}})
+    proc, run_dir = run(tmp_path, s3, doc, "counter", "--fault", "single-0:kill@step=25")
+    assert proc.returncode == 0, proc.stderr
+    assert "single-0 was killed by SIGKILL" in proc.stderr
+    assert [e["step"] for e in read_events(run_dir / "metrics" / "single-0.jsonl", "resume")] in ([10], [20])
+    # Counted in the checkpointed state: every digit trained exactly once an epoch, the kill notwithstanding.
+    metrics = json.loads((run_dir / "results" / "single-0.json").read_text())["metrics"]
+    assert (metrics["min_count"], metrics["max_count"], metrics["trained"]) == (epochs, epochs, epochs * 1797)
 
 
 @dataclass
