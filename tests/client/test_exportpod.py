@@ -47,3 +47,15 @@ def test_the_export_pod_mounts_them_read_only_on_the_jobs_nodes_and_is_no_replic
     container = podspec["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] and podspec["securityContext"]["runAsNonRoot"]
     assert podspec["activeDeadlineSeconds"] > 0 and podspec["automountServiceAccountToken"] is False
+
+
+def test_a_job_in_object_storage_is_exported_with_its_own_credentials_and_no_claim():
+    spec = job("DDP", ddp={"nodes": 2, "strategy": "FSDP"},
+               checkpoint={"storage": {"uri": "s3://ckpt/jobs/j/", "secretRef": "s3-creds"}})
+    assert checkpoint_claims(spec) == []
+    pod = export_pod(spec, "j-export-1", "img:1")
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["tmp"]
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY", "optional": False}
+    assert "AWS_ACCESS_KEY_ID" in env and "value" not in env["AWS_ACCESS_KEY_ID"]
