@@ -113,6 +113,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def another_spec(where: object, written: str, expected: str, remedy: str) -> ConfigError:
+    """A checkpoint written for another spec: resuming it would mix two different jobs (exit 2)."""
+    return ConfigError(f"checkpoint {where} was written for a different spec (hash {written}, this job {expected}): "
+                       f"model, dataset, training or topology changed. {remedy} to start over")
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
@@ -439,11 +445,8 @@ class CheckpointStore(Store):
                     pass  # a read-only volume: it is skipped again next time, which is harmless
                 continue
             if written_hash != self.spec_hash:
-                raise ConfigError(
-                    f"checkpoint {info.path} was written for a different spec (hash {written_hash}, this job "
-                    f"{self.spec_hash}): model, dataset, training or topology changed. Delete "
-                    f"{self.directory} or use a new run directory to start over"
-                )
+                raise another_spec(info.path, written_hash, self.spec_hash,
+                                   f"Delete {self.directory} or use a new run directory")
             self.durable_step = step
             return step, state
         return None

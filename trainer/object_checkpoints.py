@@ -42,8 +42,8 @@ from kubetrain_contract.checkpoints import (COMMIT_KEY_PATTERN, COMMITS, JOB_OBJ
 from kubetrain_contract.files import atomic_write
 from kubetrain_contract.timestamps import iso
 
-from .checkpoint import CheckpointInfo, CheckpointStore, CorruptCheckpoint
-from .errors import ConfigError, LoadError, TransientError
+from .checkpoint import CheckpointInfo, CheckpointStore, CorruptCheckpoint, another_spec
+from .errors import LoadError, TransientError
 from .objstore import CorruptObject, ObjectStore, ObjectURI, RangeReader, file_digest, shared_store
 from .sharded import (METADATA, CorruptSharded, ShardedCheckpointError, ShardedStore, _alone_is_meant, _cause,
                       rank_files)
@@ -51,6 +51,7 @@ from .sharded import (METADATA, CorruptSharded, ShardedCheckpointError, ShardedS
 log = logging.getLogger(__name__)
 
 COMMIT_VERSION = 1
+ANOTHER_URI = "Use another checkpoint.storage.uri, or delete the prefix's objects,"
 # A commit lists a sharded checkpoint's objects, about 120 bytes each: 4 MiB holds some 30,000 ranks.
 MAX_COMMIT_BYTES = 4 << 20
 # Commits older than keepLast go with their objects; a listing of more commits than this in one prefix
@@ -302,11 +303,7 @@ class ObjectCheckpointStore(CheckpointStore):
                 self.remote.set_aside(commit, str(err))
                 continue
             if written_hash != self.spec_hash:
-                raise ConfigError(
-                    f"checkpoint {self.remote.uri(key)} was written for a different spec (hash {written_hash}, this "
-                    f"job {self.spec_hash}): model, dataset, training or topology changed. Use another "
-                    "checkpoint.storage.uri, or delete the prefix's objects, to start over"
-                )
+                raise another_spec(self.remote.uri(key), written_hash, self.spec_hash, ANOTHER_URI)
             if step != commit.step:
                 self.remote.set_aside(commit, f"its file holds step {step}")
                 continue
@@ -435,11 +432,7 @@ class ObjectShardedStore(ShardedStore):
 
     def _check_commit(self, commit: ObjectCommit) -> str | None:
         if commit.spec_hash != self.spec_hash:
-            raise ConfigError(
-                f"checkpoint {self.remote.uri(commit.folder)} was written for a different spec (hash "
-                f"{commit.spec_hash}, this job {self.spec_hash}): model, dataset, training or topology changed. "
-                "Use another checkpoint.storage.uri, or delete the prefix's objects, to start over"
-            )
+            raise another_spec(self.remote.uri(commit.folder), commit.spec_hash, self.spec_hash, ANOTHER_URI)
         keys = sorted(commit.objects)[self.rank :: self.world_size]
         try:
             self.remote.verify(commit, keys)
@@ -504,7 +497,7 @@ def _object_filesystem() -> Any:
             if key.endswith("/" + METADATA):
                 yield io.BytesIO(self.remote.store.get_bytes(uri, max(size, 1)))
             else:
-                yield RangeReader(self.remote.store, uri, size)
+                yield RangeReader(lambda start, n, uri=uri: self.remote.store.get_range(uri, start, n), size)
 
         def concat_path(self, path: Any, suffix: str) -> str:
             return f"{path}{suffix}" if str(path).endswith("/") else f"{path}/{suffix}"
@@ -545,7 +538,7 @@ def ObjectReader(remote: ObjectCheckpoints, commit: ObjectCommit) -> Any:
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
             # One GET of the piece's own bytes: torch.load then seeks within memory, not across the network.
             if isinstance(file, RangeReader):
-                return io.BytesIO(file.store.get_range(file.uri, sinfo.offset, sinfo.length))
+                return io.BytesIO(file.read_range(sinfo.offset, sinfo.length))
             return super()._slice_file(file, sinfo)
 
     return _Reader()

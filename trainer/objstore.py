@@ -795,15 +795,13 @@ def file_digest(path: str | Path) -> tuple[int, str]:
 
 
 class RangeReader(io.RawIOBase):
-    """A read-only, seekable file over one object: each `read` after a `seek` is one ranged GET.
+    """A read-only, seekable file over ranged reads (`read_range(start, n)`, clamped to `size`): an object of
+    the store read piece by piece. torch.distributed.checkpoint's reader loads a rank's pieces of a sharded
+    checkpoint through it (one ranged GET each), pyarrow a Parquet shard's footer and columns."""
 
-    What torch.distributed.checkpoint's reader needs to load its pieces of a sharded checkpoint
-    straight from the store, each rank fetching only the byte ranges of its own shards.
-    """
-
-    def __init__(self, store: ObjectStore, uri: ObjectURI, size: int):
+    def __init__(self, read_range: Callable[[int, int], bytes], size: int):
         super().__init__()
-        self.store, self.uri, self.size = store, uri, size
+        self.read_range, self.size = read_range, size
         self._pos = 0
 
     def readable(self) -> bool:
@@ -820,17 +818,11 @@ class RangeReader(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
-    def read(self, n: int = -1) -> bytes:
-        if n is None or n < 0:
-            n = self.size - self._pos
-        n = min(n, self.size - self._pos)
-        data = self.store.get_range(self.uri, self._pos, n) if n > 0 else b""
-        self._pos += len(data)
-        return data
-
     def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
+        n = min(len(buffer), max(0, self.size - self._pos))
+        data = self.read_range(self._pos, n) if n else b""
         memoryview(buffer)[: len(data)] = data
+        self._pos += len(data)
         return len(data)
 
 

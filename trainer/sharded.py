@@ -61,7 +61,7 @@ from kubetrain_contract.checkpoints import (COMMIT, CORRUPT_SUFFIX, LATEST, SHAR
                                           sharded_name, sharded_tmp_name)
 from kubetrain_contract.files import atomic_write, fsync_dir, read_regular, unreadable
 
-from .checkpoint import CheckpointInfo, Store, drop_cache
+from .checkpoint import CheckpointInfo, Store, another_spec, drop_cache
 from .errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
@@ -439,11 +439,8 @@ class ShardedStore(Store):
         except CorruptSharded as err:
             return str(err)
         if commit.spec_hash != self.spec_hash:
-            raise ConfigError(
-                f"checkpoint {path} was written for a different spec (hash {commit.spec_hash}, this job "
-                f"{self.spec_hash}): model, dataset, training or topology changed. Delete {self.directory} or "
-                "use a new run directory to start over"
-            )
+            raise another_spec(path, commit.spec_hash, self.spec_hash,
+                               f"Delete {self.directory} or use a new run directory")
         names = sorted(commit.files)[self.rank :: self.world_size]
         try:
             verify(path, commit, names)

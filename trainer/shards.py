@@ -46,7 +46,7 @@ from kubetrain_contract.files import atomic_write
 from kubetrain_contract.launch import DATA_CACHE_VAR
 
 from .errors import ConfigError, LoadError, TransientError
-from .objstore import ObjectStore, ObjectURI, human_bytes, shared_store
+from .objstore import ObjectStore, ObjectURI, RangeReader, human_bytes, shared_store
 
 log = logging.getLogger(__name__)
 
@@ -275,34 +275,6 @@ def _npz_member(read: Callable[[int, int], bytes], members: dict[str, tuple[int,
     return shape, dtype, np.frombuffer(body, dtype=dtype).reshape(shape)
 
 
-class _RangeFile(io.RawIOBase):
-    """A read-only file over ranged reads, for pyarrow's Parquet reader (it reads the footer, then columns)."""
-
-    def __init__(self, read: Callable[[int, int], bytes], size: int):
-        super().__init__()
-        self._read, self.size, self._pos = read, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), max(0, self.size - self._pos))
-        data = self._read(self._pos, n) if n else b""
-        memoryview(buffer)[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 @dataclass(frozen=True)
 class Columns:
     """Which Parquet columns are the features and which the labels (spec.dataset)."""
@@ -359,7 +331,7 @@ def _index_parquet(storage: ShardStorage, name: str, size: int, columns: Columns
     import pyarrow.parquet as pq
 
     try:
-        with pq.ParquetFile(io.BufferedReader(_RangeFile(lambda s, n: storage.read_range(name, s, n), size),
+        with pq.ParquetFile(io.BufferedReader(RangeReader(lambda s, n: storage.read_range(name, s, n), size),
                                               1 << 20)) as parquet:
             features = _parquet_columns(parquet.schema_arrow, columns)
             labels = parquet.read(columns=[columns.label]).column(columns.label).to_numpy()

@@ -220,3 +220,15 @@ def test_a_store_busy_for_a_moment_is_retried_with_backoff(s3, bucket, failures)
 def test_credentials_never_show_in_their_repr():
     creds = Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI-secret", "token-secret", "eu-west-1", "http://127.0.0.1:1")
     assert "secret" not in repr(creds) and "AKID" not in repr(creds)
+
+
+def test_a_long_transfer_logs_its_bytes_share_and_rate(s3, bucket, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(objstore, "PROGRESS_SECONDS", 0.0)  # every piece is "due": the lines a long one logs
+    path = tmp_path / "x.bin"
+    path.write_bytes(os.urandom(MULTIPART_BYTES + 1000))
+    with caplog.at_level("INFO", logger="kubetrain_trainer.objstore"):
+        s3.store().upload(path, ObjectURI(bucket, "x.bin"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"upload s3://{bucket}/x.bin: ") and "MiB of 16.0 MiB (" in line and "/s" in line
+               for line in lines), lines
+    assert lines[-1].endswith(": done") and "(100%)" in lines[-1]
