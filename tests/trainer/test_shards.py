@@ -203,3 +203,18 @@ def test_quantities_are_read_as_kubernetes_writes_them():
     assert parse_quantity("10Gi", "f") == 10 << 30
     assert parse_quantity("500M", "f") == 500_000_000
     assert parse_quantity("1.5Ki", "f") == 1536
+
+
+def test_parquet_shards_train_as_npz_shards_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBETRAIN_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    npz = write_shards(tmp_path / "npz", [30, 30, 30, 30])
+    parquet = write_shards(tmp_path / "parquet", [30, 30, 30, 30], "parquet")
+    a = load_data(Dataset(path=str(npz), eval_fraction=0.25), seed=2)
+    b = load_data(Dataset(path=str(parquet), eval_fraction=0.25, label_column="label"), seed=2)
+    assert (a.input_shape, a.num_classes) == (b.input_shape, b.num_classes) == ((8,), 3)
+    rows = torch.arange(len(a.train_x))
+    assert torch.equal(a.train_x[rows], b.train_x[rows]) and torch.equal(a.train_y[rows], b.train_y[rows])
+    assert torch.equal(a.eval_x[0:30], b.eval_x[0:30])
+    # featureColumns picks and orders the features.
+    c = load_data(Dataset(path=str(parquet), feature_columns=["f3", "f0"]), seed=2)
+    assert c.input_shape == (2,) and torch.equal(c.train_x[rows][:, 1], a.train_x[rows][:, 0])
