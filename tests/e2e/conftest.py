@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2elib import CACHE, CUSTOM_IMAGE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, NODE_CGROUP, leftovers
+from e2elib import CACHE, CUSTOM_IMAGE, E2E, E2E_CLUSTER, FIGURES, KEEP, NAMESPACE, NODE_CGROUP, S3_SECRET, leftovers
 
 from helpers import cpu
 from helpers.kube import ROOT, connect, hack_cluster, require_tools
@@ -143,10 +143,6 @@ def custom_image(e2e: E2E) -> str:
                    f"{time.monotonic() - started:.1f} s ({'; '.join(done) or 'nothing to build or load'})")
     return CUSTOM_IMAGE
 
-
-# The object-storage Secret of the e2e namespace: what the chart's objectStorage.secrets lets jobs name
-# (hack/values-e2e.yaml).
-S3_SECRET = "kubetrain-s3"
 
 
 @pytest.fixture(scope="session")

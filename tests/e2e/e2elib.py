@@ -28,6 +28,8 @@ from kubetrain_operator.controller.observe import parse_metrics
 E2E_CLUSTER = os.environ.get("KUBETRAIN_E2E_CLUSTER", "kt-e2e")
 KEEP = os.environ.get("KUBETRAIN_E2E_KEEP") == "1"  # leave the cluster up, reuse it next time
 REAL_NODE = "kt-real-0"
+S3_SECRET = "kubetrain-s3"
+"""The object-storage Secret the e2e fixture `e2e_s3` makes: the one hack/values-e2e.yaml's objectStorage.secrets lists."""
 NODE_CGROUP = f"kt-{E2E_CLUSTER}"  # hack/realnode/node's cgroupRoot: the node's pods under it, in every hierarchy
 REAL_NODE_SELECTOR = {"kubetrain/node": "real"}
 NAMESPACE = "e2e"  # the release's and the jobs' (the operator watches only its own namespace)

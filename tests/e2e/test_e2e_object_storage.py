@@ -17,8 +17,7 @@ import time
 
 import pytest
 import yaml
-from conftest import S3_SECRET
-from e2elib import EXAMPLES, apply, figure, first_checkpoint, first_step, logs, on_real_node, succeeded
+from e2elib import EXAMPLES, S3_SECRET, apply, figure, first_checkpoint, first_step, logs, on_real_node, succeeded
 from objstorelib import put_digits, tree
 from test_e2e_faults import sigkill
 
