@@ -831,9 +831,15 @@ _shared_lock = threading.Lock()
 
 
 def shared_store() -> ObjectStore:
-    """The process's one ObjectStore (one connection pool for data, checkpoints and exports)."""
+    """The process's one ObjectStore (one connection pool for data, checkpoints and exports), for the
+    credentials and address the environment names now: a change of them (a process that sets AWS_* after
+    its first use) gets a new one, with the old one's metrics hooks."""
     global _shared
     with _shared_lock:
-        if _shared is None:
-            _shared = ObjectStore()
+        credentials = Credentials.from_env()
+        if _shared is None or _shared.credentials != credentials:
+            old = _shared
+            _shared = ObjectStore(credentials=credentials)
+            if old is not None:
+                _shared.on_upload, _shared.on_download, _shared.on_retry = old.on_upload, old.on_download, old.on_retry
         return _shared

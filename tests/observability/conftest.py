@@ -1,4 +1,5 @@
-"""A real Prometheus on loopback scraping two real `kubetrain run` jobs (Single and ParameterServer).
+"""A real Prometheus on loopback scraping three real `kubetrain run` jobs (Single, with its data and checkpoints
+in the session's S3 server; ParameterServer; fault-tolerant DDP).
 
 Started once for test_prometheus.py (module scope, so that its busy jobs do
 not slow down the tests after it), which checks the replicas' exposition
@@ -18,13 +19,15 @@ from helpers.process import require_program
 from helpers.prometheus import start_prometheus
 from helpers.wait import wait_for
 from live import FT, PS, SINGLE, LiveRun, Observed, jobs, prometheus_config, start_run
+from objstorelib import put_digits
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory) -> Observed:
+def observed(tmp_path_factory, s3) -> Observed:
     require_program("prometheus", "apt-get install -y --no-install-recommends prometheus (hack/deps)")
     root = tmp_path_factory.mktemp("observed")
-    docs = jobs()
+    bucket = s3.bucket("obs")
+    docs = jobs(put_digits(s3.store(), bucket), f"s3://{bucket}/obs-single/")
     run_dirs = {name: root / "runs" / name for name in docs}
     for path in run_dirs.values():
         path.mkdir(parents=True)  # file_sd watches these directories from the start
@@ -37,7 +40,8 @@ def observed(tmp_path_factory) -> Observed:
         # The first attempt of single-0 dies by SIGKILL at step 100 (~13 s: the jobs are slowed, live.py), before
         # the tests begin: the restarts of the alert test begin.
         replicas = {SINGLE: ["single-0"], PS: ["ps-0", "worker-0", "worker-1"]}
-        runs[SINGLE] = start_run(root, SINGLE, docs[SINGLE], replicas[SINGLE], ["--fault", "single-0:kill@step=100"])
+        runs[SINGLE] = start_run(root, SINGLE, docs[SINGLE], replicas[SINGLE], ["--fault", "single-0:kill@step=100"],
+                                 environ=s3.env)
         stack.callback(runs[SINGLE].stop)
         # Below single-0's priority, so that its restarts are not slowed down by three busy PS processes.
         runs[PS] = start_run(root, PS, docs[PS], replicas[PS], [], nice=10)

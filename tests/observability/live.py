@@ -120,7 +120,9 @@ class Observed:
     expositions: dict[str, str] = field(default_factory=dict)  # replica ("obs-ps/worker-0") -> text
 
 
-def jobs() -> dict[str, dict]:
+def jobs(data_uri: str = "", checkpoint_uri: str = "") -> dict[str, dict]:
+    """The three jobs; with the URIs, obs-single reads its data from s3:// shards and keeps its checkpoints in a
+    bucket (the dashboard's object-storage panels have its series)."""
     never = {"policy": "OnFailure", "backoffLimit": 30, "maxRestartsWithoutProgress": 30}
     run_policy = {"progressDeadlineSeconds": 3600}  # the stall below must stay a stall, not a restart
     training = {"maxSteps": UNTIL_STOPPED, "batchSize": 32, "seed": 0,
@@ -129,7 +131,9 @@ def jobs() -> dict[str, dict]:
               "training": training, "restartPolicy": never, "runPolicy": run_policy}
     return {
         # Checkpoints often: its restarts (one by --fault, more by the test) make progress.
-        SINGLE: job_doc(SINGLE, "Single", checkpoint={"intervalSteps": 50, "keepLast": 2}, **common),
+        SINGLE: job_doc(SINGLE, "Single", **{**common, **({"dataset": {"uri": data_uri}} if data_uri else {})},
+                        checkpoint={"intervalSteps": 50, "keepLast": 2,
+                                    **({"storage": {"uri": checkpoint_uri}} if checkpoint_uri else {})}),
         # Async with TopK: staleness and compressed bytes; never checkpoints while the test runs.
         PS: job_doc(PS, "ParameterServer", checkpoint={"intervalSteps": UNTIL_STOPPED, "keepLast": 1},
                     parameterServer={"replicas": 1, "workers": 2, "aggregation": "Async", "maxStaleness": 4,
@@ -143,8 +147,10 @@ def jobs() -> dict[str, dict]:
     }
 
 
-def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list[str], nice: int = 0) -> LiveRun:
-    """`kubetrain run` in the background; `nice` lowers the priority of it and its replicas."""
+def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list[str], nice: int = 0,
+              environ: dict[str, str] | None = None) -> LiveRun:
+    """`kubetrain run` in the background (`environ` added to its environment); `nice` lowers the priority of
+    it and its replicas."""
     manifest = root / f"{name}.yaml"
     manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
     run_dir = root / "runs" / name
@@ -153,7 +159,7 @@ def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list
         [sys.executable, "-m", "kubetrain_cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
          *extra],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-        env={**os.environ, SLOWDOWN_VAR: ",".join(f"{r}:{SLOWDOWN_FACTOR}" for r in replicas)},
+        env={**os.environ, **(environ or {}), SLOWDOWN_VAR: ",".join(f"{r}:{SLOWDOWN_FACTOR}" for r in replicas)},
         preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
     return LiveRun(name, replicas, run_dir, popen, log)
