@@ -58,7 +58,7 @@ def test_an_fsdp_job_checkpointing_to_s3_needs_no_claim_and_resumes_a_killed_pod
     single = on_real_node({
         "apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "s3-single"},
         "spec": {"mode": "Single", "dataset": {"uri": data, "secretRef": S3_SECRET},
-                 "training": {"epochs": 30, "batchSize": 32},
+                 "training": {"epochs": 10, "batchSize": 32},
                  "checkpoint": {"intervalSteps": 100, "storage": {"uri": f"s3://{bucket}/s3-single/",
                                                                    "secretRef": S3_SECRET}}}})
     for doc in (clean, faulty, single):
