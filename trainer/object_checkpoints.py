@@ -369,14 +369,7 @@ class ObjectShardedStore(ShardedStore):
             self._error = self._error or err
 
     def _commit_objects(self, step: int, everyone: list[Any], started: float) -> None:
-        failed = [m for m in everyone if isinstance(m, str)]
-        if failed:
-            raise TransientError(f"step {step} not committed: {'; '.join(failed)}")
-        objects: dict[str, tuple[int, str]] = {}
-        for part in everyone:
-            objects.update(part)
-        if not any(k.endswith("/" + METADATA) for k in objects):
-            raise TransientError(f"step {step} not committed: DCP wrote no {METADATA}")
+        objects = self.merged(step, everyone)
         name = f"sharded-{step:08d}"
         commit = ObjectCommit(name, step, self.spec_hash, objects, len(everyone))
         self.remote.commit(commit)

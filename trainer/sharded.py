@@ -346,15 +346,22 @@ class ShardedStore(Store):
         dist.gather_object(mine, out, dst=0, group=group)
         return out or []
 
-    def _commit(self, step: int, tmp: Path, everyone: list[Any], started: float) -> None:
+    @staticmethod
+    def merged(step: int, everyone: list[Any]) -> dict[str, tuple[int, str]]:
+        """Every rank's files (name: (length, sha256)) of one save, merged; TransientError when a rank failed
+        (its message instead of its files) or no rank wrote DCP's METADATA: then nothing may be committed."""
         failed = [m for m in everyone if isinstance(m, str)]
         if failed:
             raise TransientError(f"step {step} not committed: {'; '.join(failed)}")
         files: dict[str, tuple[int, str]] = {}
         for part in everyone:
             files.update(part)
-        if METADATA not in files:
+        if not any(name.rsplit("/", 1)[-1] == METADATA for name in files):
             raise TransientError(f"step {step} not committed: DCP wrote no {METADATA}")
+        return files
+
+    def _commit(self, step: int, tmp: Path, everyone: list[Any], started: float) -> None:
+        files = self.merged(step, everyone)
         commit = Commit(step, self.spec_hash, len(everyone), files)
         atomic_write(tmp / COMMIT, commit.to_json())
         final = self.directory / sharded_name(step)
