@@ -71,12 +71,19 @@ def test_an_fsdp_job_checkpointing_to_s3_needs_no_claim_and_resumes_a_killed_pod
     sigkill(e2e, "fsdp-s3-ddp-1")
     killed = time.monotonic()
     after = first_step(e2e, "fsdp-s3-ddp-1")
-    # The logs now, while the restarted group trains: once the job has ended its pods go (cleanPodPolicy), and a
-    # log read after that found rank 0's lines and not rank 1's.
-    printed: dict[int, list[int]] = {}
-    for replica in ("ddp-0", "ddp-1"):
-        for rank, step in RESUMED.findall(logs(e2e, f"fsdp-s3-{replica}")):
-            printed.setdefault(int(rank), []).append(int(step))
+
+    def resumed() -> dict[int, list[int]]:
+        """Each rank's "resumed from step N" lines, from both pods' logs (the killed container's and its
+        successor's). Read while the restarted group trains: once the job has ended its pods go
+        (cleanPodPolicy), and a read after that once found rank 0's lines and not rank 1's."""
+        found: dict[int, list[int]] = {}
+        for replica in ("ddp-0", "ddp-1"):
+            for rank, step in RESUMED.findall(logs(e2e, f"fsdp-s3-{replica}")):
+                found.setdefault(int(rank), []).append(int(step))
+        return found
+
+    printed = e2e.wait("both ranks to print where they resumed", lambda: (lambda f: f if len(f) == 2 else None)(
+        resumed()), timeout=300, every=2.0)
     secret = e2e_s3.secret
     for pod in ("fsdp-s3-ddp-0", "fsdp-s3-ddp-1"):
         assert secret not in logs(e2e, pod), pod
