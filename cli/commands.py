@@ -168,8 +168,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     job = load_one(args.file)
     path = job.spec.dataset.path if job.spec.dataset is not None else None
-    if path is not None and not Path(path).is_file():
-        print(f"{args.file}: spec.dataset.path: {path}: no such file", file=sys.stderr)
+    if path is not None and not Path(path).exists():  # a file, or a directory of shards or text files
+        print(f"{args.file}: spec.dataset.path: {path}: no such file or directory", file=sys.stderr)
         return EXIT_LOAD
     replicas = [f"{role}-{i}" for role, i in replica_names(job)]
     if job.spec.mode == "DDP":  # a fault names a rank, and there are nodes x procsPerNode of them
@@ -391,9 +391,28 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 return verify.main_compare(sources, tolerance=args.tolerance, as_json=args.json)
             from kubetrain_trainer import export
 
-            return export.main_export(sources, args.out, job_file=args.job, fmt=args.format)
+            return export.main_export(sources, args.out, job_file=args.job, fmt=args.format,
+                                      hf_options=hf_options(args))
     job, faults = recovery_inputs(args.dirs[0], args.fault)
     return verify.main_recovery(job, args.fault, faults, args.run_root, run_locally, as_json=args.json)
+
+
+def hf_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--merge-lora and --max-shard-size of `checkpoints export --format huggingface` (UsageError otherwise)."""
+    from kubetrain_trainer.errors import ConfigError
+    from kubetrain_trainer.shards import parse_quantity
+
+    if args.format != "huggingface":
+        if args.merge_lora:
+            raise UsageError("--merge-lora: applies to --format huggingface")
+        return None
+    try:
+        size = parse_quantity(args.max_shard_size, "--max-shard-size")
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    if size < 1:
+        raise UsageError(f"--max-shard-size: must be at least 1 byte, got {args.max_shard_size}")
+    return {"merge_lora": args.merge_lora, "max_shard_bytes": size}
 
 
 def staged_sources(action: str, sources: list[str], staging: Path) -> list[str] | None:

@@ -167,9 +167,16 @@ def add_checkpoints_command(sub: Subparsers) -> None:
     c.add_argument("dirs", nargs="+", metavar="SOURCE")
     c.add_argument("--out", required=True, metavar="FILE",
                    help="the file to write (replaced atomically), or s3://BUCKET/KEY (uploaded once whole)")
-    c.add_argument("--format", choices=("torch", "safetensors"), default="torch",
+    c.add_argument("--format", choices=("torch", "safetensors", "huggingface"), default="torch",
                    help="torch: a torch.save state_dict (default); safetensors: the tensors as a .safetensors "
-                        "file (what Hugging Face tools load; non-tensor values of a script's state are left out)")
+                        "file (non-tensor values of a script's state are left out); huggingface: a causal-lm "
+                        "job's model as a Hugging Face directory (--out a new directory or s3://BUCKET/PREFIX/) "
+                        "that AutoModelForCausalLM.from_pretrained loads; a LoRA job's adapter for peft")
+    c.add_argument("--merge-lora", action="store_true",
+                   help="huggingface, a LoRA job: the pretrained model with the adapter merged in, not the adapter")
+    c.add_argument("--max-shard-size", default="5Gi", metavar="QUANTITY",
+                   help="huggingface: the most bytes of weights per safetensors file (default 5Gi), and so the "
+                        "most the export holds in memory at once")
     c.add_argument("--job", metavar="FILE", help="the job's manifest (default: job.yaml of the run directory)")
     p.set_defaults(func=cmd_checkpoints)
 

@@ -36,6 +36,20 @@ checkpoint."""
 DATA_CACHE_VAR = "KUBETRAIN_DATA_CACHE_DIR"
 """With spec.dataset.uri: the local disk cache of its objects (a local run's `<run>/cache/data`, a pod's
 `/tmp/kubetrain/data-cache` on its own disk); unset: ~/.cache/kubetrain/data."""
+MODEL_DIR_VAR = "KUBETRAIN_MODEL_DIR"
+"""With spec.model.pretrained: the local directory of the pretrained model, fetched and checked before training
+(a local run's `<run>/cache/model` or the local path itself; a pod's read-only `/kubetrain/model`)."""
+MODEL_MOUNT = "/kubetrain/model"
+"""Where a pod holds its copy of an s3:// (or hf://) pretrained model, fetched by its init container."""
+PRETRAINED_CLAIM_MOUNT = "/kubetrain/pretrained"
+"""Where a pod mounts, read-only, the claim of a pvc://CLAIM/PATH pretrained model."""
+
+
+def pretrained_in_place(uri: str) -> bool:
+    """Whether spec.model.pretrained is read where it lies (a path, a claim) rather than fetched (s3://, hf://)."""
+    return not uri.startswith(("s3://", "hf://"))
+
+
 CODE_DIR_VAR = "KUBETRAIN_CODE_DIR"
 """The user's code (spec.code), put first on sys.path of the replica and of a script's command."""
 METRICS_PORT_VAR = "KUBETRAIN_METRICS_PORT"

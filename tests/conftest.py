@@ -87,3 +87,4 @@ def pytest_terminal_summary(terminalreporter):
 
 from clusterlib import cluster  # noqa: E402,F401  (the session's test cluster, for every area)
 from objstorelib import bucket, s3  # noqa: E402,F401  (the session's S3 server and a bucket per test)
+from finetunelib import pretrained  # noqa: E402,F401  (a small pretrained Hugging Face model per session)

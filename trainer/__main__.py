@@ -33,6 +33,7 @@ ROLES = {
     "ddp": "kubetrain_trainer.ddp.runtime:run_ddp",
     "script": "kubetrain_trainer.script:run_script",  # the user's own command (spec.script)
     "lighthouse": "kubetrain_trainer.ddp.lighthouse:run_lighthouse",  # a fault-tolerant DDP job's quorum
+    "initializer": "kubetrain_trainer.pretrained:run_initializer",  # spec.model.pretrained, before training
 }
 
 

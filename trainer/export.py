@@ -335,18 +335,24 @@ def _merge_shards(reader: _Reader, source: Source, shards: list[str]) -> tuple[i
     return step, params, [current[s][0].path for s in shards]
 
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "huggingface")
 
 
 def export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
-           on_skip: Callable[[Path, str], None] | None = None, fmt: str = "torch") -> Exported:
+           on_skip: Callable[[Path, str], None] | None = None, fmt: str = "torch",
+           hf_options: dict[str, Any] | None = None) -> Exported:
     """Write the weights of the newest usable checkpoint under `sources` to `out` (a file, or s3://BUCKET/KEY,
-    uploaded once written whole) as `fmt`; ExportError on bad input.
+    uploaded once written whole) as `fmt`; ExportError on bad input. `fmt` huggingface: a causal-lm job's model as
+    a Hugging Face directory (hf_export.py; `hf_options` its merge_lora and max_shard_bytes).
 
     `on_skip(path, reason)` hears of every checkpoint passed over as corrupt.
     """
     if fmt not in FORMATS:
         raise ExportError(f"--format: expected {' or '.join(FORMATS)}, got {fmt!r}", EXIT_USAGE)
+    if fmt == "huggingface":
+        from .hf_export import export_huggingface
+
+        return export_huggingface(sources, out, job_file, on_skip, **(hf_options or {}))
     target = _target(out)
     source = locate(sources, job_file)
     kind, step, weights, files, notes = _weights(source, _Reader(source, on_skip or (lambda path, reason: None)))
@@ -471,7 +477,8 @@ def _weights(source: Source, reader: _Reader) -> tuple[str, int, Any, list[Path]
 
 
 def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
-                stdout: TextIO | None = None, stderr: TextIO | None = None, fmt: str = "torch") -> int:
+                stdout: TextIO | None = None, stderr: TextIO | None = None, fmt: str = "torch",
+                hf_options: dict[str, Any] | None = None) -> int:
     """`kubetrain checkpoints export SOURCE... --out FILE|s3://... [--format F] [--job FILE]`: 0 written, 2 bad
     input, 3 no usable data."""
     prefix = "kubetrain checkpoints export"
@@ -481,7 +488,7 @@ def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path
         print(f"{prefix}: skipped {path}: {reason}", file=stderr)
 
     try:
-        done = export(sources, out, job_file, on_skip=skipped, fmt=fmt)
+        done = export(sources, out, job_file, on_skip=skipped, fmt=fmt, hf_options=hf_options)
     except ExportError as err:
         print(f"{prefix}: error: {err}", file=stderr)
         return err.exit_code
@@ -491,6 +498,8 @@ def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path
         what = f"the model (ParameterServer, {len(done.files)} shards merged)"
     elif done.kind == SCRIPT:
         what = f"the saved state as it is (script, {done.mode})" if done.mode else "the saved state as it is (script)"
+    elif fmt == "huggingface":
+        what = f"the model as a Hugging Face directory ({done.mode})"
     else:
         what = f"the model ({done.mode or 'Single or DDP'})"
     print(f"exported {what} at step {done.step}: {done.tensors} tensors, {done.tensor_bytes:,} bytes "

@@ -146,6 +146,8 @@ class TrainerMetrics:
                           unmeasured=True)
     eval_loss = gauge("eval_loss", "Mean loss (spec.training.loss) on the eval split at the last evaluation.",
                       unmeasured=True)
+    eval_perplexity = gauge("eval_perplexity", "model causal-lm: exp(eval_loss), the perplexity on the eval split "
+                            "at the last evaluation.", unmeasured=True)
     process_starts_total = counter(
         "process_starts", "Starts of this replica's process; more than one series reset means restarts."
     )

@@ -143,8 +143,12 @@ def build_model(
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], spec: Optimizer) -> torch.optim.Optimizer:
-    """sgd (momentum, weight decay) or adam (weight decay) with the spec's learning rate; `params` may be
-    torch's parameter groups, whose own settings override the spec's."""
+    """sgd (momentum, weight decay), adam (weight decay) or adamw (decoupled weight decay) with the spec's
+    learning rate; `params` may be torch's parameter groups, whose own settings override the spec's. Frozen
+    parameters (requires_grad False: a LoRA job's base model) are left out: they have no state to keep."""
+    params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
+    if spec.name == "adamw":
+        return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
     if spec.name == "sgd":
         return torch.optim.SGD(params, lr=spec.learning_rate, momentum=spec.momentum, weight_decay=spec.weight_decay)
     if spec.name == "adam":
@@ -164,34 +168,63 @@ def evaluate(
     objective = objective or CROSS_ENTROPY
     if len(x) == 0:
         return math.nan, math.nan
+    batch_size = min(batch_size, objective.eval_batch_size)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    loss_sum, correct = 0.0, 0
+    loss_sum, counted, correct = 0.0, 0, 0
     for start in range(0, len(x), batch_size):
         xb = x[start : start + batch_size].to(device)
         yb = y[start : start + batch_size].to(device)
         output = model(xb)
-        loss_sum += objective.batch_sum(output, yb)
+        total, count = objective.eval_sums(output, yb)
+        loss_sum, counted = loss_sum + total, counted + count
         if objective.measures_accuracy:
             correct += int((output.argmax(dim=1) == yb).sum())
     model.train(was_training)
-    return loss_sum / len(x), correct / len(x) if objective.measures_accuracy else math.nan
+    loss = loss_sum / counted if counted else math.nan
+    return loss, correct / len(x) if objective.measures_accuracy else math.nan
 
 
-def model_and_data(spec: Spec, data: "Data | None" = None) -> tuple[nn.Module, "Data"]:
+def model_and_data(spec: Spec, data: "Data | None" = None, meta: bool = False) -> tuple[nn.Module, "Data"]:
     """The job's model and data, its targets prepared for spec.training.loss (Data.objective).
 
     Every replica and tool that rebuilds the job's model (the loops, the
     shards, verify, export) calls this one function, so they all build the
     same model with the same initial weights (seeded after the data is read).
-    `data`: the job's data, already loaded (a tool that builds several models).
+    `data`: the job's data, already loaded (a tool that builds several models). `meta`: a causal-lm stays on
+    the meta device, to be sharded, then materialized (trainer/causal_lm.py); the other models are small and
+    built whole whatever `meta` says.
     """
     from .data import load_data
 
     assert spec.dataset is not None and spec.training is not None and spec.model is not None
+    if spec.model.name == "causal-lm":
+        from . import causal_lm
+
+        return causal_lm.model_and_data(spec, meta=meta)
     if data is None:
         data = load_data(spec.dataset, spec.training.seed, spec.training.loss)
     model = build_model(spec.model, data.input_shape, data.num_classes, spec.training.seed,
                         output_shape=data.target_shape)
     return model, data
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of `model`: its state_dict, or what it says it trains (a LoRA job's adapters)."""
+    trainable = getattr(model, "trainable_state", None)
+    state = trainable() if trainable is not None else None
+    return state if state is not None else model.state_dict()
+
+
+def load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """Load a checkpoint's `model_state` back: all of it, or a LoRA job's adapters over the pretrained base."""
+    trainable = getattr(model, "trainable_state", None)
+    if trainable is None or trainable() is None:
+        model.load_state_dict(state)
+        return
+    missing = set(trainable()) - set(state)
+    result = model.load_state_dict(state, strict=False)
+    if missing or result.unexpected_keys:
+        raise LoadError(f"the checkpoint's adapters do not fit the model: missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(result.unexpected_keys)[:3]}")

@@ -59,9 +59,16 @@ class Objective:
         """The mean loss of the batch, a scalar tensor to call backward() on."""
         raise NotImplementedError
 
+    eval_batch_size = 1024
+    """Samples per forward pass when evaluating."""
+
     def batch_sum(self, output: torch.Tensor, target: torch.Tensor) -> float:
         """The loss summed over the batch's samples (for a mean over a whole eval split)."""
         return float(self.loss(output, target)) * len(target)
+
+    def eval_sums(self, output: torch.Tensor, target: torch.Tensor) -> tuple[float, int]:
+        """(loss summed, what it is summed over) for a batch: the eval loss is their totals' ratio."""
+        return self.batch_sum(output, target), len(target)
 
 
 class CrossEntropy(Objective):
@@ -92,6 +99,38 @@ class CrossEntropy(Objective):
 
     def batch_sum(self, output: torch.Tensor, target: torch.Tensor) -> float:
         return float(F.cross_entropy(output, target, reduction="sum"))
+
+
+IGNORE_INDEX = -100
+"""A causal-lm target that is no token (padding): F.cross_entropy's default ignore_index."""
+
+
+class NextToken(Objective):
+    """A causal language model's loss: logits (N, L, V) at each position against the next token of the sample,
+    targets (N, L) of token ids with IGNORE_INDEX where there is none (padding). Averaged over the tokens; the
+    eval loss is the mean over every evaluated token (its exp the perplexity)."""
+
+    name = "nextToken"
+    eval_batch_size = 8
+
+    def targets(self, y: np.ndarray, where: str) -> torch.Tensor:
+        return torch.as_tensor(y.astype(np.int64))
+
+    @staticmethod
+    def _shifted(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = output.shape[-1]
+        return output[:, :-1].reshape(-1, vocab).float(), target[:, 1:].reshape(-1)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(*self._shifted(output, target), ignore_index=IGNORE_INDEX)
+
+    def eval_sums(self, output: torch.Tensor, target: torch.Tensor) -> tuple[float, int]:
+        logits, labels = self._shifted(output, target)
+        total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return float(total), int((labels != IGNORE_INDEX).sum())
+
+
+NEXT_TOKEN: Objective = NextToken()
 
 
 class Elementwise(Objective):

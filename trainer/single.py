@@ -14,7 +14,7 @@ from .events import EventLog, startup, write_result
 from .metrics import TrainerMetrics
 from .models import build_optimizer, evaluate, model_and_data
 from .slowdown import Slowdown
-from .training import TrainState, planned_steps, train_step
+from .training import StepRecipe, TrainState, planned_steps, train_step
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class SingleTrainer(TrainState):
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
         self.cursor = self.data.cursor(0, 1, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
+        self.recipe = StepRecipe.of(spec.training)
         self.metrics = TrainerMetrics(ctx)
         self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, ctx.replica)
@@ -72,6 +73,8 @@ class SingleTrainer(TrainState):
         self.metrics.serve(self.ctx.metrics_port, self.ctx.listen_address)
         resumed = self.restore()
         startup("restored", step=self.step, resumed=resumed)
+        if self.evaluates_baseline():
+            self.evaluate()
         self.events.write("start", step=self.step, total_steps=self.total_steps, device=str(self.device),
                           threads=self.threads)
         if resumed:
@@ -103,7 +106,7 @@ class SingleTrainer(TrainState):
         self.slowdown.begin()
         batch = self.cursor.next_batch().to(self.device)
         self.loss = train_step(self.model, self.optimizer, self.train_x[batch], self.train_y[batch],
-                               self.data.objective)
+                               self.data.objective, self.recipe, self.step, self.total_steps)
         self.slowdown.after()
         seconds = time.perf_counter() - started
         self.step += 1
@@ -126,8 +129,7 @@ class SingleTrainer(TrainState):
             "steps": self.step,
             "epochs": round(self.step / self.cursor.steps_per_epoch, 4),
             "final_train_loss": self.loss,
-            "eval_accuracy": self.eval_accuracy,
-            "eval_loss": self.eval_loss,
+            **self.eval_results(),
             "samples": self.samples,
             # Of this process only: a resumed run's earlier attempts ran at their own speed.
             "samples_per_second": self.run_samples / self.train_seconds if self.train_seconds else 0.0,

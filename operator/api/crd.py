@@ -338,6 +338,10 @@ def pod_template_schema() -> dict[str, Any]:
         {
             "volumes": _named_list(podtemplate.MAX_VOLUMES, {"name": volume_name}),
             "containers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": container},
+            "initContainers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": _preserved({
+                "name": {"type": "string", "x-kubernetes-validations": [
+                    {"rule": f"self != {_cel_string(podtemplate.MODEL_INIT)}",
+                     "message": podtemplate.INIT_CONTAINER_MESSAGE}]}})},
         }
     )
     return _preserved({"metadata": _preserved({"labels": _string_map("labels"),
@@ -476,7 +480,7 @@ def pod_security_rules() -> dict[str, Any]:
         }],
         "variables": variables,
         "validations": [v for check in podtemplate.SECURITY_CHECKS if not check.rendered_only
-                        for v in _validations(check)] + secret_ref_validations(),
+                        for v in _validations(check)] + secret_ref_validations() + [PRETRAINED_CLAIM_VALIDATION],
     }
 
 
@@ -501,7 +505,17 @@ def secret_ref_validations() -> list[dict[str, str]]:
     return out
 
 
-SECRET_REF_PATHS = ("checkpoint.storage", "dataset")
+SECRET_REF_PATHS = ("checkpoint.storage", "dataset", "model")
+PRETRAINED_CLAIM_MESSAGE = ("a pvc:// pretrained model mounts a claim of the namespace besides the job's own: this "
+                            "kubetrain installation does not allow it (podSecurity.allow: [claims]); put the model "
+                            "in object storage (s3://)")
+PRETRAINED_CLAIM_VALIDATION = {
+    "allow": "claims",
+    "expression": "!has(object.spec.model) || !has(object.spec.model.pretrained) "
+                  "|| !object.spec.model.pretrained.startsWith('pvc://')",
+    "message": f"spec.model.pretrained: {PRETRAINED_CLAIM_MESSAGE}",
+}
+"""core/podsecurity.pretrained_claim_problems in CEL."""
 
 
 def pod_security_policy(allowed: Any = (), name: str = POD_SECURITY_NAME, namespace: str | None = None,

@@ -33,15 +33,24 @@ CONTAINER = "trainer"  # the container kubetrain runs the trainer in
 CONFIG_VOLUME = "config"
 DATA_VOLUME = "data"
 TMP_VOLUME = "tmp"
+MODEL_VOLUME = "model"
+PRETRAINED_VOLUME = "pretrained"
 CONFIG_MOUNT = "/etc/kubetrain"
 DATA_MOUNT = "/kubetrain/data"
 TMP_MOUNT = "/tmp"
+MODEL_MOUNT = "/kubetrain/model"  # kubetrain_contract.launch.MODEL_MOUNT
+PRETRAINED_MOUNT = "/kubetrain/pretrained"  # kubetrain_contract.launch.PRETRAINED_CLAIM_MOUNT
+MODEL_INIT = "model-init"
+"""The init container that fetches and checks spec.model.pretrained (core/children.py)."""
+INIT_CONTAINER_MESSAGE = f"'{MODEL_INIT}' is the name of kubetrain's own init container (spec.model.pretrained)"
 
 # kubetrain's volumes: name -> (what it holds, where the trainer mounts it).
 VOLUMES: dict[str, tuple[str, str]] = {
     CONFIG_VOLUME: ("the job's configuration", CONFIG_MOUNT),
     DATA_VOLUME: ("the checkpoint volume", DATA_MOUNT),
     TMP_VOLUME: ("the trainer's writable scratch space", TMP_MOUNT),
+    MODEL_VOLUME: ("the pretrained model's copy", MODEL_MOUNT),
+    PRETRAINED_VOLUME: ("the pretrained model's claim", PRETRAINED_MOUNT),
 }
 MOUNTS: dict[str, str] = {path: name for name, (_, path) in VOLUMES.items()}  # mountPath -> volume
 
@@ -172,7 +181,10 @@ def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
     for key in ("containers", "initContainers"):
         items = spec.get(key)
         if key == "initContainers":
-            items = [c for _, c in _items(spec, key, MAX_CONTAINERS, path, problems)]
+            found = _items(spec, key, MAX_CONTAINERS, path, problems)
+            problems += [(f"{path}.{key}[{i}].name", INIT_CONTAINER_MESSAGE) for i, c in found
+                         if c.get("name") == MODEL_INIT]
+            items = [c for _, c in found]
         for i, container in enumerate(items if isinstance(items, list) else []):
             if not isinstance(container, dict):
                 continue

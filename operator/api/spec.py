@@ -33,6 +33,9 @@ DNS1123_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])
 OBJECT_URI_PATTERN = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?"
 OBJECT_URI_HINT = "expected s3://BUCKET/KEY"
 OBJECT_URI_MAX = 1100  # s3:// + a 63-byte bucket + a 1,024-byte key
+# spec.model.pretrained: a local path, a claim's path, an object-storage prefix or a Hub name.
+PRETRAINED_PATTERN = r"(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/]+/[^/]+|[^:]+)"
+PRETRAINED_HINT = "expected a path, pvc://CLAIM/PATH, s3://BUCKET/PREFIX/ or hf://ORG/NAME"
 SECRET_REF_DOC = (
     "A Secret of the job's namespace holding the store's credentials under the keys every S3 tool reads: "
     "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, and optionally AWS_SESSION_TOKEN, AWS_REGION and "
@@ -52,6 +55,9 @@ MAX_REPORTED_METRICS = 32
 # Standby workers of a ParameterServer job: each is an idle pod (a worker's resources, torch loaded) that
 # only takes over a failed worker; a few cover the failures that come at once, more only cost capacity.
 MAX_STANDBY_WORKERS = 8
+# format text: the longest sample. Attention's memory grows with its square; a model's own limit
+# (max_position_embeddings) is checked against sequenceLength when its config is read.
+MAX_SEQUENCE_LENGTH = 131072
 STANDBY_SIZE_MESSAGE = ("replicas: a job with parameterServer.standbyWorkers keeps the size it was created with "
                         "(parameterServer.workers): leave spec.replicas unset; kubectl scale does not apply")
 
@@ -62,7 +68,21 @@ class Model:
 
     __rules__ = (ExactlyOne(("name", "entrypoint")),)
 
-    name: Literal["mlp", "cnn"] | None = field("Built-in model: mlp or cnn.", None)
+    name: Literal["mlp", "cnn", "causal-lm"] | None = field(
+        "Built-in model: mlp or cnn (classifiers and regressors of dataset's features), or causal-lm (a "
+        "pretrained Hugging Face causal language model, fine-tuned on dataset format text; needs pretrained; "
+        "docs/fine-tuning.md).", None)
+    pretrained: str | None = field(
+        "causal-lm: the Hugging Face model directory to start from (config.json, *.safetensors with or without "
+        "model.safetensors.index.json, tokenizer files; an optional SHA256SUMS is checked): a local path "
+        "(`kubetrain run`; relative to the manifest's directory), pvc://CLAIM/PATH (a claim of the job's "
+        "namespace, cluster only), s3://BUCKET/PREFIX/ (credentials as dataset.uri's) or hf://ORG/NAME (the "
+        "Hugging Face Hub; not tested). Fetched and checked once before training starts; every replica reads "
+        "the same files.",
+        None, max_length=OBJECT_URI_MAX, pattern=PRETRAINED_PATTERN, pattern_hint=PRETRAINED_HINT,
+    )
+    secret_ref: str = field(SECRET_REF_DOC + " With an s3:// pretrained only.", "", pattern=DNS1123_PATTERN,
+                            pattern_hint="expected a DNS-1123 name", max_length=253)
     entrypoint: str | None = field(
         "User model factory 'package.module:function'; it is called with `args` as keyword "
         "arguments plus `input_shape` (one sample's shape) and, with training.loss crossEntropy, "
@@ -79,6 +99,19 @@ class Model:
         "Keyword arguments for the model (mlp: hidden, layers; cnn: channels, hidden).",
         default_factory=dict,
     )
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.name == "causal-lm" and not self.pretrained:
+            problems.append(("pretrained", "causal-lm fine-tunes a pretrained model: name its Hugging Face "
+                                           "directory (a path, pvc://, s3:// or hf://)"))
+        if self.pretrained and self.name != "causal-lm":
+            problems.append(("pretrained", f"applies to name causal-lm, got {self.name or self.entrypoint!r}"))
+        if self.secret_ref and not (self.pretrained or "").startswith("s3://"):
+            problems.append(("secretRef", "applies to an s3:// pretrained (the credentials of its store)"))
+        if self.name == "causal-lm" and self.args:
+            problems.append(("args", "causal-lm takes its architecture from the pretrained config.json: drop args"))
+        return problems
 
 
 @dataclass
@@ -125,9 +158,24 @@ class Dataset:
     )
     args: dict[str, Any] = field("Keyword arguments for the dataset.", default_factory=dict)
     eval_fraction: float = field(
-        "Fraction of the samples held out for evaluation (of shards: that fraction of the shards, whole).",
+        "Fraction of the samples held out for evaluation (of shards: that fraction of the shards, whole; of text: "
+        "that fraction of the records, the last ones).",
         0.2, minimum=0.0, maximum=0.9
     )
+    format: Literal["tensors", "text"] = field(
+        "tensors: arrays of features and labels (x, y; Parquet columns). text: documents for model causal-lm, "
+        "from path or uri: JSON Lines files (.jsonl, one record per line with a textColumn field), Parquet files "
+        "(a textColumn column) or plain text files (.txt, .md: one record per file), tokenized with the "
+        "pretrained model's tokenizer.", "tensors",
+    )
+    text_column: str = field("format text: the field (JSON Lines) or column (Parquet) holding each record's "
+                             "text.", "text", max_length=256)
+    sequence_length: int = field(
+        "format text: tokens per training sample.", 512, minimum=8, maximum=MAX_SEQUENCE_LENGTH)
+    packing: bool = field(
+        "format text: true packs the records' tokens end to end (an end-of-sequence token between records) and "
+        "cuts them into samples of sequenceLength, so no position is padding; false gives one sample per record, "
+        "cut at sequenceLength and padded (padding is neither attended to nor trained on).", True)
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -138,6 +186,8 @@ class Dataset:
                              "applies to Parquet shards (a uri or path); set one or drop it"))
         if self.label_column in self.feature_columns:
             problems.append(("featureColumns", f"must not hold labelColumn ({self.label_column!r})"))
+        if self.format == "text" and self.path is None and self.uri is None:
+            problems.append(("format", "text reads documents from a path or uri: set one"))
         return problems
 
 
@@ -145,10 +195,32 @@ class Dataset:
 class Optimizer:
     """The optimizer; in ParameterServer mode it runs on the parameter servers."""
 
-    name: Literal["sgd", "adam"] = field("sgd or adam.", "sgd")
-    learning_rate: float = field("Learning rate.", 0.05, minimum=0.0, exclusive_minimum=True)
+    name: Literal["sgd", "adam", "adamw"] = field(
+        "sgd, adam (weight decay added to the gradient) or adamw (decoupled weight decay, the usual choice for "
+        "fine-tuning).", "sgd")
+    learning_rate: float = field("Learning rate (the peak, with warmupSteps and schedule).", 0.05, minimum=0.0,
+                                 exclusive_minimum=True)
     momentum: float = field("SGD momentum.", 0.9, minimum=0.0, maximum=1.0, exclusive_maximum=True)
-    weight_decay: float = field("L2 weight decay.", 0.0, minimum=0.0)
+    weight_decay: float = field("Weight decay (sgd and adam: L2; adamw: decoupled).", 0.0, minimum=0.0)
+    warmup_steps: int = field("Steps over which the learning rate rises linearly from 0 to learningRate.", 0,
+                              minimum=0)
+    schedule: Literal["constant", "cosine"] = field(
+        "The learning rate after the warm-up: constant, or cosine (decays to 0 at the run's last step). A "
+        "function of the step alone, so a resumed run continues it exactly.", "constant")
+
+
+@dataclass
+class Lora:
+    """Low-rank adapters (LoRA) on a causal-lm's linear layers, through peft."""
+
+    rank: int = field("The adapters' rank r.", 8, minimum=1, maximum=4096)
+    alpha: float = field("The scale numerator: an adapter's output is multiplied by alpha / rank.", 16.0,
+                         minimum=0.0, exclusive_minimum=True)
+    dropout: float = field("Dropout on an adapter's input.", 0.0, minimum=0.0, maximum=1.0,
+                           exclusive_maximum=True)
+    target_modules: list[str] = field(
+        "Names (the last part) of the linear layers that get adapters, e.g. [q_proj, v_proj]; empty: peft's "
+        "default for the model's architecture.", default_factory=list, max_items=256, max_length=256)
 
 
 @dataclass
@@ -183,6 +255,25 @@ class Training:
         pattern=LOSS_PATTERN,
         pattern_hint="expected " + ", ".join(BUILTIN_LOSSES) + " or 'package.module:function'",
     )
+    gradient_accumulation_steps: int = field(
+        "Micro-batches each step's batch is split into, forward and backward one at a time, their gradients "
+        "summed before the one optimizer step: the same step with 1/N of the activation memory.", 1,
+        minimum=1, maximum=1024)
+    max_grad_norm: float | None = field(
+        "Clip the gradients to this global L2 norm before each optimizer step; unset: no clipping.", None,
+        minimum=0.0, exclusive_minimum=True)
+    precision: Literal["fp32", "bf16"] = field(
+        "fp32, or bf16: forward and backward under bfloat16 autocast (weights, gradients and optimizer state stay "
+        "float32). On CPUs bf16 is emulated where the CPU lacks it, and slower.", "fp32")
+    lora: Lora | None = field(
+        "model causal-lm: train low-rank adapters (LoRA, through peft) instead of every weight; the pretrained "
+        "weights stay frozen, and checkpoints hold only the adapter and its optimizer state.", None)
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.gradient_accumulation_steps > self.batch_size:
+            return [("gradientAccumulationSteps", f"splits each batch into micro-batches: at most batchSize "
+                                                  f"({self.batch_size}), got {self.gradient_accumulation_steps}")]
+        return []
 
     @property
     def effective_epochs(self) -> int | None:
@@ -629,7 +720,8 @@ class Spec:
         "such as nodeSelector, tolerations, affinity, initContainers. Lists merge with kubetrain's "
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
-        "config, data, tmp; mounts at /etc/kubetrain, /kubetrain/data, /tmp; env KUBETRAIN_*, HOME, "
+        "config, data, tmp, model, pretrained; mounts at /etc/kubetrain, /kubetrain/data, /tmp, /kubetrain/model, "
+        "/kubetrain/pretrained; the init container model-init; env KUBETRAIN_*, HOME, "
         "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse; labels and annotations "
         "kubetrain.dev/* and app.kubernetes.io/managed-by; and null anywhere in spec. kubetrain's own "
         "security fields are applied after the template. What reaches past the pod is refused unless the "
@@ -667,6 +759,7 @@ class Spec:
             problems += self._strategy_problems(ddp)
             problems += self._fault_tolerance_problems(ddp)
         problems += self._credentials_problems()
+        problems += self._causal_lm_problems()
         problems += pod_template_problems(self.pod_template)
         if self.run_policy.scheduling_policy is not None:
             problems += [(f"runPolicy.schedulingPolicy.{p}", m)
@@ -678,6 +771,8 @@ class Spec:
         refs = {"checkpoint.storage.secretRef": self.checkpoint.storage.secret_ref}
         if self.dataset is not None:
             refs["dataset.secretRef"] = self.dataset.secret_ref
+        if self.model is not None:
+            refs["model.secretRef"] = self.model.secret_ref
         return {path: name for path, name in refs.items() if name}
 
     def _credentials_problems(self) -> list[tuple[str, str]]:
@@ -688,6 +783,36 @@ class Spec:
             return [(second, f"must name the same Secret as {first} ({a!r}), got {b!r}: a pod holds one set of "
                               "AWS_* credentials (put both stores' in one Secret, or use one store)")]
         return []
+
+    def _causal_lm_problems(self) -> list[tuple[str, str]]:
+        """model causal-lm, dataset format text and training.lora go together; what the parameter server's
+        loop does not do."""
+        if self.model is None or self.dataset is None or self.training is None:
+            return []
+        problems = []
+        lm = self.model.name == "causal-lm"
+        if lm and self.dataset.format != "text":
+            problems.append(("dataset.format", "model causal-lm trains on documents: set format text"))
+        if self.dataset.format == "text" and not lm:
+            problems.append(("dataset.format", "text is tokenized for model causal-lm, got model "
+                                               f"{self.model.name or self.model.entrypoint!r}"))
+        if lm and self.training.loss != "crossEntropy":
+            problems.append(("training.loss", "causal-lm trains on next-token cross entropy: leave loss unset"))
+        if self.training.lora is not None and not lm:
+            problems.append(("training.lora", "adapts a pretrained model: set model.name causal-lm"))
+        if self.mode == "ParameterServer":
+            if lm:
+                problems.append(("model.name", "causal-lm fine-tunes in mode Single or DDP (FSDP shards a model "
+                                               "too large for one process); the parameter server trains the "
+                                               "small built-in models"))
+            optimizer = self.training.optimizer
+            for name, unset in (("optimizer.warmupSteps", optimizer.warmup_steps == 0),
+                                ("optimizer.schedule", optimizer.schedule == "constant"),
+                                ("maxGradNorm", self.training.max_grad_norm is None)):
+                if not unset:
+                    problems.append((f"training.{name}", "applies to modes Single and DDP: a parameter server "
+                                                         "applies each worker's gradients as they come"))
+        return problems
 
     def _fault_tolerance_problems(self, ddp: DDP) -> list[tuple[str, str]]:
         """What cannot work with ddp.faultTolerance (the CRD holds the same rules in CEL, SPEC_CEL)."""

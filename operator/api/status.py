@@ -56,6 +56,8 @@ class Progress:
     total_steps: int | None = field("Steps the job will run.", None)
     loss: float | None = field("The newest training loss.", None)
     eval_accuracy: float | None = field("The newest evaluation accuracy.", None)
+    eval_loss: float | None = field("The newest evaluation loss.", None)
+    eval_perplexity: float | None = field("model causal-lm: the newest evaluation perplexity, exp(evalLoss).", None)
     samples_per_second: float | None = field("Training throughput.", None)
     metrics: dict[str, float] | None = field(
         "What a script reported with kubetrain.report(step, name=value), by name.", None

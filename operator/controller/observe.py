@@ -207,6 +207,8 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
         total_steps=int(total) if total else None,
         loss=get(samples, "loss"),
         eval_accuracy=get(samples, "eval_accuracy"),
+        eval_loss=get(samples, "eval_loss"),
+        eval_perplexity=get(samples, "eval_perplexity"),
         samples_per_second=get(samples, "samples_per_second"),
         checkpoint_step=int(ckpt_step) if ckpt_step else None,
         checkpoint_time=ckpt_time if ckpt_time else None,

@@ -17,7 +17,7 @@ from typing import Any
 from kubetrain_contract.checkpoints import RUN_CHECKPOINTS
 from kubetrain_contract.launch import (
     CHECKPOINT_URI_VAR, FT_GROUP_VAR, FT_STORE_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, NODE_RANK_VAR, RDZV_PORT, REPLICA_VAR,
-    TERMINATION_LOG_VAR,
+    TERMINATION_LOG_VAR, MODEL_MOUNT, PRETRAINED_CLAIM_MOUNT,
 )
 from kubetrain_contract.tls_files import FILES as TLS_FILES, SUBDIR as TLS_SUBDIR, TLS_DIR_VAR
 
@@ -30,6 +30,9 @@ from ..api.podtemplate import (
     CONTAINER,
     DATA_MOUNT,
     DATA_VOLUME,
+    MODEL_INIT,
+    MODEL_VOLUME,
+    PRETRAINED_VOLUME,
     TMP_MOUNT,
     TMP_VOLUME,
     reserved_key,
@@ -147,6 +150,11 @@ class ClusterEndpoints:
 
     def data_cache_dir(self) -> str:
         return f"{TMP_MOUNT}/kubetrain/data-cache"  # the pod's own disk (its tmp emptyDir)
+
+    def model_dir(self, pretrained: str) -> str:
+        if pretrained.startswith("pvc://"):
+            return f"{PRETRAINED_CLAIM_MOUNT}/{pretrained.removeprefix('pvc://').partition('/')[2]}".rstrip("/")
+        return MODEL_MOUNT
 
     def local_addr(self) -> str | None:
         return None
@@ -429,6 +437,8 @@ def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volum
     ]
     if data_volume is not None:
         volumes.insert(1, data_volume)
+    trainer = _container(job, replica, settings)
+    init = _model_initializer(job, replica, trainer, volumes)
     return {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": settings.grace_seconds,
@@ -440,9 +450,44 @@ def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volum
         # /metrics and termination message), so no token a user's code could use.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "containers": [_container(job, replica, settings)],
+        "containers": [trainer],
         "volumes": volumes,
+        **({"initContainers": [init]} if init is not None else {}),
     }
+
+
+def _model_initializer(job: TrainingJob, replica: Replica, trainer: dict[str, Any],
+                       volumes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """spec.model.pretrained: its volume (the claim of a pvc:// one, read-only; else the pod's own disk),
+    appended to `volumes` and mounted read-only into the `trainer` container, and the init container that
+    fetches (s3://, hf://) and checks it before the trainer starts (`python -m kubetrain_trainer initializer`,
+    with the trainer's image, environment, security and resources): a bad model fails the pod there, exit 3,
+    with the URI named in its termination message. None without a pretrained model."""
+    model = job.spec.model
+    if model is None or not model.pretrained or replica.role == "lighthouse":
+        return None
+    if model.pretrained.startswith("pvc://"):
+        claim = model.pretrained.removeprefix("pvc://").partition("/")[0]
+        volumes.append({"name": PRETRAINED_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mount = {"name": PRETRAINED_VOLUME, "mountPath": PRETRAINED_CLAIM_MOUNT, "readOnly": True}
+    else:
+        volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
+        mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
+    trainer["volumeMounts"].append({**mount, "readOnly": True})
+    init = {
+        "name": MODEL_INIT,
+        "image": trainer["image"],
+        "imagePullPolicy": trainer["imagePullPolicy"],
+        "command": ["python", "-m", "kubetrain_trainer", "initializer"],
+        "env": copy.deepcopy(trainer["env"]),
+        "volumeMounts": [m for m in trainer["volumeMounts"] if m["name"] in (CONFIG_VOLUME, TMP_VOLUME)] + [mount],
+        "securityContext": _security_context(),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if "resources" in trainer:
+        init["resources"] = copy.deepcopy(trainer["resources"])
+    return init
 
 
 def _config_volume(job: TrainingJob) -> dict[str, Any]:
@@ -478,7 +523,7 @@ def _data_volume(job: TrainingJob, replica: Replica) -> dict[str, Any]:
 # gone); a template's `volumeMounts` unmounted the checkpoints. volumeMounts are
 # keyed by mountPath, as in Kubernetes' strategic merge patch: one volume may be
 # mounted at several paths (subPath), never two volumes at one path.
-MERGE_KEYS = {"volumes": "name", "env": "name", "ports": "name", "volumeMounts": "mountPath"}
+MERGE_KEYS = {"volumes": "name", "env": "name", "ports": "name", "volumeMounts": "mountPath", "initContainers": "name"}
 
 
 def merge_pod_template(pod: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:

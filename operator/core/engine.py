@@ -112,6 +112,8 @@ class ProgressReading:
     total_steps: int | None = None
     loss: float | None = None
     eval_accuracy: float | None = None
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None
     samples_per_second: float | None = None
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None  # unix seconds
@@ -119,7 +121,7 @@ class ProgressReading:
     quorum: int | None = None  # fault-tolerant DDP: replica groups in the reader's current quorum
 
 
-SHOWN_AS_READ = ("step", "total_steps", "loss", "eval_accuracy", "samples_per_second")
+SHOWN_AS_READ = ("step", "total_steps", "loss", "eval_accuracy", "eval_loss", "eval_perplexity", "samples_per_second")
 """What status.progress shows of a reading as it was read; its metrics are copied, its ETA computed and its
 updateTime stamped by the engine."""
 
@@ -806,8 +808,9 @@ class _Round:
             progress.step = int(step)
         if _finite(final.get("final_train_loss")):
             progress.loss = float(final["final_train_loss"])
-        if _finite(final.get("eval_accuracy")):
-            progress.eval_accuracy = float(final["eval_accuracy"])
+        for name in ("eval_accuracy", "eval_loss", "eval_perplexity"):
+            if _finite(final.get(name)):
+                setattr(progress, name, float(final[name]))
         reported = final.get("metrics")
         if isinstance(reported, dict):
             merged = {**(progress.metrics or {}), **{str(k): float(v) for k, v in reported.items() if _finite(v)}}

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from kubetrain_contract.launch import (
     CHECKPOINT_DIR_VAR, CHECKPOINT_URI_VAR, CODE_DIR_VAR, DATA_CACHE_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_PORT_VAR, FT_LIGHTHOUSE_VAR,
-    FT_STORE_VAR, JOB_FILE_VAR, JOB_NAME_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR, NAMESPACE_VAR, PS_ADDRS_VAR,
+    FT_STORE_VAR, JOB_FILE_VAR, JOB_NAME_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR, MODEL_DIR_VAR, NAMESPACE_VAR, PS_ADDRS_VAR,
     PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR, torchrun_command,
 )
 
@@ -67,6 +67,10 @@ class Endpoints(Protocol):
 
     def data_cache_dir(self) -> str:
         """Where a replica caches the objects of spec.dataset.uri: the machine's or the pod's own disk."""
+
+    def model_dir(self, pretrained: str) -> str:
+        """Where a replica reads spec.model.pretrained (`pretrained`), fetched and checked by the initializer:
+        locally the run's cache or the local path itself; in a pod its read-only copy or the claim's path."""
 
     def local_addr(self) -> str | None:
         """Address a DDP node's agent advertises (None: the host's name)."""
@@ -136,6 +140,8 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             CHECKPOINT_DIR_VAR: endpoints.checkpoint_dir(name),
             **({CHECKPOINT_URI_VAR: checkpoint_uri(job, name)} if spec.checkpoint.storage.uri else {}),
             **({DATA_CACHE_VAR: endpoints.data_cache_dir()} if spec.dataset is not None and spec.dataset.uri else {}),
+            **({MODEL_DIR_VAR: endpoints.model_dir(spec.model.pretrained)}
+               if spec.model is not None and spec.model.pretrained else {}),
             METRICS_PORT_VAR: str(metrics_port),
             LISTEN_ADDRESS_VAR: endpoints.listen_address(),
             "PYTHONUNBUFFERED": "1",

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from ..api import TrainingJob
+from ..api.crd import PRETRAINED_CLAIM_MESSAGE
 from ..api.podtemplate import rendered_pod_problems
 from .children import Settings, workloads
 
@@ -32,10 +33,19 @@ def problems(job: TrainingJob, settings: Settings) -> list[str]:
     (the config volume projecting the job's own Secret, the token variable) are kubetrain's.
     """
     bare = TrainingJob(metadata=job.metadata, spec=dataclasses.replace(job.spec, pod_template={}))
-    found: set[str] = set(secret_ref_problems(job, settings))
+    found: set[str] = set(secret_ref_problems(job, settings)) | set(pretrained_claim_problems(job, settings))
     for mine, own in zip(workloads(job, UID, settings), workloads(bare, UID, settings)):
         found.update(rendered_pod_problems(_pod_of(mine), _pod_of(own), settings.pod_security_allow))
     return sorted(found)
+
+
+def pretrained_claim_problems(job: TrainingJob, settings: Settings) -> list[str]:
+    """A pvc:// pretrained model: kubetrain mounts that claim (read-only) into the job's pods itself, so the
+    template's `claims` check never sees it; it needs the same allowance."""
+    model = job.spec.model
+    if "claims" in settings.pod_security_allow or model is None or not (model.pretrained or "").startswith("pvc://"):
+        return []
+    return [f"spec.model.pretrained: {PRETRAINED_CLAIM_MESSAGE}"]
 
 
 def secret_ref_problems(job: TrainingJob, settings: Settings) -> list[str]:

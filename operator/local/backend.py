@@ -23,10 +23,15 @@ from pathlib import Path
 from typing import TextIO
 
 from kubetrain_contract.checkpoints import LATEST, RUN_CHECKPOINTS, latest_step
-from kubetrain_contract.exitcodes import PERMANENT_CODES, shell_code
+from kubetrain_contract.exitcodes import PERMANENT_CODES, PERMANENT_REASONS, shell_code
 from kubetrain_contract.timestamps import iso
 from kubetrain_contract.tls_files import TLS_DIR_VAR
-from kubetrain_contract.launch import FAULT_REPLICA_VAR, FAULT_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, METRICS_PORT_VAR
+from kubetrain_contract.launch import (CODE_DIR_VAR, FAULT_REPLICA_VAR, FAULT_VAR, JOB_FILE_VAR, JOB_NAME_VAR,
+                                      JOB_TOKEN_VAR, LIGHTHOUSE, METRICS_PORT_VAR, MODEL_DIR_VAR, NAMESPACE_VAR,
+                                      REPLICA_VAR, RUN_DIR_VAR, pretrained_in_place)
+
+INITIALIZER = "initializer-0"
+"""The pretrained model's fetch before training: its log is logs/initializer-0.log."""
 
 from ..api import InvalidSpec, TrainingJob, load_one, to_manifest
 from ..api.status import JobStatus, read_status, to_dict
@@ -162,6 +167,11 @@ class LocalEndpoints:
 
     def data_cache_dir(self) -> str:
         return str(self.run.path / "cache" / "data")
+
+    def model_dir(self, pretrained: str) -> str:
+        if not pretrained_in_place(pretrained) or pretrained.startswith("pvc://"):
+            return str(self.run.path / "cache" / "model")  # pvc://: the initializer refuses it locally
+        return str(Path(pretrained).expanduser().resolve())  # relative: to the working directory, as dataset.path
 
     def local_addr(self) -> str | None:
         return "127.0.0.1"  # every byte stays on loopback
@@ -340,7 +350,7 @@ class LocalBackend:
         previous_wall = self.state.wall_seconds
         old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            outcome, reason, message = self._supervise()
+            outcome, reason, message = self._initialize() or self._supervise()
         except KeyboardInterrupt:
             outcome, reason, message = "Interrupted", "Interrupted", "interrupted by the user"
         finally:
@@ -370,6 +380,31 @@ class LocalBackend:
             return 0
         # A replica's permanent exit code is the job's: 2 bad configuration, 3 data or model.
         return PERMANENT_CODES.get(reason, 1)
+
+    def _initialize(self) -> tuple[str, str, str] | None:
+        """spec.model.pretrained fetched and checked before any replica starts (`python -m kubetrain_trainer
+        initializer`, a cluster pod's init container): None when ready, else the job's failure."""
+        spec = self.job.spec
+        if spec.model is None or not spec.model.pretrained or not self.procs:
+            return None
+        first = next(iter(self.procs.values())).replica
+        keep = (JOB_FILE_VAR, RUN_DIR_VAR, MODEL_DIR_VAR, CODE_DIR_VAR, NAMESPACE_VAR, JOB_NAME_VAR)
+        env = {**os.environ, **{k: v for k, v in first.env.items() if k in keep or k.startswith("PYTHON")},
+               REPLICA_VAR: INITIALIZER}
+        log_path = self.run.log_file(INITIALIZER)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.display.message(f"{self.job.name}: fetching and checking the pretrained model {spec.model.pretrained}")
+        with open(log_path, "a") as log:
+            log.write(f"--- kubetrain: {INITIALIZER} at {iso()}\n")
+            log.flush()
+            done = subprocess.run([self.python, "-m", "kubetrain_trainer", "initializer"], env=env, stdout=log,
+                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            log.write(done.stderr)
+        if done.returncode == 0:
+            return None
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        message = lines[-1].split(": error: ", 1)[-1] if lines else f"exit code {done.returncode}"
+        return "Failed", PERMANENT_REASONS.get(done.returncode, "InitializerFailed"), message
 
     def _plan(self) -> None:
         """The replicas of the job at its size (again after a DDP resize: every replica is stopped then)."""
@@ -546,6 +581,8 @@ class LocalBackend:
             total_steps=seen.total_steps,
             loss=seen.loss,
             eval_accuracy=seen.eval_accuracy,
+            eval_loss=seen.eval_loss,
+            eval_perplexity=seen.eval_perplexity,
             samples_per_second=seen.throughput or None,
             checkpoint_step=self._checkpoint_step() or None,
             quorum=seen.quorum,

@@ -8,6 +8,7 @@ job engine computed (`core/eta.py`, the status's `progress.etaSeconds`).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ class JobProgress:
     total_steps: int | None = None
     loss: float | None = None
     eval_accuracy: float | None = None
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None
     checkpoint_step: int | None = None
     samples_per_second: dict[str, float] = field(default_factory=dict)
     steps_per_second: float | None = None  # a script's, when it reports no samples
@@ -79,8 +82,10 @@ class JobProgress:
             when = float(event.get("time", 0.0))
             if when >= self.quorum_time:
                 self.quorum, self.quorum_time = int(event["participants"]), when
-        elif kind == "eval" and event.get("eval_accuracy") is not None:
-            self.eval_accuracy = float(event["eval_accuracy"])
+        elif kind == "eval":
+            for name in ("eval_accuracy", "eval_loss", "eval_perplexity"):
+                if isinstance(event.get(name), (int, float)) and math.isfinite(event[name]):
+                    setattr(self, name, float(event[name]))
         elif kind == "checkpoint" and event.get("step") is not None:
             self.checkpoint_step = max(self.checkpoint_step or 0, int(event["step"]))
         elif kind in ("start", "resume") and event.get("step") is not None and not replica.startswith("worker-"):

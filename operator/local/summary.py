@@ -8,10 +8,14 @@ from ..api import TrainingJob
 from ..core.plan import chief
 
 SUMMARY_KEYS = (
-    "name", "mode", "state", "steps", "epochs", "eval_accuracy", "eval_loss",
+    "name", "mode", "state", "steps", "epochs", "eval_accuracy", "eval_loss", "eval_perplexity", "baseline_eval_loss",
     "final_train_loss", "samples_per_second", "wall_seconds", "restarts",
     "bytes_sent", "bytes_received", "compression_ratio",
 )  # fmt: skip
+
+
+FINE_TUNING_KEYS = ("eval_perplexity", "baseline_eval_loss")
+"""Shown only where they are measured (model causal-lm)."""
 
 
 def build_summary(
@@ -42,6 +46,8 @@ def build_summary(
         "epochs": head.get("epochs"),
         "eval_accuracy": head.get("eval_accuracy"),
         "eval_loss": head.get("eval_loss"),
+        "eval_perplexity": head.get("eval_perplexity"),
+        "baseline_eval_loss": head.get("baseline_eval_loss"),
         "final_train_loss": head.get("final_train_loss"),
         "samples_per_second": sum(r.get("samples_per_second", 0.0) or 0.0 for r in data_replicas) or None,
         "wall_seconds": round(wall_seconds, 3),
@@ -62,7 +68,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     def fmt(key: str, value: Any) -> str:
         if value is None:
             return "-"
-        if key in ("eval_accuracy", "eval_loss", "final_train_loss"):
+        if key in ("eval_accuracy", "eval_loss", "eval_perplexity", "baseline_eval_loss", "final_train_loss"):
             return f"{value:.4f}"
         if key == "samples_per_second":
             return f"{value:,.0f}"
@@ -70,5 +76,6 @@ def format_summary(summary: dict[str, Any]) -> str:
             return f"{value:,}"
         return str(value)
 
-    width = max(len(k) for k in summary)
-    return "\n".join(f"  {k.ljust(width)}  {fmt(k, v)}" for k, v in summary.items())
+    shown = {k: v for k, v in summary.items() if v is not None or k not in FINE_TUNING_KEYS}
+    width = max(len(k) for k in shown)
+    return "\n".join(f"  {k.ljust(width)}  {fmt(k, v)}" for k, v in shown.items())

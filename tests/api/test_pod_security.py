@@ -296,11 +296,13 @@ def test_the_charts_policy_rules_are_generated_from_the_table():
     rules = yaml.safe_load(committed)["validations"]
     assert {r["allow"] for r in rules} == set(ALLOWANCES)
     # Every message is a check's message, after the path the API server prints; the object-storage
-    # credentials' rules (one per secretRef) are the last, lifted by the same allowance as a template's Secrets.
-    messages = {c.message for c in SECURITY_CHECKS} | {crd.SECRET_REF_MESSAGE}
+    # credentials' rules (one per secretRef) come next, lifted by the same allowance as a template's Secrets;
+    # a pvc:// pretrained model's claim last, lifted by the template's claims allowance.
+    messages = {c.message for c in SECURITY_CHECKS} | {crd.SECRET_REF_MESSAGE, crd.PRETRAINED_CLAIM_MESSAGE}
     assert all(r["message"].split(": ", 1)[1] in messages for r in rules)
     assert [r["message"].split(":")[0] for r in rules if r["message"].endswith(crd.SECRET_REF_MESSAGE)] == \
-        ["spec.checkpoint.storage.secretRef", "spec.dataset.secretRef"]
+        ["spec.checkpoint.storage.secretRef", "spec.dataset.secretRef", "spec.model.secretRef"]
+    assert rules[-1] == {**crd.PRETRAINED_CLAIM_VALIDATION}
 
 
 def test_the_charts_values_schema_lists_the_allowances():

@@ -23,6 +23,10 @@ def with_spec(mode: str = "Single", **spec) -> dict:
     return doc
 
 
+LM = {"name": "causal-lm", "pretrained": "/models/base"}
+TEXT = {"path": "/data/text.jsonl", "format": "text"}
+
+
 @dataclass
 class Case:
     name: str
@@ -186,6 +190,39 @@ CASES += [
          f"{PT}.automountServiceAccountToken", "must not be null: leave the field out"),
     Case("podTemplate null capabilities", with_trainer(securityContext={"capabilities": None}),
          f"{PT}.containers[0].securityContext.capabilities", "must not be null"),
+    # Issue 42: fine-tuning a pretrained causal LM.
+    Case("causal-lm without pretrained", with_spec(model={"name": "causal-lm"}, dataset=TEXT),
+         "spec.model.pretrained", "fine-tunes a pretrained model"),
+    Case("pretrained on mlp", with_spec(model={"name": "mlp", "pretrained": "/m"}), "spec.model.pretrained",
+         "applies to name causal-lm"),
+    Case("causal-lm on tensors", with_spec(model=LM, dataset={"path": "/d.jsonl"}), "spec.dataset.format",
+         "set format text"),
+    Case("text for mlp", with_spec(dataset=TEXT), "spec.dataset.format", "tokenized for model causal-lm"),
+    Case("text without a source", with_spec(model=LM, dataset={"name": "digits", "format": "text"}),
+         "spec.dataset.format", "reads documents from a path or uri"),
+    Case("causal-lm with mse", with_spec(model=LM, dataset=TEXT, training={"loss": "mse"}), "spec.training.loss",
+         "next-token cross entropy"),
+    Case("causal-lm args", with_spec(model={**LM, "args": {"hidden": 4}}, dataset=TEXT), "spec.model.args",
+         "takes its architecture from the pretrained config.json"),
+    Case("lora without causal-lm", with_spec(training={"lora": {"rank": 4}}), "spec.training.lora",
+         "set model.name causal-lm"),
+    Case("lora rank zero", with_spec(model=LM, dataset=TEXT, training={"lora": {"rank": 0}}),
+         "spec.training.lora.rank", "at least 1"),
+    Case("causal-lm in a parameter server", with_spec("ParameterServer", model=LM, dataset=TEXT),
+         "spec.model.name", "fine-tunes in mode Single or DDP"),
+    Case("cosine on a parameter server", with_spec("ParameterServer", training={"optimizer": {"schedule": "cosine"}}),
+         "spec.training.optimizer.schedule", "applies to modes Single and DDP"),
+    Case("accumulation past the batch", with_spec(training={"batchSize": 4, "gradientAccumulationSteps": 8}),
+         "spec.training.gradientAccumulationSteps", "at most batchSize (4), got 8"),
+    Case("sequence too short", with_spec(model=LM, dataset={**TEXT, "sequenceLength": 4}),
+         "spec.dataset.sequenceLength", "at least 8"),
+    Case("pretrained bad scheme", with_spec(model={"name": "causal-lm", "pretrained": "gs://b/m"}, dataset=TEXT),
+         "spec.model.pretrained", "pvc://CLAIM/PATH, s3://BUCKET/PREFIX/ or hf://ORG/NAME"),
+    Case("pretrained secretRef for a path", with_spec(model={**LM, "secretRef": "creds"}, dataset=TEXT),
+         "spec.model.secretRef", "applies to an s3:// pretrained"),
+    Case("three secrets", with_spec(model={"name": "causal-lm", "pretrained": "s3://bucket/m/", "secretRef": "a"},
+                                    dataset={**TEXT, "path": None, "uri": "s3://bucket/t/", "secretRef": "b"}),
+         "spec.model.secretRef", "must name the same Secret as dataset.secretRef"),
 ]
 
 

@@ -36,6 +36,7 @@ CONTRACT = {
     "kubetrain_loss": "gauge",
     "kubetrain_eval_accuracy": "gauge",
     "kubetrain_eval_loss": "gauge",
+    "kubetrain_eval_perplexity": "gauge",
     "kubetrain_gradient_bytes": "counter",
     "kubetrain_network_bytes": "counter",
     "kubetrain_staleness_steps": "histogram",

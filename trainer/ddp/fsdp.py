@@ -30,25 +30,36 @@ def shard(model: nn.Module, device: torch.device, world_size: int) -> Any:
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The modules that own parameters directly (not through a child), children before parents, root excluded.
+    """The modules that own parameters directly (not through a child), children before parents, root excluded;
+    or the units a model names itself (`shard_units`: a causal-lm's decoder layers).
 
     For the built-in models these are their layers; a layer is the unit FSDP
     gathers at once, so the whole model is never gathered on one rank.
     """
+    units = getattr(model, "shard_units", None)
+    if units is not None:
+        return list(units())
     return [m for name, m in model.named_modules()
             if name and any(True for _ in m.parameters(recurse=False))]
 
 
 def model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model, optimizer) state dicts of a sharded model, DTensors keyed by parameter name."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer)
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=_adapters_only(model)))
+
+
+def _adapters_only(model: nn.Module) -> bool:
+    """A LoRA job: checkpoints hold the trainable adapters, not the frozen pretrained weights."""
+    return getattr(model, "lora", None) is not None
 
 
 def load_model_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, Any],
                      optim_sd: dict[str, Any]) -> None:
     """Give a restored template's model and optimizer state back to the model and the optimizer."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    frozen = _adapters_only(model)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(ignore_frozen_params=frozen, strict=not frozen))

@@ -632,13 +632,19 @@ class FaultTolerantTrainer(DDPTrainer):
             group.begin()
             self.slowdown.begin()
             batch = self.batch()
-            local_loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective)
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] = self.recipe.rate(self.step, self.total_steps)
+            local_loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective,
+                                           self.recipe)
             self.slowdown.after()
             values = group.average(params, [local_loss * len(batch), float(len(batch))])
             self.bytes_sent += group.last_bytes
             committed = group.commit()
             self.step = group.step
             if committed:
+                if self.recipe.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
+                                                   self.recipe.max_grad_norm)
                 optimizer_step(self.optimizer)
                 startup("first_step", rank=self.rank, step=self.step)
                 self.loss = values[0] / values[1] if values[1] else local_loss
@@ -680,7 +686,7 @@ class FaultTolerantTrainer(DDPTrainer):
             "replica_group": self.place.group,
         }
         if self.chief:
-            result.update(eval_accuracy=self.eval_accuracy, eval_loss=self.eval_loss)
+            result.update(**self.eval_results())
         if self.checkpoints.writer:
             result.update(checkpoint_step=self.checkpoint_step, checkpoint_time=time.time())
         # Every group's first rank speaks in its own pod's termination message.

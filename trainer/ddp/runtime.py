@@ -44,7 +44,7 @@ from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import build_optimizer, evaluate, model_and_data
 from ..slowdown import Slowdown
-from ..training import TrainState, planned_steps, train_step
+from ..training import StepRecipe, TrainState, planned_steps, train_step
 from . import fsdp
 from .hooks import CommHook
 
@@ -138,14 +138,21 @@ class DDPTrainer(TrainState):
         self.chief = self.rank == 0
         self.threads = make_deterministic()
         self.device = select_ddp_device(spec, topo.local_rank)
-        self.model, self.data = model_and_data(spec)
+        # strategy FSDP: the model is sharded when the group is joined, and every
+        # rank saves its own shards (checkpoints through the sharded path). A
+        # pretrained causal-lm stays on the meta device until it is sharded: no
+        # rank ever holds all of its weights (causal_lm.py).
+        self.fsdp = spec.ddp.strategy == "FSDP"
+        self.model, self.data = model_and_data(spec, meta=self.fsdp)
         startup("model", rank=topo.rank)
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
-        self.model.to(self.device)
+        if getattr(self.model, "materialized", True):
+            self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
         self.cursor = self.data.cursor(self.rank, self.world_size, spec.training.batch_size, spec.training.seed)
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
+        self.recipe = StepRecipe.of(spec.training)
         self.metrics = TrainerMetrics(self.ctx)
         self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, replica)
@@ -153,9 +160,6 @@ class DDPTrainer(TrainState):
         self.checkpoints = JobCheckpoints(self.ctx, self.metrics, self.events,
                                           reader=topo.local_rank == 0, writer=self.writes_checkpoints(),
                                           nodes=max(1, topo.world_size // spec.ddp.procs_per_node))
-        # strategy FSDP: the model is sharded when the group is joined, and every
-        # rank saves its own shards (checkpoints through the sharded path).
-        self.fsdp = spec.ddp.strategy == "FSDP"
         self.reporter = ProgressReporter(self.ctx, self.metrics, self.events, self.total_steps)
         # Read before joining the group: a bad checkpoint (another spec) fails
         # this rank at once, and torchrun then stops the others.
@@ -191,6 +195,8 @@ class DDPTrainer(TrainState):
         startup("joined", rank=self.topo.rank)  # every rank of the group connected
         if self.fsdp:
             fsdp.shard(self.model, self.device, self.topo.world_size)
+            if not getattr(self.model, "materialized", True):
+                self.model.materialize(self.device)  # type: ignore[operator]
             # The optimizer must hold the sharded parameters (DTensors), which replaced the model's own.
             self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
             self.ddp = self.model
@@ -303,6 +309,8 @@ class DDPTrainer(TrainState):
             return
         eval_loss, eval_accuracy = evaluate(self.model, self.data.eval_x, self.data.eval_y,
                                             objective=self.data.objective)
+        if self.evaluates_baseline():  # every rank that evaluates: each FSDP rank writes it with its shards
+            self.baseline_eval_loss = eval_loss
         if not self.chief:
             return
         self.record_eval(eval_loss, eval_accuracy)
@@ -327,6 +335,8 @@ class DDPTrainer(TrainState):
         assert self.ddp is not None and (self.hook is not None or self.fsdp)
         self.restore()
         startup("restored", rank=self.topo.rank, step=self.step)
+        if self.evaluates_baseline():
+            self.evaluate()
         spec = self.ctx.spec
         self.events.write(
             "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
@@ -341,7 +351,7 @@ class DDPTrainer(TrainState):
             self.slowdown.begin()
             batch = self.cursor.next_batch().to(self.device)
             local_loss = train_step(self.ddp, self.optimizer, self.train_x[batch], self.train_y[batch],
-                                    self.data.objective)
+                                    self.data.objective, self.recipe, self.step, self.total_steps)
             self.slowdown.after()
             # FSDP's traffic (gathers and reduce-scatters) is not counted: no hook sees it.
             raw, sent = self.hook.end_step() if self.hook is not None else (0, 0)
@@ -385,8 +395,7 @@ class DDPTrainer(TrainState):
             "strategy": spec.ddp.strategy,
         }
         if self.chief:
-            result.update(eval_accuracy=self.eval_accuracy, eval_loss=self.eval_loss,
-                          checkpoint_step=self.checkpoint_step, checkpoint_time=time.time())
+            result.update(**self.eval_results(), checkpoint_step=self.checkpoint_step, checkpoint_time=time.time())
         # One process per pod speaks in its termination message: the chief (ranks share the file).
         write_result(self.ctx.run_dir, self.ctx.replica, result,
                      termination_log=self.ctx.termination_log if self.chief else None)
