@@ -16,6 +16,7 @@ from ..api import KIND
 from ..api.schema import INT64_MAX, INT64_MIN
 from ..api.spec import MAX_REPORTED_METRICS
 
+from ..api.podtemplate import MODEL_INIT
 from ..core.children import CONTAINER, LABEL_REPLICA
 from ..core.engine import ProgressReading
 from ..core.reconcile import PodObservation
@@ -89,6 +90,13 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
         for ended in (state.get("terminated"), last):
             if final is None and ended and ended.get("exitCode") == 0:
                 final = termination_results(ended.get("message"))
+    init_code, message = _initializer_failure(status)
+    if init_code is not None and exit_code is None:
+        # The pretrained model failed its fetch or check: the trainer never started, and in a StatefulSet's
+        # pod (restartPolicy Always) the kubelet would only run the same check again.
+        exit_code, phase_failed = init_code, True
+    else:
+        phase_failed, message = False, ""
     conditions = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, dict)}
     scheduled = conditions.get("PodScheduled") or {}
     unschedulable = ""
@@ -96,7 +104,7 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
         unschedulable = scheduled.get("message") or "the scheduler found no node for it"
     disruption = conditions.get("DisruptionTarget") or {}
     node_lost = disruption.get("status") == "True" and disruption.get("reason") in NODE_LOST_DISRUPTIONS
-    phase = status.get("phase") or "Pending"
+    phase = "Failed" if phase_failed else status.get("phase") or "Pending"
     if phase in ("Pending", "Running") and exit_code not in (None, 0) and \
             (pod.get("spec") or {}).get("restartPolicy") == "Never":
         # The trainer is dead and will not come back in this pod: it has failed, though the
@@ -120,7 +128,27 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
         unschedulable=unschedulable,
         node_lost=node_lost,
         deletion_due=parse_iso(meta.get("deletionTimestamp")),
+        message=message,
     )
+
+
+INIT_MESSAGE_BYTES = 512
+"""Of the model-init container's termination message (its log's tail: kubetrain's own error line), what a
+failure's message in the job's status keeps."""
+
+
+def _initializer_failure(status: dict[str, Any]) -> tuple[int | None, str]:
+    """(exit code, its error line) of the model-init container when it ended with a non-zero code (now or in
+    its last run), else (None, "")."""
+    for cs in status.get("initContainerStatuses") or []:
+        if cs.get("name") != MODEL_INIT:
+            continue
+        for ended in ((cs.get("state") or {}).get("terminated"), (cs.get("lastState") or {}).get("terminated")):
+            if ended and ended.get("exitCode") not in (0, None):
+                lines = [line for line in str(ended.get("message") or "").splitlines() if "error:" in line]
+                said = lines[-1].split("error: ", 1)[1] if lines else ""
+                return int(ended["exitCode"]), said[:INIT_MESSAGE_BYTES]
+    return None, ""
 
 
 def termination_results(message: str | None) -> dict[str, Any] | None:
@@ -241,4 +269,4 @@ def urgent(kind: str | None, pod: dict[str, Any]) -> bool:
             ended = (cs.get("state") or {}).get("terminated")
             if ended and ended.get("exitCode") not in (0, None):
                 return True
-    return False
+    return _initializer_failure(status)[0] is not None

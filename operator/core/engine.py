@@ -102,6 +102,7 @@ class ReplicaObservation:
     unschedulable: str = ""  # why the scheduler cannot place it (PodScheduled=False, Unschedulable): its message
     node_lost: bool = False  # the control plane evicted it because its node stopped answering
     deletion_due: float | None = None  # when its graceful deletion's grace period ends (unix seconds)
+    message: str = ""  # why it failed, in kubetrain's own words (a pod's model-init container's error line)
 
 
 @dataclass(frozen=True)
@@ -872,7 +873,8 @@ def _failure(seen: ReplicaObservation) -> policy.Failure | None:
         return None
     if seen.reason == "Evicted":
         return policy.Failure(seen.replica, reason="Evicted")
-    return policy.Failure(seen.replica, exit_code=seen.exit_code if seen.exit_code is not None else 1)
+    return policy.Failure(seen.replica, exit_code=seen.exit_code if seen.exit_code is not None else 1,
+                          message=seen.message)
 
 
 def _restarted_in_place(seen: ReplicaObservation) -> bool:

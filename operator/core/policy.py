@@ -25,6 +25,7 @@ class Failure:
     replica: str
     exit_code: int | None = None  # None: no exit code (evicted, deleted, hung)
     reason: str = ""  # Evicted | Deleted | Hung | NodeLost | ... when exit_code is None
+    message: str = ""  # kubetrain's own account of the error (the pretrained model's check), when there is one
 
     def describe(self) -> str:
         if self.exit_code is None:
@@ -37,7 +38,8 @@ class Failure:
         signum = killed_by(self.exit_code)
         if signum is not None:
             return f"{self.replica} was killed by {signal_name(signum)}"
-        return f"{self.replica} exited with code {self.exit_code}"
+        said = f": {self.message}" if self.message else ""
+        return f"{self.replica} exited with code {self.exit_code}{said}"
 
     @property
     def code(self) -> int | None:

@@ -178,3 +178,27 @@ def test_the_operators_index_files_a_pod_under_its_owner():
 ], ids=["deleted", "being deleted", "failed", "trainer ended badly", "a sidecar's end", "succeeded", "new", "running"])
 def test_a_pod_that_died_or_went_is_urgent_and_one_that_starts_or_succeeds_is_routine(kind, pod, expected):
     assert observe.urgent(kind, pod) is expected
+
+
+def test_a_failed_model_check_fails_the_pod_with_the_initializers_error_line():
+    """spec.model.pretrained: the model-init container exits 3 naming the URI before the trainer starts; in a
+    StatefulSet's pod (restartPolicy Always) the kubelet would run it again, so the pod counts as failed with
+    that code and that line, which the job's failure message carries."""
+    from kubetrain_operator.core import policy
+
+    line = "python -m kubetrain_trainer initializer: error: s3://m/base/: model-00002.safetensors: checksum mismatch"
+    waiting = pod({"state": {"waiting": {"reason": "PodInitializing"}}}, phase="Pending")
+    waiting["status"]["initContainerStatuses"] = [{"name": "model-init", "restartCount": 1,
+                                                   "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                                   "lastState": {"terminated": {"exitCode": 3,
+                                                                                "message": f"INFO x\n{line}\n"}}}]
+    obs = pod_observation(waiting)
+    assert (obs.phase, obs.exit_code) == ("Failed", 3)
+    assert obs.message == "s3://m/base/: model-00002.safetensors: checksum mismatch"
+    assert observe.urgent("MODIFIED", waiting)
+    failure = policy.Failure(obs.replica, exit_code=obs.exit_code, message=obs.message)
+    assert failure.describe() == f"ddp-1 exited with code 3: {obs.message}"
+    fine = pod({"state": {"running": {}}})
+    fine["status"]["initContainerStatuses"] = [{"name": "model-init", "state": {"terminated": {"exitCode": 0}}}]
+    assert (pod_observation(fine).phase, pod_observation(fine).message) == ("Running", "")
+    assert not observe.urgent("MODIFIED", fine)

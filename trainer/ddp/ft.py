@@ -624,6 +624,8 @@ class FaultTolerantTrainer(DDPTrainer):
         self.join()
         group = self.group
         assert group is not None
+        if self.evaluates_baseline():  # a causal-lm's pretrained model, before any step (after a resume: none)
+            self.evaluate()
         params = list(self.model.parameters())
         run_samples, train_seconds = 0, 0.0
         self.reporter.start_window(self.step)

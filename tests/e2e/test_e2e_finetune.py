@@ -1,0 +1,82 @@
+"""Fine-tuning a pretrained Hugging Face model in real pods (docs/fine-tuning.md): an FSDP job of 2 nodes on the
+real node starts from a model in the bucket (tests/finetunelib.py's, sharded), its text in the bucket too and
+its checkpoints as well (no claim). Each pod's model-init container fetches and checks the model before the
+trainer starts; the job ends with a held-out loss below the pretrained model's, in its status. A job whose
+model is not there fails in its init container, with the URI in the job's failure message, and no trainer
+ever starts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from e2elib import S3_SECRET, apply, figure, logs, on_real_node, succeeded
+
+from kubetrain_trainer.objstore import ObjectURI
+
+pytestmark = pytest.mark.e2e
+
+BASELINE = re.compile(r"step 0: eval loss ([0-9.]+), perplexity [0-9.]+ \(the pretrained model\)")
+
+
+def finetune(name: str, bucket: str, model_prefix: str) -> dict:
+    return on_real_node({
+        "apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": name},
+        "spec": {
+            "mode": "DDP", "ddp": {"nodes": 2, "strategy": "FSDP"},
+            "model": {"name": "causal-lm", "pretrained": f"s3://{bucket}/{model_prefix}/", "secretRef": S3_SECRET},
+            "dataset": {"uri": f"s3://{bucket}/text/finetune.jsonl", "secretRef": S3_SECRET, "format": "text",
+                        "sequenceLength": 64, "evalFraction": 0.1},
+            "training": {"maxSteps": 30, "batchSize": 8, "maxGradNorm": 1.0, "seed": 3,
+                         "optimizer": {"name": "adamw", "learningRate": 0.003, "warmupSteps": 5,
+                                       "schedule": "cosine"}},
+            "checkpoint": {"intervalSteps": 10, "storage": {"uri": f"s3://{bucket}/runs/{name}/",
+                                                             "secretRef": S3_SECRET}},
+            "runPolicy": {"cleanPodPolicy": "None"},  # the pods' logs stay to be read
+        },
+    })
+
+
+def test_an_fsdp_fine_tune_fetches_its_model_in_an_init_container_and_lowers_the_held_out_loss(
+        e2e, e2e_s3, pretrained):
+    bucket = e2e_s3.bucket("ft")
+    store = e2e_s3.store()
+    for file in pretrained.sharded.iterdir():
+        store.upload(file, ObjectURI(bucket, f"base/{file.name}"))
+    store.upload(pretrained.corpus, ObjectURI(bucket, "text/finetune.jsonl"))
+    apply(e2e, finetune("ft-fsdp", bucket, "base"))
+    apply(e2e, finetune("ft-missing", bucket, "no-such-model"))
+
+    status = succeeded(e2e, "ft-fsdp", timeout=900)
+    progress = status["progress"]
+    assert progress["step"] == 30 and status["lastCheckpoint"]["step"] == 30
+    baselines = BASELINE.findall(logs(e2e, "ft-fsdp-ddp-0"))
+    assert baselines, "ddp-0 logged no evaluation of the pretrained model"
+    baseline = float(baselines[0])
+    assert progress["evalLoss"] < baseline - 0.02, (progress, baseline)
+    assert progress["evalPerplexity"] == pytest.approx(2.718281828 ** progress["evalLoss"], rel=1e-3)
+    pod = e2e.get("pod", "ft-fsdp-ddp-1")
+    [init] = pod["status"]["initContainerStatuses"]
+    assert init["name"] == "model-init" and init["state"]["terminated"]["exitCode"] == 0
+    assert not json.loads(e2e.kubectl("get", "pvc", "-l", "kubetrain.dev/job-name=ft-fsdp", "-o", "json"))["items"]
+
+    def failed() -> dict | None:
+        seen = e2e.get("trainingjob", "ft-missing").get("status") or {}
+        return seen if seen.get("state") == "Failed" else None
+
+    gone = e2e.wait("ft-missing to fail", failed, timeout=300, every=1)
+    condition = next(c for c in gone["conditions"] if c["type"] == "Failed")
+    uri = f"s3://{bucket}/no-such-model/"
+    assert condition["reason"] == "LoadFailed" and f"{uri}: no objects under this prefix" in condition["message"], \
+        condition
+    for name in ("ft-missing-ddp-0", "ft-missing-ddp-1"):
+        seen = e2e.kube.run("get", "pod", name, "-o", "json", timeout=60, check=False)
+        if seen.returncode == 0:  # the trainer container of a pod that is left never ran
+            statuses = json.loads(seen.stdout)["status"].get("containerStatuses") or []
+            assert all("running" not in (c.get("state") or {}) and not c.get("restartCount") for c in statuses)
+    secret = e2e_s3.secret
+    for what in (("get", "trainingjobs", "-o", "json"), ("get", "pods", "-o", "json")):
+        assert secret not in e2e.kubectl(*what), what
+    figure(f"ft-fsdp (2 nodes, FSDP, model, text and checkpoints in the bucket): held-out loss {baseline:.4f} -> "
+           f"{progress['evalLoss']:.4f}; ft-missing failed in model-init: {condition['message'][:120]}")
