@@ -352,7 +352,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    path = _client(args).export(args.job, args.out, args.format)
+    path = _client(args).export(args.job, args.out, args.format, merge_lora=args.merge_lora)
     print(path)
     return 0
 

@@ -125,9 +125,14 @@ def add_job_commands(sub: Subparsers) -> None:
                                       "(a short-lived pod on its checkpoint claims or its checkpoint URI) or a "
                                       "local run")
     job_args(p)
-    p.add_argument("--out", required=True, metavar="FILE", help="the file to write (replaced atomically)")
-    p.add_argument("--format", choices=("torch", "safetensors"), default="torch",
-                   help="torch (default) or safetensors (the tensors only)")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="the file to write (replaced atomically); huggingface: a new directory, or s3://BUCKET/PREFIX/ "
+                        "(written by the export pod with the job's credentials)")
+    p.add_argument("--format", choices=("torch", "safetensors", "huggingface"), default="torch",
+                   help="torch (default), safetensors (the tensors only) or huggingface (a causal-lm job's model as "
+                        "a Hugging Face directory; docs/fine-tuning.md)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="huggingface, a LoRA job: the pretrained model with the adapter merged in")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("compare", help="run variants of one manifest locally (modes, compression) and report")
@@ -310,3 +315,4 @@ def add_bench_data(bsub: Subparsers) -> None:
     b.add_argument("--batch", type=int, default=256, help="samples per batch")
     b.add_argument("--cache", default="10Gi", help="the shard cache's size (spec.dataset.cacheSize)")
     b.add_argument("--out", help="also write the JSON here")
+

@@ -43,7 +43,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Pretrained:
 
 
 SHARD_BYTES = 200_000
-"""About a quarter of the model per file: 4 shards and an index."""
+"""About a fifth of the model per file: several shards and an index."""
 
 
 def reshard(source: Path, dest: Path, shard_bytes: int) -> None:

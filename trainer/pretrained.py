@@ -202,9 +202,9 @@ def fetch(uri: str, cache: Path) -> Checked:
     ready = _ready(cache, uri)
     if ready is not None:
         return ready
-    if cache.exists():
-        shutil.rmtree(cache)  # what an interrupted fetch left
-    cache.mkdir(parents=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    for left in cache.iterdir():  # what an interrupted fetch left (the directory itself may be a pod's mount)
+        shutil.rmtree(left) if left.is_dir() and not left.is_symlink() else left.unlink()
     digests = _fetch_object_store(uri, cache) if uri.startswith(S3) else _fetch_hub(uri, cache)
     checked = check(cache, uri, digests)
     files = {p.name: p.stat().st_size for p in sorted(cache.iterdir()) if p.is_file()}

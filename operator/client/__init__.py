@@ -30,6 +30,8 @@ from .api import (
 )
 from .progressbar import ProgressBar, wanted
 
+EXPORT_FORMATS = ("torch", "safetensors", "huggingface")
+
 __all__ = ["Client", "ClientError", "Event", "Forbidden", "InvalidManifest", "Job", "JobEnded", "JobExists",
            "JobHandle", "JobNotFound", "WaitTimeout"]
 
@@ -146,19 +148,31 @@ class Client:
         """Delete the job: its replicas stop; its checkpoints go (in a cluster unless whenDeleted: Retain)."""
         self.backend.delete(name)
 
-    def export(self, name: str, path: str | Path, format: str = "torch") -> Path:  # noqa: A002 - the CLI's name
+    def export(self, name: str, path: str | Path, format: str = "torch",  # noqa: A002 - the CLI's name
+               merge_lora: bool = False) -> Path | str:
         """The trained weights of the job's newest valid checkpoint as a plain `torch.save` state_dict file
-        (`format="safetensors"`: a .safetensors file of its tensors).
+        (`format="safetensors"`: a .safetensors file of its tensors; `format="huggingface"`, a causal-lm job: a
+        Hugging Face model directory, `path` a new directory or s3://BUCKET/PREFIX/, a LoRA job's adapter or with
+        `merge_lora` the merged model; docs/fine-tuning.md#the-hugging-face-export).
 
         In a cluster a short-lived read-only pod mounts the job's checkpoint claims (or, with checkpoints in
-        object storage, reads its URI with the job's credentials), exports there and the file is copied out
-        (docs/client.md#permissions: pods create/delete and pods/exec)."""
-        if format not in ("torch", "safetensors"):
-            raise ClientError(f"{name}: export: format must be torch or safetensors, got {format!r}")
+        object storage, reads its URI with the job's credentials), exports there and the file (a directory: as
+        one tar stream) is copied out (docs/client.md#permissions: pods create/delete and pods/exec); an s3://
+        `path` is written by the pod itself, with the job's credentials."""
+        if format not in EXPORT_FORMATS:
+            raise ClientError(f"{name}: export: format must be {', '.join(EXPORT_FORMATS)}, got {format!r}")
+        if merge_lora and format != "huggingface":
+            raise ClientError(f"{name}: export: merge_lora applies to format huggingface")
+        if str(path).startswith("s3://"):
+            if format != "huggingface":
+                raise ClientError(f"{name}: export: an s3:// path takes format huggingface (a directory)")
+            return self.backend.export(name, str(path), format, merge_lora)
         path = Path(path)
         if not path.parent.is_dir():
             raise ClientError(f"{name}: export: {path.parent} is no directory")
-        return self.backend.export(name, path, format)
+        if format == "huggingface" and path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ClientError(f"{name}: export: {path} exists and is not an empty directory")
+        return self.backend.export(name, path, format, merge_lora)
 
     def report(self, names: Sequence[str], out: str | Path, prometheus: str | None = None) -> Path:
         """A comparison report (docs/reports.md) of these jobs in `out`: report.md, report.json and its plots.
@@ -201,8 +215,8 @@ class JobHandle:
     def events(self) -> list[Event]:
         return self.client.events(self.name)
 
-    def export(self, path: str | Path, format: str = "torch") -> Path:  # noqa: A002
-        return self.client.export(self.name, path, format)
+    def export(self, path: str | Path, format: str = "torch", merge_lora: bool = False) -> Path | str:  # noqa: A002
+        return self.client.export(self.name, path, format, merge_lora)
 
     def delete(self) -> None:
         self.client.delete(self.name)

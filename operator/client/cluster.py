@@ -53,6 +53,25 @@ EXPORT_START_SECONDS = 300
 """`export` waits this long for its pod to run: scheduling, attaching the claims and starting the image
 (already on the node when the job ran there)."""
 EXPORT_SECONDS = 1800
+PACK = "import sys, tarfile; t = tarfile.open(sys.argv[2], 'w'); t.add(sys.argv[1], arcname='.'); t.close()"
+"""Run in the export pod: a Hugging Face export's directory as one uncompressed tar file (weights do not compress)."""
+
+
+def unpack(tar: Path, path: Path) -> None:
+    """The files of `tar` (a directory packed by PACK) as the new directory `path`: extracted beside it under a
+    temporary name with tarfile's `data` filter (no links out, no absolute paths, no devices) and renamed."""
+    import shutil
+    import tarfile
+
+    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}")
+    try:
+        with tarfile.open(tar) as archive:
+            archive.extractall(staging, filter="data")
+        if path.exists():
+            path.rmdir()  # empty: the client checked
+        staging.rename(path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 """`export` waits this long for the export inside the pod (it reads and verifies every checkpoint file)."""
 
 
@@ -289,7 +308,7 @@ class ClusterBackend(Backend):
 
     # -- export ------------------------------------------------------------------------------
 
-    def export(self, name: str, path: Path, fmt: str = "torch") -> Path:
+    def export(self, name: str, path: Path | str, fmt: str = "torch", merge_lora: bool = False) -> Path | str:
         job = self.spec(name)
         image = job.spec.image or self._image_of_pods(name)
         if not image:
@@ -301,7 +320,8 @@ class ClusterBackend(Backend):
                    _preload_content=False)
         try:
             self._wait_running(pod_name)
-            out = "/tmp/model.pt"
+            directory = fmt == "huggingface"
+            out = str(path) if isinstance(path, str) else "/tmp/model" if directory else "/tmp/model.pt"
             job_file = "/tmp/job.yaml"
             manifest = json.dumps(to_manifest(job))
             code, output = self._exec(pod_name, [
@@ -311,10 +331,23 @@ class ClusterBackend(Backend):
             source = job.spec.checkpoint.storage.uri or EXPORT_ROOT
             code, output = self._exec(pod_name, [
                 "python", "-m", "kubetrain_cli", "checkpoints", "export", source, "--job", job_file,
-                "--out", out, "--format", fmt], timeout=EXPORT_SECONDS)
+                "--out", out, "--format", fmt, *(["--merge-lora"] if merge_lora else [])], timeout=EXPORT_SECONDS)
             if code != 0:
                 raise ClientError(f"{name}: export failed: {output.strip().splitlines()[-1] if output.strip() else code}")
-            self._copy_out(pod_name, out, Path(path))
+            if isinstance(path, str):
+                return path  # written to object storage by the pod
+            if directory:
+                code, output = self._exec(pod_name, ["python", "-c", PACK, out, "/tmp/model.tar"])
+                if code != 0:
+                    raise ClientError(f"{name}: export pod {pod_name}: cannot pack {out}: {output.strip()}")
+                tar = path.with_name(f".{path.name}.{uuid.uuid4().hex[:6]}.tar")
+                try:
+                    self._copy_out(pod_name, "/tmp/model.tar", tar)
+                    unpack(tar, path)
+                finally:
+                    tar.unlink(missing_ok=True)
+            else:
+                self._copy_out(pod_name, out, Path(path))
         finally:
             try:
                 self.core.delete_namespaced_pod(pod_name, self.namespace, grace_period_seconds=0,

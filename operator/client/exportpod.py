@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..api import TrainingJob
-from ..api.podtemplate import CONTAINER, TMP_MOUNT, TMP_VOLUME
+from ..api.podtemplate import CONTAINER, PRETRAINED_MOUNT, PRETRAINED_VOLUME, TMP_MOUNT, TMP_VOLUME
 from ..core.children import RUN_AS_USER, claim_name, credential_env
 
 EXPORT_ROOT = "/kubetrain/export"
@@ -62,6 +62,11 @@ def export_pod(job: TrainingJob, name: str, image: str, pull_policy: str = "IfNo
     for replica, claim, sub_path in claims:
         mounts.append({"name": volume_of[claim], "mountPath": f"{EXPORT_ROOT}/{replica}", "subPath": sub_path,
                        "readOnly": True})
+    pretrained = job.spec.model.pretrained if job.spec.model is not None else None
+    if pretrained and pretrained.startswith("pvc://"):  # a Hugging Face export copies its config and tokenizer
+        volumes.append({"name": PRETRAINED_VOLUME, "persistentVolumeClaim": {
+            "claimName": pretrained.removeprefix("pvc://").partition("/")[0], "readOnly": True}})
+        mounts.append({"name": PRETRAINED_VOLUME, "mountPath": PRETRAINED_MOUNT, "readOnly": True})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": POD_SECONDS,

@@ -236,11 +236,11 @@ class LocalBackend(Backend):
         self._stop(run)
         shutil.rmtree(run.path)
 
-    def export(self, name: str, path: Path, fmt: str = "torch") -> Path:
+    def export(self, name: str, path: Path | str, fmt: str = "torch", merge_lora: bool = False) -> Path | str:
         run = self.run_dir(name)
         done = subprocess.run([sys.executable, "-m", "kubetrain_cli", "checkpoints", "export", str(run.path),
-                               "--out", str(path), "--format", fmt], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONSAFEPATH": "1"})
+                               "--out", str(path), "--format", fmt, *(["--merge-lora"] if merge_lora else [])],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
         if done.returncode != 0:
             raise ClientError(f"{name}: export failed: {done.stderr.strip() or done.stdout.strip()}")
         return path

@@ -59,3 +59,39 @@ def test_a_job_in_object_storage_is_exported_with_its_own_credentials_and_no_cla
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
         "name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY", "optional": False}
     assert "AWS_ACCESS_KEY_ID" in env and "value" not in env["AWS_ACCESS_KEY_ID"]
+
+
+def test_a_fine_tune_s_export_pod_reads_its_pretrained_claim_and_the_client_unpacks_the_directory(tmp_path):
+    """A Hugging Face export copies the pretrained config and tokenizer: a pvc:// model's claim is mounted
+    read-only where the job's pods have it. The directory leaves the pod as one tar stream, unpacked into the
+    new directory with tarfile's data filter (no path out of it)."""
+    import io
+    import tarfile
+
+    from kubetrain_operator.client.cluster import unpack
+
+    spec = job("Single", model={"name": "causal-lm", "pretrained": "pvc://models/base"},
+               dataset={"path": "/data/t.jsonl", "format": "text"})
+    pod = export_pod(spec, "j-export-1", "img:1")
+    assert {"name": "pretrained", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in \
+        pod["spec"]["volumes"]
+    assert {"name": "pretrained", "mountPath": "/kubetrain/pretrained", "readOnly": True} in \
+        pod["spec"]["containers"][0]["volumeMounts"]
+
+    tar = tmp_path / "model.tar"
+    with tarfile.open(tar, "w") as archive:
+        for name, data in (("./config.json", b"{}"), ("./model.safetensors", b"weights")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    unpack(tar, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as archive:
+        info = tarfile.TarInfo("../outside")
+        info.size = 1
+        archive.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(tarfile.OutsideDestinationError):
+        unpack(evil, tmp_path / "hf2")
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "hf2").exists()

@@ -11,7 +11,9 @@ import json
 import re
 
 import pytest
-from e2elib import S3_SECRET, apply, figure, logs, on_real_node, succeeded
+from e2elib import NAMESPACE, S3_SECRET, apply, figure, logs, on_real_node, succeeded
+
+import kubetrain
 
 from kubetrain_trainer.objstore import ObjectURI
 
@@ -39,7 +41,7 @@ def finetune(name: str, bucket: str, model_prefix: str) -> dict:
 
 
 def test_an_fsdp_fine_tune_fetches_its_model_in_an_init_container_and_lowers_the_held_out_loss(
-        e2e, e2e_s3, pretrained):
+        e2e, e2e_s3, pretrained, tmp_path):
     bucket = e2e_s3.bucket("ft")
     store = e2e_s3.store()
     for file in pretrained.sharded.iterdir():
@@ -48,7 +50,13 @@ def test_an_fsdp_fine_tune_fetches_its_model_in_an_init_container_and_lowers_the
     apply(e2e, finetune("ft-fsdp", bucket, "base"))
     apply(e2e, finetune("ft-missing", bucket, "no-such-model"))
 
-    status = succeeded(e2e, "ft-fsdp", timeout=900)
+    try:
+        status = succeeded(e2e, "ft-fsdp", timeout=900)
+    except AssertionError:  # what the trainers said, for the failure's report
+        for pod in ("ft-fsdp-ddp-0", "ft-fsdp-ddp-1"):
+            init = e2e.kube.run("logs", pod, "-c", "model-init", timeout=60, check=False).stdout
+            print(f"--- {pod} (model-init):\n{init[-4000:]}\n--- {pod}:\n{logs(e2e, pod)[-4000:]}")
+        raise
     progress = status["progress"]
     assert progress["step"] == 30 and status["lastCheckpoint"]["step"] == 30
     baselines = BASELINE.findall(logs(e2e, "ft-fsdp-ddp-0"))
@@ -60,6 +68,17 @@ def test_an_fsdp_fine_tune_fetches_its_model_in_an_init_container_and_lowers_the
     [init] = pod["status"]["initContainerStatuses"]
     assert init["name"] == "model-init" and init["state"]["terminated"]["exitCode"] == 0
     assert not json.loads(e2e.kubectl("get", "pvc", "-l", "kubetrain.dev/job-name=ft-fsdp", "-o", "json"))["items"]
+
+    # The model out, as a Hugging Face directory, through the client's export pod (the job's credentials read
+    # its checkpoints and its pretrained config and tokenizer in the bucket).
+    from kubernetes import config
+    from transformers import AutoModelForCausalLM
+
+    client = kubetrain.Client(namespace=NAMESPACE,
+                              api_client=config.new_client_from_config(config_file=str(e2e.cluster.kubeconfig)))
+    exported = client.export("ft-fsdp", tmp_path / "hf", "huggingface")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in exported.iterdir()}
+    assert AutoModelForCausalLM.from_pretrained(exported).config.model_type == "llama"
 
     def failed() -> dict | None:
         seen = e2e.get("trainingjob", "ft-missing").get("status") or {}
