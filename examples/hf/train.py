@@ -39,6 +39,14 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": self.windows[i], "labels": self.windows[i]}
 
 
+def build_model() -> LlamaForCausalLM:
+    """The model, randomly initialised from seed 0: 2 decoder layers over bytes (vocabulary 256)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    return LlamaForCausalLM(config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -48,10 +56,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "hf-output"))
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
-    model = LlamaForCausalLM(config)
+    model = build_model()
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=8, learning_rate=3e-3,
         logging_steps=args.log_every, save_steps=args.save_every, save_total_limit=1, seed=0, use_cpu=True,

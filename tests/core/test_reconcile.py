@@ -425,3 +425,12 @@ def test_a_failed_standby_pod_is_replaced_as_any_replica():
     del pods["standby-0"]
     again = reconcile(job(**STANDBY), "u", "tok", pods, act.status, T0 + 5.5, existing=set())
     assert "j-standby-0" in created_pods(again)
+
+
+def test_a_fine_tune_s_final_evaluation_reaches_the_status_loss_and_perplexity():
+    j = job("Single")
+    final = {"steps": 30, "final_train_loss": 3.1, "eval_accuracy": None, "eval_loss": 3.9, "eval_perplexity": 49.4}
+    pods = {"single-0": Pod("single-0", "Succeeded", exit_code=0, uid="a", final=final)}
+    old = {"state": "Running", "startTime": iso(T0), "progress": {"step": 20, "totalSteps": 30, "evalLoss": 4.1}}
+    progress = to_dict(reconcile(j, "u", "t", pods, old, T0 + 1).status)["progress"]
+    assert (progress["evalLoss"], progress["evalPerplexity"]) == (3.9, 49.4)

@@ -243,3 +243,25 @@ def test_a_missing_pretrained_prefix_in_object_storage_fails_naming_the_uri(tmp_
     assert not (run_dir / "logs" / "single-0.log").exists()
     secret_free(proc.stdout + proc.stderr, s3, "the output")
     shutil.rmtree(run_dir)
+
+
+def test_the_finetune_examples_are_valid_and_the_lora_one_runs_as_its_comment_says(tmp_path, pretrained):
+    """examples/finetune: both manifests validate; lora.yaml runs from the repository root's layout (its
+    relative paths), its model and corpus as make_model.py makes them (here the session's, already made)."""
+    from support import EXAMPLES
+
+    for name in ("lora.yaml", "fsdp.yaml"):
+        done = kubetrain("validate", str(EXAMPLES / "finetune" / name))
+        assert done.returncode == 0, done.stderr
+    layout = tmp_path / "examples" / "finetune"
+    layout.mkdir(parents=True)
+    (layout / "base-model").symlink_to(pretrained.single)
+    (layout / "finetune.jsonl").symlink_to(pretrained.corpus)
+    shutil.copyfile(EXAMPLES / "finetune" / "lora.yaml", layout / "lora.yaml")
+    done = kubetrain("run", "examples/finetune/lora.yaml", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    figures = result(tmp_path / "runs" / "finetune-lora", "single-0")
+    assert figures["eval_loss"] < figures["baseline_eval_loss"], figures
+    export = kubetrain("checkpoints", "export", "runs/finetune-lora", "--format", "huggingface", "--out",
+                       "runs/lora-adapter", cwd=tmp_path)
+    assert export.returncode == 0 and (tmp_path / "runs" / "lora-adapter" / "adapter_config.json").is_file()
