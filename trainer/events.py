@@ -74,7 +74,7 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
 
 
 # What a pod's termination message carries (the kubelet keeps at most 4 KiB of it).
-TERMINATION_KEYS = ("steps", "global_step", "final_train_loss", "eval_accuracy", "eval_loss",
+TERMINATION_KEYS = ("steps", "global_step", "final_train_loss", "eval_accuracy", "eval_loss", "eval_perplexity",
                     "checkpoint_step", "checkpoint_time", "samples_per_second", "wall_seconds", "metrics")
 # The kubelet keeps at most 4096 bytes of a termination message; a message cut
 # there is no JSON and would lose every figure. A script's reported values go

@@ -63,7 +63,7 @@ def test_an_fsdp_fine_tune_fetches_its_model_in_an_init_container_and_lowers_the
     assert baselines, "ddp-0 logged no evaluation of the pretrained model"
     baseline = float(baselines[0])
     assert progress["evalLoss"] < baseline - 0.02, (progress, baseline)
-    assert progress["evalPerplexity"] == pytest.approx(2.718281828 ** progress["evalLoss"], rel=1e-3)
+    assert progress.get("evalPerplexity") == pytest.approx(2.718281828 ** progress["evalLoss"], rel=1e-3), status
     pod = e2e.get("pod", "ft-fsdp-ddp-1")
     [init] = pod["status"]["initContainerStatuses"]
     assert init["name"] == "model-init" and init["state"]["terminated"]["exitCode"] == 0

@@ -97,3 +97,15 @@ def test_a_scripts_reported_values_ride_in_the_termination_message_within_4_kib(
     # The headline figures always fit; reported values are dropped from the end until the rest does.
     assert doc["steps"] == 9 and doc["final_train_loss"] == 0.25
     assert 0 < len(doc["metrics"]) < 33 and "x" * 3000 not in doc["metrics"]
+
+
+def test_a_fine_tune_s_perplexity_rides_in_the_termination_message() -> None:
+    """The status's evalPerplexity comes from the chief's termination message at the end (a scrape is up to
+    10 s old): it is one of its headline keys, beside the eval loss."""
+    import json
+
+    from kubetrain_trainer.events import termination_message
+
+    said = json.loads(termination_message({"steps": 30, "eval_loss": 3.99, "eval_perplexity": 54.05,
+                                           "baseline_eval_loss": 4.1, "rank": 0}))
+    assert said == {"steps": 30, "eval_loss": 3.99, "eval_perplexity": 54.05}
