@@ -683,7 +683,7 @@ class Spec:
     __rules__ = (
         OnlyWhen("parameter_server", "mode", "ParameterServer"),
         OnlyWhen("ddp", "mode", "DDP"),
-        Excludes("script", ("model", "dataset", "training")),
+        Excludes("script", ("dataset", "training")),
     )
 
     mode: Mode = field("Single, ParameterServer or DDP.", immutable=True)
@@ -699,11 +699,13 @@ class Spec:
     image: str = field("Trainer image (cluster only); empty uses the operator's default.", "")
     script: Script | None = field(
         "The user's own training command instead of the built-in loop (modes Single and DDP); "
-        "model, dataset and training do not apply then. See docs/custom-code.md.",
+        "dataset and training do not apply then, and model only as a pretrained model to fetch and check before "
+        "the script starts ({name: causal-lm, pretrained: URI}; the script finds it at $KUBETRAIN_MODEL_DIR). "
+        "See docs/custom-code.md.",
         None,
     )
     # None only in script jobs: `complete()` fills the built-in loop's defaults otherwise.
-    model: Model | None = field("The model (built-in loops).", default_factory=lambda: Model(name="mlp"))
+    model: Model | None = field("The model (built-in loops; mlp when unset); a script job's pretrained model.", None)
     dataset: Dataset | None = field("The data (built-in loops).", default_factory=lambda: Dataset(name="digits"))
     training: Training | None = field("Training settings (built-in loops).", default_factory=Training)
     parameter_server: ParameterServer | None = field(
@@ -786,16 +788,24 @@ class Spec:
 
     def _causal_lm_problems(self) -> list[tuple[str, str]]:
         """model causal-lm, dataset format text and training.lora go together; what the parameter server's
-        loop does not do."""
-        if self.model is None or self.dataset is None or self.training is None:
+        loop does not do. A script job may name a pretrained model (model: {name: causal-lm, pretrained}) and
+        nothing else of the model."""
+        if self.script is not None:
+            model = self.model
+            if model is not None and (not model.pretrained or model.entrypoint or model.args):
+                return [("model", "applies to a script job only as a pretrained model to fetch ({name: causal-lm, "
+                                  "pretrained: URI}): the script builds its own model, from KUBETRAIN_MODEL_DIR")]
             return []
+        if self.dataset is None or self.training is None:
+            return []
+        model = self.model or Model(name="mlp")  # complete()'s default
         problems = []
-        lm = self.model.name == "causal-lm"
+        lm = model.name == "causal-lm"
         if lm and self.dataset.format != "text":
             problems.append(("dataset.format", "model causal-lm trains on documents: set format text"))
         if self.dataset.format == "text" and not lm:
             problems.append(("dataset.format", "text is tokenized for model causal-lm, got model "
-                                               f"{self.model.name or self.model.entrypoint!r}"))
+                                               f"{model.name or model.entrypoint!r}"))
         if lm and self.training.loss != "crossEntropy":
             problems.append(("training.loss", "causal-lm trains on next-token cross entropy: leave loss unset"))
         if self.training.lora is not None and not lm:
@@ -892,8 +902,9 @@ class Spec:
         if self.replicas is not None and self.ddp is not None:
             self.ddp.nodes = self.replicas
         if self.script is not None:
-            # The user's script owns its model, data and loop: none of the built-in defaults apply.
-            self.model = self.dataset = self.training = None
+            # The user's script owns its model, data and loop: none of the built-in defaults apply. A pretrained
+            # model stays: it is fetched and checked before the script starts (KUBETRAIN_MODEL_DIR).
+            self.dataset = self.training = None
             return self
         self.model = self.model or Model(name="mlp")
         self.dataset = self.dataset or Dataset(name="digits")

@@ -265,3 +265,27 @@ def test_the_finetune_examples_are_valid_and_the_lora_one_runs_as_its_comment_sa
     export = kubetrain("checkpoints", "export", "runs/finetune-lora", "--format", "huggingface", "--out",
                        "runs/lora-adapter", cwd=tmp_path)
     assert export.returncode == 0 and (tmp_path / "runs" / "lora-adapter" / "adapter_config.json").is_file()
+
+
+def test_a_script_job_finds_its_pretrained_model_fetched_and_checked_at_kubetrain_model_dir(tmp_path, pretrained,
+                                                                                          s3, bucket):
+    from kubetrain_trainer.objstore import ObjectURI
+
+    store = s3.store()
+    for file in pretrained.single.iterdir():
+        store.upload(file, ObjectURI(bucket, f"base/{file.name}"))
+    (tmp_path / "show.py").write_text(
+        "import os, pathlib\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "where = os.environ['KUBETRAIN_MODEL_DIR']\n"
+        "model = AutoModelForCausalLM.from_pretrained(where)\n"
+        "AutoTokenizer.from_pretrained(where)\n"
+        "print('MODEL', where, sum(p.numel() for p in model.parameters()))\n")
+    doc = job_doc("script-pre", model={"name": "causal-lm", "pretrained": f"s3://{bucket}/base/"},
+                  script={"command": ["python", "show.py"]}, metrics={"port": 0})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    proc = kubetrain("run", str(path), "--run-dir", str(tmp_path / "run"), "--quiet", env=s3.env)
+    assert proc.returncode == 0, proc.stderr
+    said = (tmp_path / "run" / "logs" / "single-0.log").read_text()
+    assert f"MODEL {tmp_path / 'run' / 'cache' / 'model'} 196928" in said, said
