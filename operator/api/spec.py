@@ -44,6 +44,14 @@ SECRET_REF_DOC = (
     "use (the chart's objectStorage.secrets). Cluster only: `kubetrain run` takes the AWS_* variables of its "
     "own environment."
 )
+
+
+def secret_ref_field(when: str) -> Any:
+    """A secretRef field: the name of the Secret holding the store's AWS_* keys, `when` it applies."""
+    return field(f"{SECRET_REF_DOC} {when}", "", pattern=DNS1123_PATTERN, pattern_hint="expected a DNS-1123 name",
+                 max_length=253)
+
+
 BUILTIN_LOSSES: tuple[str, ...] = ("crossEntropy", "mse", "l1", "smoothL1", "bceWithLogits")
 LOSS_PATTERN = "(" + "|".join(BUILTIN_LOSSES) + ")|" + ENTRYPOINT_PATTERN
 # Script jobs: a command line is short; these bound what a manifest may carry.
@@ -75,14 +83,13 @@ class Model:
     pretrained: str | None = field(
         "causal-lm: the Hugging Face model directory to start from (config.json, *.safetensors with or without "
         "model.safetensors.index.json, tokenizer files; an optional SHA256SUMS is checked): a local path "
-        "(`kubetrain run`; relative to the manifest's directory), pvc://CLAIM/PATH (a claim of the job's "
+        "(`kubetrain run`; relative to its working directory, as dataset.path), pvc://CLAIM/PATH (a claim of the job's "
         "namespace, cluster only), s3://BUCKET/PREFIX/ (credentials as dataset.uri's) or hf://ORG/NAME (the "
         "Hugging Face Hub; not tested). Fetched and checked once before training starts; every replica reads "
         "the same files.",
         None, max_length=OBJECT_URI_MAX, pattern=PRETRAINED_PATTERN, pattern_hint=PRETRAINED_HINT,
     )
-    secret_ref: str = field(SECRET_REF_DOC + " With an s3:// pretrained only.", "", pattern=DNS1123_PATTERN,
-                            pattern_hint="expected a DNS-1123 name", max_length=253)
+    secret_ref: str = secret_ref_field("With an s3:// pretrained only.")
     entrypoint: str | None = field(
         "User model factory 'package.module:function'; it is called with `args` as keyword "
         "arguments plus `input_shape` (one sample's shape) and, with training.loss crossEntropy, "
@@ -136,8 +143,7 @@ class Dataset:
         "the AWS_* variables locally, secretRef in a cluster (docs/object-storage.md).",
         None, pattern=OBJECT_URI_PATTERN, pattern_hint=OBJECT_URI_HINT, max_length=OBJECT_URI_MAX,
     )
-    secret_ref: str = field(SECRET_REF_DOC + " With uri only.", "", pattern=DNS1123_PATTERN,
-                            pattern_hint="expected a DNS-1123 name", max_length=253)
+    secret_ref: str = secret_ref_field("With uri only.")
     cache_size: str = field(
         "Local disk the shards of a uri prefix or a path directory may take (per pod, or per local run): the "
         "shards used least recently go first. At least a few shards' size; the cache is read again, not "
@@ -487,8 +493,7 @@ class Storage:
         "AWS_* variables locally, secretRef in a cluster (docs/object-storage.md).",
         "", pattern=OBJECT_URI_PATTERN, pattern_hint=OBJECT_URI_HINT, max_length=OBJECT_URI_MAX,
     )
-    secret_ref: str = field(SECRET_REF_DOC + " With uri only.", "", pattern=DNS1123_PATTERN,
-                            pattern_hint="expected a DNS-1123 name", max_length=253)
+    secret_ref: str = secret_ref_field("With uri only.")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
