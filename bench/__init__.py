@@ -18,6 +18,8 @@ calls `run_bench`, which loads only the benchmark asked for:
   costs the training loop against a synchronous one, or a sharded one, on disk or in
   object storage (`--to s3://...`, with the upload against a plain PUT);
 - `data` (objstore.py): the data loader on s3:// shards against the same shards on disk.
+- `finetune` (finetune.py): the built-in causal-LM fine-tuning loop against a hand-written FSDP2 loop,
+  the memory of loading a pretrained model sharded, and the Hugging Face export.
 
 transport, contract and checkpoint import torch at module level: they are
 loaded inside `run_bench`, so that the others run without it.
@@ -115,6 +117,15 @@ def _bench_data(args: argparse.Namespace) -> dict[str, Any]:
     return bench_data(args.source, args.batch, args.cache, args.make, args.rows, args.features)
 
 
+def _bench_finetune(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        from .finetune import bench_finetune
+    except ImportError as err:
+        raise SystemExit(f"kubetrain bench finetune needs the trainer's dependencies (torch, transformers): {err}")
+    return bench_finetune(args.steps, args.rounds, args.seq, args.batch, args.hidden, args.layers, args.load_hidden,
+                          args.load_layers, args.keep)
+
+
 def _bench_modes(args: argparse.Namespace) -> dict[str, Any]:
     from .modes import CASES, bench_modes
 
@@ -125,7 +136,8 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 BENCHES = {"transport": _bench_transport, "contract": _bench_contract, "compression": _bench_compression,
-           "ft": _bench_ft, "checkpoint": _bench_checkpoint, "modes": _bench_modes, "data": _bench_data}
+           "ft": _bench_ft, "checkpoint": _bench_checkpoint, "modes": _bench_modes, "data": _bench_data,
+           "finetune": _bench_finetune}
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

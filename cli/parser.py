@@ -180,8 +180,8 @@ def add_checkpoints_command(sub: Subparsers) -> None:
     c.add_argument("--merge-lora", action="store_true",
                    help="huggingface, a LoRA job: the pretrained model with the adapter merged in, not the adapter")
     c.add_argument("--max-shard-size", default="5Gi", metavar="QUANTITY",
-                   help="huggingface: the most bytes of weights per safetensors file (default 5Gi), and so the "
-                        "most the export holds in memory at once")
+                   help="huggingface: the most bytes of weights per safetensors file (default 5Gi); the export "
+                        "holds about twice that in memory at once")
     c.add_argument("--job", metavar="FILE", help="the job's manifest (default: job.yaml of the run directory)")
     p.set_defaults(func=cmd_checkpoints)
 
@@ -254,6 +254,7 @@ def add_bench_command(sub: Subparsers) -> None:
     add_bench_ft(bsub)
     add_bench_checkpoint(bsub)
     add_bench_data(bsub)
+    add_bench_finetune(bsub)
     p.set_defaults(func=cmd_bench)
 
 
@@ -316,3 +317,20 @@ def add_bench_data(bsub: Subparsers) -> None:
     b.add_argument("--cache", default="10Gi", help="the shard cache's size (spec.dataset.cacheSize)")
     b.add_argument("--out", help="also write the JSON here")
 
+
+def add_bench_finetune(bsub: Subparsers) -> None:
+    b = bsub.add_parser("finetune", help="causal-LM fine-tuning: tokens/s of the built-in FSDP loop against a "
+                        "hand-written FSDP2 loop, each rank's memory while loading the pretrained model, and the "
+                        "Hugging Face export, in one run")
+    b.add_argument("--steps", type=int, default=24, help="training steps of each loop per round")
+    b.add_argument("--rounds", type=int, default=2, help="rounds of the two loops, in alternating order (medians "
+                   "are compared)")
+    b.add_argument("--seq", type=int, default=128, help="tokens per sample (spec.dataset.sequenceLength)")
+    b.add_argument("--batch", type=int, default=8, help="samples per step and rank (spec.training.batchSize)")
+    b.add_argument("--hidden", type=int, default=256, help="the speed model's width (4 heads, vocabulary 2048)")
+    b.add_argument("--layers", type=int, default=4, help="the speed model's decoder layers")
+    b.add_argument("--load-hidden", type=int, default=1024,
+                   help="the width of the model loaded and exported (8 heads, vocabulary 8192)")
+    b.add_argument("--load-layers", type=int, default=4, help="its decoder layers (4: 84M parameters)")
+    b.add_argument("--keep", help="keep the models, runs and exports here (default: a temporary directory)")
+    b.add_argument("--out", help="also write the JSON here")

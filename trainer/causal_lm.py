@@ -46,9 +46,12 @@ log = logging.getLogger(__name__)
 PAD = -1
 """A sample's position that holds no token (packing off: after the record's end)."""
 TEXT_SUFFIXES = (".jsonl", ".parquet", ".txt", ".md", ".text")
-MAX_TEXT_BYTES = 2 << 30
-"""format text is read whole into every rank's memory and tokenized there: a corpus larger than this is refused
-(split it across jobs, or tokenize it into .npz shards of token ids and train a script on them)."""
+MAX_TEXT_BYTES = 512 << 20
+"""format text is read whole into every rank's memory and tokenized there (about 30 bytes a token at the peak:
+the text, its tokens as arrays, then the samples and their targets, 16 bytes a token): a corpus larger than
+this is refused (split it across jobs, or tokenize it into .npz shards of token ids and train a script on them)."""
+TOKENIZE_RECORDS = 4096
+"""Records tokenized at once (the tokenizer's Python lists cost about 30 bytes a token while they live)."""
 MAX_TEXT_FILES = 100_000
 
 
@@ -136,22 +139,32 @@ def _records(name: str, path: Path, column: str) -> Iterator[str]:
         yield value
 
 
-def token_samples(ids: list[list[int]], length: int, packing: bool, eos: int | None) -> np.ndarray:
+def token_samples(ids: list[list[int]] | list[np.ndarray], length: int, packing: bool,
+                  eos: int | None) -> np.ndarray:
     """Samples of `length` token ids (PAD where none) from the records' token ids: packed, or one per record."""
     if packing:
-        stream: list[int] = []
-        for record in ids:
-            stream += record
-            if eos is not None:
-                stream.append(eos)
+        end = [np.asarray([eos], dtype=np.int64)] if eos is not None else []
+        pieces = [piece for record in ids for piece in (np.asarray(record, dtype=np.int64), *end)]
+        stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         count = math.ceil(len(stream) / length)
         out = np.full(count * length, PAD, dtype=np.int64)
         out[: len(stream)] = stream
         return out.reshape(count, length)
     out = np.full((len(ids), length), PAD, dtype=np.int64)
     for row, record in enumerate(ids):
-        tokens = (record + ([eos] if eos is not None else []))[:length]
+        tokens = [*record, *([eos] if eos is not None else [])][:length]
         out[row, : len(tokens)] = tokens
+    return out
+
+
+def tokenize(tokenizer: Any, records: list[str]) -> list[np.ndarray]:
+    """Every record's token ids, as a compact array each: tokenized TOKENIZE_RECORDS at a time, so that the
+    tokenizer's Python lists (about 30 bytes a token) exist for one batch only."""
+    out: list[np.ndarray] = []
+    for start in range(0, len(records), TOKENIZE_RECORDS):
+        batch = tokenizer(records[start:start + TOKENIZE_RECORDS], add_special_tokens=False, verbose=False,
+                          return_attention_mask=False)["input_ids"]
+        out += [np.asarray(ids, dtype=np.int32) for ids in batch]
     return out
 
 
@@ -168,8 +181,11 @@ def load_text(dataset: Dataset, model_dir: Path, config: dict[str, Any]) -> Any:
     files = _text_files(dataset)
     records = [text for name, path in files for text in _records(name, path, dataset.text_column)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(records, add_special_tokens=False, verbose=False)["input_ids"] if records else []
+    ids = tokenize(tokenizer, records)
+    record_count = len(records)
+    del records
     samples = token_samples(ids, dataset.sequence_length, dataset.packing, tokenizer.eos_token_id)
+    del ids
     vocab = int(config.get("vocab_size") or 0)
     if vocab and samples.size and int(samples.max()) >= vocab:
         raise LoadError(f"spec.model.pretrained: its tokenizer gives token {int(samples.max())}, past the model's "
@@ -182,7 +198,7 @@ def load_text(dataset: Dataset, model_dir: Path, config: dict[str, Any]) -> Any:
     x = torch.from_numpy(samples)
     y = x.masked_fill(x == PAD, IGNORE_INDEX)
     cut = len(x) - held
-    log.info("text: %d records from %d file(s), %d tokens, %d samples of %d (%d held out)", len(records),
+    log.info("text: %d records from %d file(s), %d tokens, %d samples of %d (%d held out)", record_count,
              len(files), int((x != PAD).sum()), len(x), dataset.sequence_length, held)
     return Data(train_x=x[:cut], train_y=y[:cut], eval_x=x[cut:], eval_y=y[cut:],
                 input_shape=(dataset.sequence_length,), num_classes=None, target_shape=(dataset.sequence_length,),

@@ -14,10 +14,11 @@ pretrained directory. For a LoRA job it is either
 - the merged model (`merge_lora`): every adapted weight W replaced by
   W + (alpha / rank) * B @ A, a plain model of the pretrained shape.
 
-Memory stays bounded by one output shard: the weights are written shard by
-shard, each read from the checkpoint as it is needed, a sharded (FSDP)
-checkpoint's tensors through DCP a shard's keys at a time, the pretrained
-weights of a merge from their safetensors files tensor by tensor. The
+Memory stays bounded by about two output shards (`max_shard_bytes`): the
+weights are written shard by shard, each read from the checkpoint as it is
+needed, a sharded (FSDP) checkpoint's tensors through DCP a shard's worth of
+keys at a time (held while they are copied into the file being written), the
+pretrained weights of a merge from their safetensors files tensor by tensor. The
 directory is written under a temporary name beside OUT and renamed when whole
 (an s3:// OUT: uploaded from a temporary directory, config.json last, so a
 reader that finds config.json finds the weights).
@@ -78,7 +79,7 @@ def export_huggingface(sources: list[str | Path], out: str | Path, job_file: str
         staging = Path(tmp) / "model"
         staging.mkdir()
         if lora is None:
-            tensors = _write_weights(staging, _renamed(weights, hf_name), max_shard_bytes)
+            tensors = _write_weights(staging, _renamed(weights, hf_name, max_shard_bytes), max_shard_bytes)
         elif merge_lora:
             tensors = _write_weights(staging, _merged(pretrained, weights, lora.alpha / lora.rank), max_shard_bytes)
         else:
@@ -192,8 +193,10 @@ def _newest_weights(reader: _Reader, replicas: list[str]) -> tuple[str, Any, _We
     return replica, info, _Weights(model, info.path)
 
 
-def _renamed(weights: _Weights, rename: Callable[[str], str]) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
-    """(output name, bytes, read) of every tensor, in the checkpoint's order."""
+def _renamed(weights: _Weights, rename: Callable[[str], str],
+             budget: int) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+    """(output name, bytes, read) of every tensor, in the checkpoint's order, read `budget` bytes at a time (a
+    sharded checkpoint's keys in groups: one DCP read each)."""
     names = weights.names()
     cache: dict[str, torch.Tensor] = {}
 
@@ -205,12 +208,12 @@ def _renamed(weights: _Weights, rename: Callable[[str], str]) -> Iterator[tuple[
             return cache.pop(name)
         return read
 
-    for group in _groups(names, weights.sizes):
+    for group in _groups(names, weights.sizes, budget):
         for name in group:
             yield rename(name), weights.sizes[name], reader(name, group)
 
 
-def _groups(names: list[str], sizes: dict[str, int], budget: int = 1 << 30) -> list[list[str]]:
+def _groups(names: list[str], sizes: dict[str, int], budget: int) -> list[list[str]]:
     """`names` in order, cut into groups of at most `budget` bytes (one tensor alone may be more)."""
     groups: list[list[str]] = [[]]
     used = 0

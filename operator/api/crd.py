@@ -19,7 +19,7 @@ import yaml
 
 from . import podtemplate, schema
 from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, TypeInfo
-from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, STANDBY_SIZE_MESSAGE, VERSION, Spec
+from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, SCRIPT_MODEL_MESSAGE, STANDBY_SIZE_MESSAGE, VERSION, Spec
 from .status import JobStatus
 
 SHORT_NAMES = ["tj"]
@@ -74,6 +74,11 @@ SPEC_CEL = [
         "|| self.checkpoint.storage.secretRef == '' || self.checkpoint.storage.secretRef == self.dataset.secretRef",
         "message": "dataset.secretRef: must name the same Secret as checkpoint.storage.secretRef: a pod holds one "
         "set of AWS_* credentials (put both stores' in one Secret, or use one store)",
+    },
+    {
+        "rule": "!has(self.script) || !has(self.model) || (has(self.model.pretrained) "
+        "&& !has(self.model.entrypoint) && !has(self.model.args))",
+        "message": f"model: {SCRIPT_MODEL_MESSAGE}",
     },
     {
         "rule": "!has(self.script) || self.mode != 'ParameterServer'",

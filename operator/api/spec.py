@@ -66,6 +66,8 @@ MAX_STANDBY_WORKERS = 8
 # format text: the longest sample. Attention's memory grows with its square; a model's own limit
 # (max_position_embeddings) is checked against sequenceLength when its config is read.
 MAX_SEQUENCE_LENGTH = 131072
+SCRIPT_MODEL_MESSAGE = ("applies to a script job only as a pretrained model to fetch ({name: causal-lm, pretrained: "
+                        "URI}): the script builds its own model, from KUBETRAIN_MODEL_DIR")
 STANDBY_SIZE_MESSAGE = ("replicas: a job with parameterServer.standbyWorkers keeps the size it was created with "
                         "(parameterServer.workers): leave spec.replicas unset; kubectl scale does not apply")
 
@@ -165,7 +167,7 @@ class Dataset:
     args: dict[str, Any] = field("Keyword arguments for the dataset.", default_factory=dict)
     eval_fraction: float = field(
         "Fraction of the samples held out for evaluation (of shards: that fraction of the shards, whole; of text: "
-        "that fraction of the records, the last ones).",
+        "that fraction of the token samples, the last ones).",
         0.2, minimum=0.0, maximum=0.9
     )
     format: Literal["tensors", "text"] = field(
@@ -798,8 +800,7 @@ class Spec:
         if self.script is not None:
             model = self.model
             if model is not None and (not model.pretrained or model.entrypoint or model.args):
-                return [("model", "applies to a script job only as a pretrained model to fetch ({name: causal-lm, "
-                                  "pretrained: URI}): the script builds its own model, from KUBETRAIN_MODEL_DIR")]
+                return [("model", SCRIPT_MODEL_MESSAGE)]
             return []
         if self.dataset is None or self.training is None:
             return []

@@ -30,7 +30,7 @@ PACKAGES = {"cli": "kubetrain_cli", "bench": "kubetrain_bench", "kubetrain": "ku
 LAZY = {
     "kubetrain_cli": ("kubetrain_trainer", "kubetrain_bench", "torch"),
     "kubetrain_bench.__init__": ("kubetrain_trainer", "torch", "kubetrain_bench.transport", "kubetrain_bench.contract",
-                                 "kubetrain_bench.checkpoint", "kubetrain_bench.sharded"),
+                                 "kubetrain_bench.checkpoint", "kubetrain_bench.sharded", "kubetrain_bench.finetune"),
     "kubetrain.__init__": ("kubetrain.client", "kubetrain_operator"),
 }
 

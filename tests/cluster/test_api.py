@@ -58,7 +58,8 @@ def test_a_script_job_is_accepted_and_refused_with_the_validators_messages(clust
     assert done.returncode == 0, done.stderr
     spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", "script", "-o", "json"))["spec"]
     assert spec["script"] == {**script, "workingDir": ""} and "model" not in spec
-    for extra, words in ((dict(model={"name": "cnn"}), "model, dataset, training do not apply when script is set"),
+    for extra, words in ((dict(model={"name": "cnn"}), "model: applies to a script job only as a pretrained model"),
+                         (dict(dataset={"name": "digits"}), "dataset, training do not apply when script is set"),
                          (dict(mode="ParameterServer"), "script jobs run in mode Single or DDP"),
                          (dict(script={"command": []}), "spec.script.command")):
         bad = {**ok, "metadata": {"name": "script-bad"}, "spec": {**ok["spec"], **extra}}
