@@ -193,7 +193,8 @@ def test_a_higher_priority_job_preempts_the_lower_which_resumes_when_it_ends(que
 
     finish(op, hi)
     after = all_running(op, lo)
-    assert op.job_status(lo)["state"] == "Running"
+    # The status follows the pods: the operator's next round after they run (as the test above waits for).
+    op.wait(f"{lo} Running", lambda: op.job_status(lo).get("state") == "Running")
     assert [e for e in op.events(lo) if e["reason"] == "Resumed"]
     # The shard mounts the same checkpoint claim: the trainer resumes from its newest checkpoint.
     assert next(v for v in after[f"{lo}-ps-0"]["spec"]["volumes"] if v["name"] == "data") == claim
