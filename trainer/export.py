@@ -240,6 +240,12 @@ class _Reader:
 def _newest_single(reader: _Reader, replicas: list[str]) -> tuple[str, CheckpointInfo, dict[str, Any]]:
     """The newest valid checkpoint over `replicas` (a DDP job's nodes: only rank 0 writes, but copies may differ),
     plain or sharded; a sharded one is gathered whole here (the point of an export)."""
+    replica, info, state = newest(reader, replicas)
+    return replica, info, state if state is not None else sharded.load_whole(info.path)
+
+
+def newest(reader: _Reader, replicas: list[str]) -> tuple[str, CheckpointInfo, dict[str, Any] | None]:
+    """The newest valid checkpoint over `replicas`: a plain one read, a sharded one verified only (state None)."""
     best: tuple[str, CheckpointInfo, dict[str, Any] | None] | None = None
     for replica in replicas:
         found = next(reader.stream(replica), None)
@@ -250,8 +256,7 @@ def _newest_single(reader: _Reader, replicas: list[str]) -> tuple[str, Checkpoin
             best = (replica, whole, None)
     if best is None:
         raise reader.nothing_usable(replicas)
-    replica, info, state = best
-    return replica, info, state if state is not None else sharded.load_whole(info.path)
+    return best
 
 
 def _expected_shards(source: Source, present: list[str]) -> list[str] | None:

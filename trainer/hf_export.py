@@ -39,7 +39,7 @@ from kubetrain_contract.launch import pretrained_in_place
 
 from . import sharded
 from .causal_lm import hf_name, is_adapter
-from .export import EXIT_NO_DATA, EXIT_USAGE, MODEL, Exported, ExportError, _Reader, locate
+from .export import EXIT_NO_DATA, EXIT_USAGE, MODEL, Exported, ExportError, _Reader, locate, newest
 from .pretrained import CONFIG, INDEX, READY_FILE, SINGLE_WEIGHTS, SUMS, Checked, fetch
 
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -174,17 +174,7 @@ def _numel_bytes(meta: Any) -> int:
 
 def _newest_weights(reader: _Reader, replicas: list[str]) -> tuple[str, Any, _Weights]:
     """The newest usable checkpoint's model state, a sharded one not loaded yet."""
-    best = None
-    for replica in replicas:
-        whole = reader.newest_sharded(replica)
-        if whole is not None and (best is None or whole.step > best[1].step):
-            best = (replica, whole, None)
-        found = next(reader.stream(replica), None)
-        if found is not None and (best is None or found[0].step > best[1].step):
-            best = (replica, *found)
-    if best is None:
-        raise reader.nothing_usable(replicas)
-    replica, info, state = best
+    replica, info, state = newest(reader, replicas)
     if state is None:
         return replica, info, _Weights(None, info.path)
     model = state.get("model") if isinstance(state, dict) else None
