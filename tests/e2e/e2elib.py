@@ -329,6 +329,11 @@ class PodWatch:
             env=e2e.cluster.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         self._thread = threading.Thread(target=self._read, name=f"watch-{pod}", daemon=True)
         self._thread.start()
+        # The watch is only there once kubectl has listed the pod (its first event): a fault made before
+        # that (a CI run: ps-0 killed, deleted and made again within 0.24 s) left the old pod's end unseen.
+        deadline = time.monotonic() + 30
+        while not self.events and time.monotonic() < deadline and self._proc.poll() is None:
+            time.sleep(0.02)
 
     def _read(self) -> None:
         pending = ""
