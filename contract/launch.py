@@ -83,6 +83,11 @@ SLOWDOWN_VAR = "KUBETRAIN_BENCH_SLOWDOWN"
 # step STEP until GROUPS groups take part in its quorum (trainer/ddp/ft.py reads it; tests that kill a
 # group set it, so that the survivors train on until the replacement has joined whatever the machine's load).
 FT_HOLD_VAR = "KUBETRAIN_TEST_FT_HOLD"
+FT_COUNT_VAR = "KUBETRAIN_TEST_FT_COUNT"
+"""A test knob of fault-tolerant DDP's built-in loop: when set, every rank adds the samples it trained to the
+step's average (a count per sample of the training split), and each group writes, as each epoch ends, how
+many samples the committed steps trained never, once, and more than once (an `epoch_samples` event):
+what the job actually averaged, counted across every group, whatever the faults."""
 
 
 # Fault-tolerant DDP (spec.ddp.faultTolerance, docs/custom-code.md#fault-tolerant-scripts): what every
@@ -93,8 +98,8 @@ when it is not given; kubetrain does not set that name, whose pod template entry
 FT_GROUP_VAR = "KUBETRAIN_FT_REPLICA_GROUP"
 """This node's replica group: its index, 0 to KUBETRAIN_FT_REPLICA_GROUPS - 1."""
 FT_GROUPS_VAR = "KUBETRAIN_FT_REPLICA_GROUPS"
-"""The most replica groups the job can have (ddp.maxNodes, else ddp.nodes): shard the data by it, and a
-group's shard stays the same whatever `kubectl scale` does."""
+"""The most replica groups the job can have (ddp.maxNodes, else ddp.nodes, and its spare groups): the global
+ranks (`ddp-<rank>`, metrics and events) are numbered within them. The data is dealt by each step's quorum."""
 FT_STORE_VAR = "KUBETRAIN_FT_STORE"
 """host:port of the group's TCPStore, hosted by the node's torchrun agent, as the other groups reach it."""
 FT_LIGHTHOUSE_PORT_VAR = "KUBETRAIN_FT_LIGHTHOUSE_PORT"
@@ -162,8 +167,10 @@ def torchrun_command(
     ddp = spec.ddp
     if spec.mode != "DDP" or ddp is None:
         raise ValueError(f"spec.mode: torchrun_command needs mode DDP, got {spec.mode!r}")
-    if not 0 <= node_rank < ddp.nodes:
-        raise ValueError(f"node_rank {node_rank} is outside spec.ddp.nodes ({ddp.nodes})")
+    if not 0 <= node_rank < ddp.groups:
+        spares = ddp.groups - ddp.nodes
+        raise ValueError(f"node_rank {node_rank} is outside spec.ddp.nodes ({ddp.nodes})"
+                         + (f" and its {spares} spare groups" if spares else ""))
     host, sep, port = rdzv_endpoint.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"rdzv_endpoint: expected 'host:port', got {rdzv_endpoint!r}")

@@ -128,7 +128,9 @@ def checkpoint_dir() -> Path:
     return _checkpoint_dir()
 
 
-def fault_tolerant(model: Any, optimizer: Any, state: Any = None, load_state: Any = None) -> Any:
+def fault_tolerant(model: Any, optimizer: Any, state: Any = None, load_state: Any = None, *,
+                   samples: int | None = None, batch_size: int | None = None, epochs: int | None = None,
+                   max_steps: int | None = None, seed: int = 0) -> Any:
     """A DDP script's model and optimizer in a fault-tolerant replica group (spec.ddp.faultTolerance, torchft).
 
     Each node of the job is a replica group: when one dies, the others train on at their next step
@@ -151,8 +153,26 @@ def fault_tolerant(model: Any, optimizer: Any, state: Any = None, load_state: An
                     ft.save()                   # this group's checkpoint, for the loss of every group
 
     The model is the plain module (no DistributedDataParallel: the gradients are averaged by `commit`).
+
+    With `samples` (your dataset's length), `batch_size` (each rank's) and `epochs` (or `max_steps`: the
+    samples of that many steps of every group, ddp.nodes x procsPerNode x batch_size each), the data follows the
+    quorum: `ft.indices()` gives this rank's samples of the step, dealt among the ranks of the groups that
+    train it; a discarded step's samples are dealt again, so every sample of an epoch is trained exactly
+    once whatever the faults (the epoch takes more steps while a group is missing). The cursor is committed
+    with the model (heals and checkpoints carry it)::
+
+        ft = kubetrain.fault_tolerant(model, optimizer, samples=len(data), batch_size=32, epochs=10)
+        while not ft.done:
+            ft.zero_grad()
+            idx = ft.indices()                  # empty for a spare group: leave the gradients unset
+            loss = loss_fn(model(x[idx]), y[idx]) if len(idx) else None
+            if loss is not None:
+                loss.backward()
+            ft.commit(loss)
+
     See docs/custom-code.md#fault-tolerant-scripts.
     """
     from kubetrain_trainer.ddp.ft import FaultTolerance
 
-    return FaultTolerance(model, optimizer, state, load_state)
+    return FaultTolerance(model, optimizer, state, load_state, samples=samples, batch_size=batch_size,
+                          epochs=epochs, max_steps=max_steps, seed=seed)

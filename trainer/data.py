@@ -50,6 +50,11 @@ class Data:
         return ShardCursor(len(self.train_x), rank, world_size, batch_size, seed, order=self.order,
                            on_epoch=getattr(self.train_x, "plan", None))
 
+    def quorum_cursor(self, batch_size: int, seed: int, nominal: int) -> "QuorumCursor":
+        """The one cursor of a fault-tolerant job's replica groups (dealt by each step's quorum)."""
+        return QuorumCursor(len(self.train_x), batch_size, seed, nominal, order=self.order,
+                            on_epoch=getattr(self.train_x, "plan", None))
+
     def attach_metrics(self, metrics: Any) -> None:
         """Count sharded data's shard reads (cache or store) and object-storage traffic in `metrics`."""
         from .metrics import attach_metrics
@@ -487,6 +492,182 @@ class ShardCursor:
             raise ConfigError(f"cursor position {state['position']} is outside the shard of {self.shard_size}")
         self._position = int(state["position"])
         self._shard = None
+
+
+@dataclass(frozen=True)
+class Block:
+    """The samples one step of a fault-tolerant job trains: positions start .. start + size - 1 of the epoch's
+    order, dealt round-robin to `lanes` ranks (lane i takes start + i, start + i + lanes, ...)."""
+
+    epoch: int
+    start: int
+    size: int
+    lanes: int
+
+    def count(self, lane: int) -> int:
+        """How many samples lane `lane` trains (0 for a lane past the block: a short last block)."""
+        return len(range(lane, self.size, self.lanes)) if 0 <= lane < self.lanes else 0
+
+
+class QuorumCursor:
+    """The job's one way through the training samples when the ranks that train change from step to step
+    (fault-tolerant DDP: the groups in each step's quorum). Every replica group holds the same cursor; it is
+    part of the committed state (a heal carries it, a checkpoint holds it).
+
+    An epoch's order is ShardCursor's (a seeded shuffle of every sample, or the data's own order for
+    `lanes` lanes). Each step the ranks taking part share the next `Block` of it, `batch_size` samples each;
+    a committed step moves the cursor past its block (`advance`), a discarded one does not, so its samples
+    are trained again by the next quorum, however many ranks it has. Every sample of an epoch is trained
+    exactly once whatever the faults: the epoch takes more steps while fewer ranks train.
+
+    An epoch holds its first `cut` positions: the samples cut to a multiple of the ranks training when it
+    begins, as plain DDP leaves out fewer than its world size (a different few each epoch). With the same
+    ranks every step, the blocks are exactly plain DDP's global batches, and lane r's share of step s is the
+    batch DDP gives rank r at step s. Pure: no process group, no clock.
+
+    `nominal`: the ranks the job trains with when none is missing (ddp.nodes x procsPerNode when it began,
+    kept in the state so that a group started by a resize agrees): it measures the job in plain DDP's steps,
+    of `nominal` x batchSize samples (`nominal_step`, where a run of maxSteps ends: `end`).
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, nominal: int, order: Any = None,
+                 on_epoch: Callable[[torch.Tensor], None] | None = None):
+        if not 1 <= nominal <= num_samples:
+            raise ConfigError(f"{num_samples} training samples cannot be sharded over {nominal} ranks; "
+                              "use more data or fewer workers")
+        self.nominal = nominal
+        if batch_size < 1:
+            raise ConfigError(f"spec.training.batchSize: must be at least 1, got {batch_size}")
+        if num_samples < 1:
+            raise ConfigError("no training samples to deal")
+        if order is not None and order.num_samples != num_samples:
+            raise ConfigError(f"the sample order covers {order.num_samples} samples, the data holds {num_samples}")
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.order, self.on_epoch = order, on_epoch
+        self.epoch = 0
+        self.position = 0
+        self.cut = 0
+        """Positions of the current epoch (0 until it begins: `begin`)."""
+        self.lanes = 0
+        """The lanes the current epoch's order was made for (sharded data deals shards by lane)."""
+        self.trained = 0
+        """Samples the committed steps trained, every epoch."""
+        self._order: torch.Tensor | None = None
+
+    def begin(self, lanes: int) -> None:
+        """Begin the current epoch, if it has not begun, for `lanes` training ranks: its cut and order."""
+        if self.cut:
+            return
+        if not 1 <= lanes <= self.num_samples:
+            raise ConfigError(f"{self.num_samples} training samples cannot be dealt to {lanes} ranks; "
+                              "use more data or fewer workers")
+        self.cut, self.lanes = self.num_samples // lanes * lanes, lanes
+        self._order = None
+
+    def epoch_order(self) -> torch.Tensor:
+        """The current epoch's order of every sample (its first `cut` positions are trained)."""
+        if self._order is None:
+            if self.order is not None:
+                self._order = self.order.order(self.epoch, self.lanes)
+            else:
+                generator = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(self.num_samples, generator=generator)
+        return self._order
+
+    def block(self, lanes: int, end: int | None = None) -> Block:
+        """The next step's block for `lanes` training ranks, ending at the epoch's cut (or at `end` before it:
+        a job that stops mid-epoch)."""
+        if lanes < 1:
+            raise ConfigError(f"a step needs at least one training rank, got {lanes}")
+        self.begin(lanes)
+        stop = self.cut if end is None else min(end, self.cut)
+        return Block(self.epoch, self.position, max(0, min(lanes * self.batch_size, stop - self.position)), lanes)
+
+    def share(self, block: Block, lane: int) -> torch.LongTensor:
+        """Lane `lane`'s samples of `block` (none for a lane past it)."""
+        if block.epoch != self.epoch or block.start != self.position:
+            raise ValueError(f"block {block} is not the cursor's next (epoch {self.epoch}, position {self.position})")
+        if not 0 <= lane < block.lanes:
+            return torch.empty(0, dtype=torch.long)  # type: ignore[return-value]
+        return self.epoch_order()[block.start + lane: block.start + block.size: block.lanes].clone()  # type: ignore[return-value]
+
+    def advance(self, block: Block) -> bool:
+        """Move past a committed step's block; True when it ended the epoch."""
+        if block.epoch != self.epoch or block.start != self.position:
+            raise ValueError(f"block {block} is not the cursor's next (epoch {self.epoch}, position {self.position})")
+        self.position += block.size
+        self.trained += block.size
+        if self.position < self.cut:
+            return False
+        self.epoch, self.position, self.cut, self.lanes, self._order = self.epoch + 1, 0, 0, 0, None
+        return True
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Plain DDP's steps of an epoch at the nominal ranks (ShardCursor.steps_per_epoch)."""
+        return math.ceil(self.num_samples // self.nominal / self.batch_size)
+
+    @property
+    def nominal_step(self) -> int:
+        """Plain DDP's step that the cursor is at: the learning rate's schedule follows it."""
+        return self.epoch * self.steps_per_epoch + self.position // (self.nominal * self.batch_size)
+
+    @property
+    def epochs_done(self) -> float:
+        return self.epoch + (self.position / self.cut if self.cut else 0.0)
+
+    def end(self, max_steps: int | None, epochs: int | None) -> tuple[int, int]:
+        """(epoch, position) where training ends: after `epochs` epochs, or after the samples of `max_steps`
+        of plain DDP's steps at the nominal ranks."""
+        if max_steps is None:
+            return (epochs or 0, 0)
+        epoch, steps = divmod(max_steps, self.steps_per_epoch)
+        return (epoch, steps * self.nominal * self.batch_size)
+
+    def done(self, end: tuple[int, int]) -> bool:
+        return (self.epoch, self.position) >= end
+
+    def next_block(self, lanes: int, end: tuple[int, int]) -> Block:
+        """`block` up to `end`."""
+        return self.block(lanes, end[1] if self.epoch == end[0] else None)
+
+    def steps_left(self, end: tuple[int, int], lanes: int) -> int:
+        """Steps before `end` if `lanes` ranks train every one (epochs not begun yet cut at the nominal ranks)."""
+        if self.done(end):
+            return 0
+        batch = lanes * self.batch_size
+        cut = self.num_samples // self.nominal * self.nominal
+        here = (self.cut or cut) if self.epoch < end[0] else min(self.cut or cut, end[1])
+        left = math.ceil((here - self.position) / batch)
+        if end[0] > self.epoch:
+            left += (end[0] - self.epoch - 1) * math.ceil(cut / batch) + math.ceil(end[1] / batch)
+        return left
+
+    def hint(self, lane: int, lanes: int) -> None:
+        """Tell `on_epoch` (sharded data fetches ahead) what lane `lane` of `lanes` trains of the epoch if its
+        ranks stay: its share of what is left."""
+        if self.on_epoch is not None and self.cut:
+            self.on_epoch(self.epoch_order()[self.position + lane: self.cut: lanes])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "cut": self.cut, "lanes": self.lanes,
+                "nominal": self.nominal, "trained": self.trained, "num_samples": self.num_samples, "seed": self.seed,
+                "dealt": "quorum"}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where `state` (a group's, the same data and seed) left off."""
+        if state.get("dealt") != "quorum":
+            raise ConfigError("the cursor state was saved by a job that dealt its data per rank (not fault-tolerant "
+                              "DDP); start the fault-tolerant job afresh, or resume it without faultTolerance")
+        for key in ("num_samples", "seed"):
+            if state[key] != getattr(self, key):
+                raise ConfigError(f"cursor state was saved with {key}={state[key]}, this cursor has "
+                                  f"{key}={getattr(self, key)}")
+        epoch, position, cut, lanes = (int(state[k]) for k in ("epoch", "position", "cut", "lanes"))
+        if not (0 <= cut <= self.num_samples and 0 <= position <= max(cut - 1, 0)):
+            raise ConfigError(f"cursor position {position} is outside the epoch of {cut} samples")
+        self.epoch, self.position, self.cut, self.lanes, self._order = epoch, position, cut, lanes, None
+        self.nominal, self.trained = int(state["nominal"]), int(state["trained"])
 
 
 def resume_group_cursor(cursor: ShardCursor, state: Mapping[str, Any]) -> bool:

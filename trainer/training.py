@@ -78,25 +78,26 @@ PLAIN = StepRecipe(learning_rate=0.0)
 
 def compute_gradients(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective: Objective | None = None,
-    recipe: StepRecipe = PLAIN,
+    recipe: StepRecipe = PLAIN, scale: float = 1.0,
 ) -> float:
     """Forward and backward on one batch with `objective`'s loss (crossEntropy by default), in
     `recipe.micro_batches` parts (their gradients summed, each part's loss weighted by its share of the batch),
-    under bfloat16 autocast with `recipe.bf16`.
+    under bfloat16 autocast with `recipe.bf16`; the gradients of `scale` times the loss (a fault-tolerant rank's
+    share of its step's batch: its weight in the average, before a sharded model's reduce-scatter).
 
-    Leaves the gradients in `.grad`; returns the loss.
+    Leaves the gradients in `.grad`; returns the loss (unscaled).
     """
     objective = objective or CROSS_ENTROPY
     model.zero_grad(set_to_none=True)
     if recipe.micro_batches == 1 and not recipe.bf16:  # the plain step, exactly as it always was
         loss = objective.loss(model(x), y)
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         return float(loss.item())
     total = 0.0
     for xs, ys in zip(x.tensor_split(recipe.micro_batches), y.tensor_split(recipe.micro_batches)):
         with torch.autocast(xs.device.type, dtype=torch.bfloat16, enabled=recipe.bf16):
             loss = objective.loss(model(xs), ys) * (len(xs) / len(x))
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         total += float(loss.item())
     return total
 

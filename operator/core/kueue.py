@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import API_VERSION, KIND, TrainingJob
-from .children import LABEL_JOB, LABEL_MANAGED, MANAGER, children, owner_reference
+from .children import LABEL_JOB, LABEL_MANAGED, MANAGER, children, owner_reference, pod_name, representatives
 from .engine import QueueAdmission
 from .plan import replica_names
 
@@ -46,6 +46,10 @@ MAX_WORKLOAD_NAME = 253
 """A Workload's name is a DNS subdomain; a job's name is far shorter (the CRD limits it)."""
 MAX_CONDITION_MESSAGE = 32768
 """metav1.Condition.message's limit (the API server refuses longer)."""
+SLICE_FOR = f"{GROUP}/workload-slice-replacement-for"
+"""A Workload slice's annotation: `<namespace>/<name>` of the slice it replaces (Kueue's
+pkg/workloadslicing, ElasticJobsViaWorkloadSlices)."""
+ELASTIC = f"{GROUP}/elastic-job"
 
 ROLES = ("single", "ps", "worker", "standby", "ddp")
 
@@ -68,7 +72,8 @@ def workload_name(job: TrainingJob, uid: str) -> str:
 def _role_templates(job: TrainingJob, uid: str, settings: Any) -> dict[str, dict[str, Any]]:
     """One pod template per role, as the operator renders that role's pods (its first replica)."""
     out: dict[str, dict[str, Any]] = {}
-    for obj in children(job, uid, "", settings):
+    first = {pod_name(job, r.name) for r in representatives(job)}
+    for obj in children(job, uid, "", settings, lambda kind, name: kind == "StatefulSet" or name in first):
         if obj["kind"] == "Pod":
             role = obj["metadata"]["labels"]["kubetrain.dev/role"]
             if role not in out:
@@ -110,6 +115,115 @@ def workload(job: TrainingJob, uid: str, settings: Any, priority: int | None = N
                      "ownerReferences": [ref]},
         "spec": spec,
     }
+
+
+# --- workload slices: a fault-tolerant job resized while admitted, live -------------------------------------
+#
+# With Kueue's ElasticJobsViaWorkloadSlices gate (alpha in v0.17: `--kueue-workload-slices`), a fault-tolerant
+# DDP job in a queue resizes without stopping its groups. Smaller: its admitted Workload's counts are lowered in
+# place once the groups above the size are gone. Larger: a new Workload (a slice) at the new counts replaces the
+# admitted one; Kueue admits it for the difference in quota and marks the old one Finished
+# (WorkloadSliceReplaced), and until then the job keeps running at the size it was admitted at
+# (`admitted_size`). Kueue's job framework does this for its own integrations; for an external framework's
+# Workload its scheduler does the same (docs/scheduling.md#a-fault-tolerant-job-in-a-queue-live-resizes-by-workload-slices).
+
+
+def slices_apply(job: TrainingJob) -> bool:
+    """A job that resizes live (a fault-tolerant DDP job): its queue resizes it by slices."""
+    return job.spec.fault_tolerant
+
+
+def current(workloads: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The job's Workload now: of those not Finished, the newest that holds quota, else the newest; with every
+    one Finished, the newest (a finished job's)."""
+    def newest(found: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return max(found, key=lambda wl: ((wl.get("metadata") or {}).get("creationTimestamp") or "",
+                                          (wl.get("metadata") or {}).get("name") or ""), default=None)
+
+    open_ = [wl for wl in workloads.values() if not _true(wl.get("status") or {}, "Finished")]
+    holding = [wl for wl in open_ if _true(wl.get("status") or {}, "QuotaReserved")]
+    # Kueue finishes the slice it replaces before it reserves the replacement's quota (scheduler.go,
+    # replaceWorkloadSlice, then admit): in between, the replaced one is still the job's Workload.
+    holding += [wl for wl in workloads.values() if _replaced(wl) and not any(
+        _true(other.get("status") or {}, "QuotaReserved") for other in _replacements(workloads, wl))]
+    return newest(holding) or newest(open_) or newest(list(workloads.values()))
+
+
+def _replaced(wl: dict[str, Any]) -> bool:
+    finished = _condition(wl.get("status") or {}, "Finished") or {}
+    return finished.get("status") == "True" and finished.get("reason") == "WorkloadSliceReplaced"
+
+
+def _replacements(workloads: dict[str, dict[str, Any]], wl: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = wl.get("metadata") or {}
+    key = f"{meta.get('namespace')}/{meta.get('name')}"
+    return [other for other in workloads.values()
+            if ((other.get("metadata") or {}).get("annotations") or {}).get(SLICE_FOR) == key]
+
+
+def counts(wl: dict[str, Any]) -> dict[str, int]:
+    return {ps.get("name"): ps.get("count") for ps in (wl.get("spec") or {}).get("podSets") or []}
+
+
+def slice_plan(wl: dict[str, Any], job: TrainingJob) -> str | None:
+    """How an admitted Workload follows its resized job: "shrink" (its counts lowered in place), "grow" (a slice
+    replaces it), None (no resize, or roles that differ: made again, as without slices)."""
+    have, want = counts(wl), pod_counts(job)
+    if have == want or set(have) != set(want):
+        return None
+    if all(want[r] <= have[r] for r in want):
+        return "shrink"
+    if all(want[r] >= have[r] for r in want):
+        return "grow"
+    return None
+
+
+def shrunk(wl: dict[str, Any], job: TrainingJob) -> dict[str, Any]:
+    """The merge patch that lowers an admitted Workload's counts to the job's (Kueue's webhook allows lowering a
+    count with the gate on; its scheduler gives the quota back)."""
+    want = pod_counts(job)
+    pod_sets = [{**ps, "count": want.get(ps.get("name"), ps.get("count"))}
+                for ps in (wl.get("spec") or {}).get("podSets") or []]
+    return {"spec": {"podSets": pod_sets}}
+
+
+def slice_name(job: TrainingJob, uid: str) -> str:
+    """A slice's name: the job's Workload name and the job's generation (each resize is a new one)."""
+    return f"{workload_name(job, uid)}-g{job.metadata.generation}"[:MAX_WORKLOAD_NAME]
+
+
+def workload_slice(job: TrainingJob, uid: str, settings: Any, replaces: dict[str, Any],
+                   priority: int | None = None) -> dict[str, Any]:
+    """The slice that replaces the admitted Workload `replaces` at the job's new counts: the same pod sets in the
+    same order (Kueue matches them by position), the same queue and priority."""
+    wl = workload(job, uid, settings, priority)
+    meta = replaces.get("metadata") or {}
+    wl["metadata"]["name"] = slice_name(job, uid)
+    wl["metadata"]["annotations"] = {SLICE_FOR: f"{meta.get('namespace')}/{meta.get('name')}", ELASTIC: "true"}
+    order = [ps.get("name") for ps in (replaces.get("spec") or {}).get("podSets") or []]
+    wl["spec"]["podSets"].sort(key=lambda ps: order.index(ps["name"]) if ps["name"] in order else len(order))
+    return wl
+
+
+def pending_slice(workloads: dict[str, dict[str, Any]], wl: dict[str, Any]) -> dict[str, Any] | None:
+    """The slice that replaces `wl`, not Finished, if one was made."""
+    return next((other for other in _replacements(workloads, wl)
+                 if not _true(other.get("status") or {}, "Finished")), None)
+
+
+def admitted_size(job: TrainingJob, wl: dict[str, Any]) -> TrainingJob:
+    """`job` at the size its admitted Workload counts (a slice for the new size waits for Kueue): the engine runs
+    the groups it was admitted for and starts the others once the slice is admitted."""
+    assert job.spec.ddp is not None
+    groups = counts(wl).get("ddp")
+    spares = job.spec.ddp.groups - job.spec.ddp.nodes
+    if groups is None or groups - spares == job.spec.ddp.nodes:
+        return job
+    held = copy.deepcopy(job)
+    assert held.spec.ddp is not None
+    held.spec.ddp.nodes = groups - spares
+    held.spec.replicas = groups - spares if held.spec.replicas is not None else None
+    return held
 
 
 def _condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:

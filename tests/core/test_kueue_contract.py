@@ -228,3 +228,57 @@ def test_a_resized_job_has_its_workload_made_again_and_waits_for_kueue_to_admit_
     assert [e[1] for e in back.events] == ["Resumed", "Resized"]
     assert back.events[1][2].startswith("Resized from 2 to 3 workers while stopped: the job resumes at the new size")
     assert to_dict(back.status)["restarts"] == 0
+
+
+# --- workload slices: a fault-tolerant job resized while admitted ------------------------------------------------
+
+def ft_job(nodes=3, generation=1):
+    found = job("DDP", ddp={"nodes": nodes, "minNodes": 2, "maxNodes": 3, "faultTolerance": {}},
+                resources={"worker": {"requests": {"cpu": "1"}}})
+    found.metadata.generation = generation
+    return found
+
+
+def named(wl, name, created, annotations=None):
+    wl = {**wl, "metadata": {**wl["metadata"], "name": name, "creationTimestamp": created,
+                             **({"annotations": annotations} if annotations else {})}}
+    return wl
+
+
+def test_a_fault_tolerant_job_shrinks_its_workload_in_place_and_grows_by_a_slice():
+    three = kueue.workload(ft_job(3), "uid", Settings())
+    assert kueue.counts(three) == {"ddp": 3, "lighthouse": 1}
+    assert kueue.slices_apply(ft_job()) and not kueue.slices_apply(job())
+    assert kueue.slice_plan(three, ft_job(3)) is None
+    assert kueue.slice_plan(three, ft_job(2)) == "shrink"
+    assert kueue.shrunk(three, ft_job(2))["spec"]["podSets"][0] == {**three["spec"]["podSets"][0], "count": 2}
+    two = kueue.workload(ft_job(2), "uid", Settings())
+    assert kueue.slice_plan(two, ft_job(3)) == "grow"
+    grown = kueue.workload_slice(ft_job(3, generation=4), "uid", Settings(), {**two, "metadata": {
+        **two["metadata"], "namespace": "team-ns"}})
+    assert grown["metadata"]["name"] == f"{two['metadata']['name']}-g4"
+    assert grown["metadata"]["annotations"] == {kueue.SLICE_FOR: f"team-ns/{two['metadata']['name']}",
+                                                kueue.ELASTIC: "true"}
+    assert [ps["name"] for ps in grown["spec"]["podSets"]] == [ps["name"] for ps in two["spec"]["podSets"]]
+    assert kueue.counts(grown) == {"ddp": 3, "lighthouse": 1}
+    # until Kueue admits the slice, the job runs at the size its Workload was admitted at
+    held = kueue.admitted_size(ft_job(3), two)
+    assert held.spec.ddp.nodes == 2 and ft_job(3).spec.ddp.nodes == 3
+    assert kueue.admitted_size(ft_job(2), two).spec.ddp.nodes == 2
+
+
+def test_the_jobs_workload_is_the_one_holding_quota_and_the_replaced_one_until_its_slice_holds_it():
+    """Kueue finishes the replaced slice before it reserves the new one's quota: in between, the replaced one
+    stays the job's (else the job would read the pending slice and stop its groups)."""
+    pending = workload_status(("QuotaReserved", "False", "Pending", "waiting"))
+    old = named(ADMITTED, "w", "2027-01-15T07:00:00Z")
+    new = named(pending, "w-g2", "2027-01-15T07:05:00Z", {kueue.SLICE_FOR: "default/w"})
+    assert kueue.current({"w": old, "w-g2": new}) is old
+    assert kueue.pending_slice({"w": old, "w-g2": new}, old) is new
+    replaced = named(workload_status(*[(c["type"], c["status"], c["reason"], c["message"])
+                                       for c in ADMITTED["status"]["conditions"]],
+                                     ("Finished", "True", "WorkloadSliceReplaced", "replaced")), "w", "2027-01-15T07:00:00Z")
+    assert kueue.current({"w": replaced, "w-g2": new}) is replaced  # the window between the two
+    reserved = named(ADMITTED, "w-g2", "2027-01-15T07:05:00Z", {kueue.SLICE_FOR: "default/w"})
+    assert kueue.current({"w": replaced, "w-g2": reserved}) is reserved
+    assert kueue.pending_slice({"w": replaced, "w-g2": reserved}, replaced) is reserved

@@ -18,7 +18,7 @@ from helpers import kueue as kueue_helper
 from helpers.net import free_port
 from helpers.process import run
 from helpers.wait import wait_for
-from kubetrain_operator.core.kueue import PRIORITY_LABEL, QUEUE_LABEL
+from kubetrain_operator.core.kueue import PRIORITY_LABEL, QUEUE_LABEL, SLICE_FOR
 
 from test_lifecycle import condition, manifest, pods_of
 
@@ -69,12 +69,21 @@ def queue_objects(name: str, namespace: str, preemption: bool = False) -> list[d
 def queue(cluster, kueue, spawn_operator, request):
     """A namespace with a LocalQueue `team` on a ClusterQueue of CPU_QUOTA CPUs, and an operator
     with --kueue watching it; yields the Operator handle (its namespace is the queue's)."""
-    preemption = getattr(request, "param", False)
+    yield from queue_with(cluster, spawn_operator, getattr(request, "param", False))
+
+
+@pytest.fixture
+def slices_queue(cluster, kueue, spawn_operator):
+    """`queue`, its operator with --kueue-workload-slices too."""
+    yield from queue_with(cluster, spawn_operator, False, "--kueue-workload-slices")
+
+
+def queue_with(cluster, spawn_operator, preemption: bool, *args: str):
     name = f"kq-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name)
     kube = cluster.kube()
     kube.apply(*queue_objects(name, name, preemption), server_side=True)
-    proc = spawn_operator(name, "--kueue")
+    proc = spawn_operator(name, "--kueue", *args)
     op = proc.handle(cluster, name)
     op.wait("ClusterQueue active", lambda: condition((kube.get("clusterqueue", name) or {}).get("status") or {}, "Active")
             and condition(kube.get("clusterqueue", name)["status"], "Active")["status"] == "True",
@@ -365,3 +374,58 @@ def test_a_resized_ddp_job_in_a_queue_runs_its_group_at_the_size_kueue_admits(qu
     assert [m.split(":")[0].split(";")[0] for m in messages if m.startswith("Resized from")] == [
         "Resized from 2 to 3 nodes", "Resized from 3 to 1 nodes"]
     assert sum(m.startswith("Resized to") for m in messages) == 2  # the Workload made again, twice
+
+
+def test_a_fault_tolerant_job_in_a_queue_resizes_live_by_workload_slices(slices_queue):
+    """A queued fault-tolerant DDP job, 3 -> 2 -> 3 replica groups of 1 CPU (the ClusterQueue has 4), with
+    Kueue's ElasticJobsViaWorkloadSlices gate (hack/kueue turns it on) and the operator's
+    --kueue-workload-slices. Smaller: ddp-2 leaves, the others run on, and the admitted Workload's count is
+    lowered in place (the same Workload). Larger: a slice at 3 (`workload-slice-replacement-for` the admitted
+    one) is admitted by Kueue for the one CPU more, the old Workload Finished as WorkloadSliceReplaced, and
+    ddp-2 starts; ddp-0 and ddp-1 are the same pods all along, the job never Suspended, no restart."""
+    op = slices_queue
+    doc = manifest("DDP", resources={"worker": {"requests": {"cpu": "1"}}})
+    doc["spec"]["ddp"].update(nodes=3, minNodes=2, maxNodes=3, faultTolerance={})
+    doc["metadata"]["labels"] = {QUEUE_LABEL: "team"}
+    name = doc["metadata"]["name"]
+    op.apply(doc)
+    pods = all_running(op, name, 4)  # 3 groups and the Lighthouse
+    survivors = {p: pods[p]["metadata"]["uid"] for p in (f"{name}-ddp-0", f"{name}-ddp-1")}
+    first = workload_of(op, name)
+    assert counts(first) == {"ddp": 3, "lighthouse": 1}, counts(first)
+
+    def workloads() -> dict[str, dict]:
+        return {w["metadata"]["name"]: w for w in op.items("workloads.kueue.x-k8s.io", f"kubetrain.dev/job-name={name}")}
+
+    def never_stopped() -> None:
+        now = pods_of(op, name)
+        assert {p: now[p]["metadata"]["uid"] for p in survivors} == survivors, (
+            [(e["reason"], e["message"]) for e in op.events(name)], explain(op))
+        status = op.job_status(name)
+        assert status.get("state") != "Suspended" and status.get("restarts", 0) == 0, status
+
+    scale(op, name, 2)
+    op.wait(f"{name} at 2 groups", lambda: sorted(pods_of(op, name)) == sorted([*survivors, f"{name}-lighthouse-0"]))
+    lowered = wait_for("the Workload lowered in place", lambda: (w := workloads().get(first["metadata"]["name"]))
+                       and counts(w) == {"ddp": 2, "lighthouse": 1} and w, timeout=60, explain=lambda: explain(op))
+    assert lowered["metadata"]["uid"] == first["metadata"]["uid"] and len(workloads()) == 1
+    never_stopped()
+
+    scale(op, name, 3)
+    grown = wait_for("a slice at 3 admitted", lambda: next(
+        (w for w in workloads().values() if (w["metadata"].get("annotations") or {}).get(SLICE_FOR)
+         == f"{op.namespace}/{first['metadata']['name']}" and counts(w) == {"ddp": 3, "lighthouse": 1}
+         and (condition(w.get("status") or {}, "Admitted") or {}).get("status") == "True"), None),
+        timeout=60, explain=lambda: explain(op))
+    old = workloads()[first["metadata"]["name"]]
+    finished = condition(old.get("status") or {}, "Finished") or {}
+    assert finished.get("status") == "True" and finished.get("reason") == "WorkloadSliceReplaced", old.get("status")
+    pods = all_running(op, name, 4)
+    assert f"{name}-ddp-2" in pods
+    never_stopped()
+    status = op.wait(f"{name} Running at 3", lambda: (s := op.job_status(name)).get("replicas") == 3
+                     and s.get("state") == "Running" and s)
+    messages = [e["message"] for e in op.events(name) if e["reason"] in ("Resizing", "Resized")]
+    print("Resized events:", messages, "slice", grown["metadata"]["name"])
+    assert not any(m.startswith("Resized to") for m in messages), messages  # never made again, never stopped
+    assert status["restarts"] == 0

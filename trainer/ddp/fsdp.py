@@ -63,3 +63,39 @@ def load_model_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_s
     frozen = _adapters_only(model)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(ignore_frozen_params=frozen, strict=not frozen))
+
+
+def to_local(tree: Any) -> Any:
+    """`tree` (a state dict, nested) with every DTensor replaced by this rank's local shard: what a healing
+    peer's rank of the same place receives (a DTensor's device mesh means nothing in another process)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: to_local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [to_local(v) for v in tree]
+    return tree
+
+
+def from_local(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
+    """The (model, optimizer) state dicts of `to_local` as DTensors again, sharded as this rank's own
+    parameters (keyed by parameter name): a shard of a parameter, or of its optimizer state of the same shape."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+
+    def rebuild(name: str, value: Any) -> Any:
+        param = params.get(name)
+        if (not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor)
+                or value.dim() == 0 or value.shape != param.to_local().shape):
+            return value
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+
+    model_out = {name: rebuild(name, value) for name, value in model_sd.items()}
+    optim_out = dict(optim_sd)
+    optim_out["state"] = {name: {k: rebuild(name, v) for k, v in entry.items()}
+                          for name, entry in (optim_sd.get("state") or {}).items()}
+    return model_out, optim_out

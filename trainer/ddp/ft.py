@@ -35,6 +35,7 @@ they restored: those behind heal from the newest.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -50,18 +51,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from kubetrain_contract.launch import (FT_GROUPS_VAR, FT_GROUP_VAR, FT_HOLD_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR,
+from kubetrain_contract.launch import (FT_COUNT_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_HOLD_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR,
                                        rank_replica)
 
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
-from ..data import ShardCursor
+from ..data import Block, QuorumCursor
 from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..preload import optimizer_step
-from ..training import compute_gradients
+from ..models import build_optimizer
+from ..training import compute_gradients, planned_steps
+from ..sharded import has_dtensors
+from . import fsdp
 from .runtime import DDPTrainer, Topology, _first_line
 
 log = logging.getLogger(__name__)
@@ -89,7 +94,8 @@ class GroupPlace:
 
     group: int
     groups: int
-    """The most replica groups the job can have (ddp.maxNodes, else nodes): the data is dealt by it."""
+    """The most replica groups the job can have (ddp.maxNodes, else nodes, and the spare groups): global ranks are
+    numbered within them. The data is dealt by each step's quorum (QuorumCursor), not by this."""
     local_rank: int
     local_world: int
     lighthouse: str
@@ -330,11 +336,11 @@ class ReplicaGroup:
 
     def _gather(self) -> None:
         """The first quorums, until one holds a group ahead of this one (it heals from it at its first
-        step) or, while every group is at step 0, until all the job's groups (ddp.nodes when this process
-        started) take part or joinTimeoutSeconds passed: at the start the groups come up seconds apart
+        step) or, while every group is at step 0, until all the job's groups (ddp.nodes and the spare groups
+        when this process started) take part or joinTimeoutSeconds passed: at the start the groups come up seconds apart
         (the interpreter, torch, the data), and the first would otherwise train alone on its shard
         while the others start. Every group of such a quorum asks again; none has trained yet."""
-        wanted = self.ctx.spec.ddp.nodes
+        wanted = self.ctx.spec.ddp.groups
         started = time.monotonic()
         deadline = started + self.spec.join_timeout_seconds
         while True:
@@ -355,9 +361,11 @@ class ReplicaGroup:
             time.sleep(GATHER_POLL_SECONDS)
 
     def _restore_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
-        if self.place.local_world > 1:
+        fresh = self.checkpoint_state()
+        template = fresh if has_dtensors(fresh) else None  # HSDP: the group's sharded checkpoint, rank by rank
+        if self.place.local_world > 1 or template is not None:
             found = self.checkpoints.restore(dist.group.WORLD, self.place.local_world, self.place.local_rank,
-                                             self.checkpoints.load_local())
+                                             self.checkpoints.load_local(), template=template)
         else:
             found = self.checkpoints.restore()
         return (found[0], found[1]) if found is not None else None
@@ -390,16 +398,48 @@ class ReplicaGroup:
                                  f"{self.spec.quorum_timeout_seconds:g} s (ddp.faultTolerance.quorumTimeoutSeconds): "
                                  f"{_first_line(err)}") from None
 
+    def deal(self) -> tuple[int, int, int]:
+        """Wait for the step's quorum: (this rank's lane among the ranks that train the step, -1 when it trains
+        nothing: a spare, or a group healing in it; how many ranks train; the groups that take part).
+
+        Every group of the quorum is told the same ranks (torchft's, by group): with spare groups the first
+        ddp.nodes of them train, without, all of them (a resized job's groups may disagree on ddp.nodes)."""
+        self._wait_quorum()
+        rank, participants = self.manager.participating_rank(), self.manager.num_participants()
+        ddp = self.ctx.spec.ddp
+        training = min(participants, ddp.nodes) if self.spec.spare_groups else participants
+        width = self.place.local_world
+        lane = rank * width + self.place.local_rank if rank is not None and rank < training else -1
+        return lane, max(training, 1) * width, participants
+
+    def scale_share(self, params: list[torch.Tensor], trained: int, block: Block, participants: int) -> None:
+        """Scale this rank's mean gradient over its `trained` samples of `block` so that the average over every
+        rank of the quorum's groups (the group's, then torchft's over the groups) is the mean over the block's
+        samples: exactly 1 when every rank trains a full share and no spare takes part."""
+        scale = trained * participants * self.place.local_world / block.size if block.size else 0.0
+        if scale != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
     def average(self, params: list[torch.Tensor], values: list[float]) -> list[float]:
         """Average the gradients of `params` (a missing one counts as zeros) and `values` over the group's
         ranks and then the quorum's groups, the gradients in place; returns the averaged values. A failed
-        average leaves them undefined: `commit` then discards the step."""
+        average leaves them undefined: `commit` then discards the step.
+
+        Sharded parameters (FSDP2 within the group: HSDP) are averaged within the group by FSDP's own
+        reduce-scatter already: each rank averages its local shards with the same rank of the other groups
+        (torchft's process group of each rank), and only the values within the group."""
         self._wait_quorum()
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [torch.tensor(values, dtype=params[0].dtype, device=self.device)])
+        sharded = any(isinstance(p, DTensor) for p in params)
+        locals_ = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+        count = len(values)
+        flat = torch.cat([g.reshape(-1) for g in locals_]
+                         + [torch.tensor(values, dtype=locals_[0].dtype, device=self.device)])
         if self.place.local_world > 1:
-            dist.all_reduce(flat)
-            flat /= self.place.local_world
+            within = flat[flat.numel() - count:] if sharded else flat
+            dist.all_reduce(within)
+            within /= self.place.local_world
         self.participants = self.manager.num_participants()
         self.metrics.ft_quorum_participants.set(self.participants)
         work = self.manager.allreduce(flat)
@@ -416,13 +456,15 @@ class ReplicaGroup:
         self.metrics.network_bytes_total.labels(direction="sent").inc(sent)
         self.metrics.network_bytes_total.labels(direction="received").inc(sent)
         offset = 0
-        for p in params:
-            part = flat[offset:offset + p.numel()].view_as(p)
+        for p, local in zip(params, locals_):
+            part = flat[offset:offset + local.numel()].view_as(local)
             if p.grad is None:
-                p.grad = part.clone()
+                p.grad = (DTensor.from_local(part.clone(), p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
+                          if isinstance(p, DTensor) else part.clone())
             else:
-                p.grad.copy_(part)
-            offset += p.numel()
+                _local(p.grad).copy_(part)
+            offset += local.numel()
         return flat[offset:].tolist()
 
     def commit(self) -> bool:
@@ -496,7 +538,8 @@ class ReplicaGroup:
         return {**self._state(), "torchft": self.manager.state_dict()}
 
     def _for_peer(self) -> dict[str, Any]:
-        return {**self._state(), "group": self.place.group}
+        # A sharded model's DTensors as this rank's shards: the healing group's rank of the same place takes them.
+        return {**fsdp.to_local(self._state()), "group": self.place.group}
 
     @property
     def pending_heal(self) -> bool:
@@ -530,20 +573,17 @@ class ReplicaGroup:
                 self.manager.shutdown(wait=False)
 
 
-def seek(cursor: ShardCursor, step: int) -> None:
-    """Put `cursor` where a group that committed `step` steps is: every committed step took one batch of
-    the group's shard, which never changes (dealt by the most groups the job can have), so the epoch and
-    the position follow from the step, on a replacement as on the group that trained them."""
-    epoch, done = divmod(step, cursor.steps_per_epoch)
-    state = cursor.state_dict()
-    state.pop("plans", None)
-    state.update(epoch=epoch, position=done * cursor.batch_size)
-    cursor.load_state_dict(state)
-
-
 class FaultTolerantTrainer(DDPTrainer):
     """The built-in loop in one rank of a replica group: DDPTrainer's model, data, metrics, checkpoints
-    and evaluation, with the group's step (`ReplicaGroup`) in place of DDP's."""
+    and evaluation, with the group's step (`ReplicaGroup`) in place of DDP's.
+
+    The data follows the quorum (`QuorumCursor`, one cursor in every group, committed with the model):
+    each step the ranks of the groups that train share its global batch, `batchSize` samples each, and a
+    discarded step's samples are dealt again. Every sample of an epoch is trained exactly once, whatever the
+    faults: an epoch takes more steps while fewer groups train. With spare groups (`spareGroups`) the first
+    ddp.nodes groups of the quorum (by group index) train; the others take part in every average with
+    nothing of their own, so they hold the same model and optimizer and train at once when a group is lost.
+    With every group there and no spare, the batches and averaged gradients are plain DDP's."""
 
     reads_checkpoint_at_start = False  # the first quorum decides: heal from a peer, or restore (ReplicaGroup.join)
 
@@ -551,7 +591,10 @@ class FaultTolerantTrainer(DDPTrainer):
         self.place = GroupPlace.from_env(os.environ)
         super().__init__(ctx, topo)
         self.group: ReplicaGroup | None = None
-        self.cursor_step = 0
+        self.lanes = 0
+        """Ranks that trained the last step (the training groups x procsPerNode)."""
+        self.tally = torch.zeros(len(self.train_x), dtype=torch.int32) if os.environ.get(FT_COUNT_VAR) else None
+        """FT_COUNT_VAR: how often the committed steps of the epoch in progress trained each sample."""
 
     def placement(self, topo: Topology, spec: Any) -> tuple[int, int]:
         if topo.world_size != spec.ddp.procs_per_node:
@@ -559,14 +602,26 @@ class FaultTolerantTrainer(DDPTrainer):
                               f"but torchrun started {topo.world_size}")
         return self.place.rank, self.place.ranks
 
+    def make_cursor(self) -> QuorumCursor:
+        training = self.ctx.spec.training
+        return self.data.quorum_cursor(training.batch_size, training.seed,
+                                       nominal=self.ctx.spec.ddp.nodes * self.place.local_world)
+
     def writes_checkpoints(self) -> bool:
         return self.topo.local_rank == 0  # every group writes its own, for the loss of every group
 
     def join(self) -> None:
         spec = self.ctx.spec
-        if self.place.local_world > 1:
+        if self.place.local_world > 1 or self.fsdp:
             dist.init_process_group(spec.ddp.backend,
                                     timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds))
+        if self.fsdp:
+            # HSDP: the model sharded over the group's own ranks, replicated across the groups (before the
+            # first quorum: a heal or a restore loads into the shards).
+            fsdp.shard(self.model, self.device, self.place.local_world)
+            if not getattr(self.model, "materialized", True):
+                self.model.materialize(self.device)  # type: ignore[operator]
+            self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
         self.group = ReplicaGroup(self.ctx, self.place, self.metrics, self.events, self.checkpoints,
                                   state=self.state, load=self.load, device=self.device)
         self.step = self.group.join()
@@ -579,34 +634,89 @@ class FaultTolerantTrainer(DDPTrainer):
             dist.destroy_process_group()
 
     def load(self, state: dict[str, Any]) -> None:
-        """A checkpoint's or a healing peer's state (the cursor follows from the step: `seek`)."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """A checkpoint's or a healing peer's state, the cursor with it (HSDP: this rank's shards, as DTensors
+        from a checkpoint or as local tensors from a peer's rank of the same place)."""
+        if self.fsdp:
+            model_sd, optim_sd = fsdp.from_local(self.model, state["model"], state["optimizer"])
+            fsdp.load_model_state(self.model, self.optimizer, model_sd, optim_sd)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_cursor(state["cursor"])
         self.samples = state["samples"]
         self.loss = state["loss"]
         self.bytes_sent = state["bytes_sent"]
         self.raw_gradient_bytes = state["raw_gradient_bytes"]
+        if self.tally is not None and "tally" in state:
+            self.tally = state["tally"].clone()
+
+    def load_cursor(self, saved: Any) -> None:
+        if isinstance(saved, str):  # a sharded checkpoint's (DDPTrainer.weights_state)
+            saved = json.loads(saved)
+        if not isinstance(saved, Mapping):
+            raise ConfigError("the checkpoint holds no data cursor (written by a kubetrain before the data followed "
+                              "the quorum): start the fault-tolerant job afresh")
+        self.cursor.load_state_dict(saved)
 
     def state(self) -> dict[str, Any]:
         out = super().state()
-        out["cursor"] = None  # a function of the step (`seek`): none to carry
         del out["rng"]  # the built-in models draw no random numbers while training
+        if self.tally is not None:
+            out["tally"] = self.tally
         return out
 
     def checkpoint(self) -> None:
         assert self.group is not None
-        self.checkpoints.save(self.step, self.group.checkpoint_state() if self.checkpoints.writer else {})
+        # HSDP: every rank writes its own shards (into its group's directory); else the group's first rank.
+        wanted = self.checkpoints.writer or self.fsdp
+        self.checkpoints.save(self.step, self.group.checkpoint_state() if wanted else {})
         self.checkpoint_step = self.step
 
     def wait_checkpoint(self) -> None:
         self.checkpoints.wait()
 
-    def batch(self) -> torch.Tensor:
-        """The indices of this group's batch of the step it trains now."""
-        if self.cursor_step != self.step:
-            seek(self.cursor, self.step)
-        self.cursor_step = self.step + 1
-        return self.cursor.next_batch().to(self.device)
+    def end(self) -> tuple[int, int]:
+        """Where the cursor ends training (the nominal ranks are the committed cursor's: a heal may set them)."""
+        training = self.ctx.spec.training
+        return self.cursor.end(training.max_steps, training.effective_epochs)
+
+    def train_share(self, block: Block, lane: int, participants: int) -> float:
+        """Forward and backward on this rank's share of `block`, weighted so that the average over every rank
+        of the quorum's groups is the mean over the block's samples (`scale_share`); a rank with no share
+        leaves zeros. Returns its mean loss.
+
+        HSDP (a sharded model): the weight scales the loss, before FSDP's reduce-scatter averages the group's
+        ranks; a rank of a training group with no sample (a short last block) runs a sample of weight 0, for
+        its group's collectives."""
+        assert self.group is not None
+        indices = self.cursor.share(block, lane).to(self.device)
+        if self.fsdp:
+            if lane < 0:
+                self.model.zero_grad(set_to_none=True)  # the whole group trains nothing: no collective
+                return 0.0
+            weight = len(indices) * participants * self.place.local_world / block.size
+            if not len(indices):
+                indices = self.cursor.share(block, 0)[:1].to(self.device)
+            loss = compute_gradients(self.model, self.train_x[indices], self.train_y[indices], self.data.objective,
+                                     self.recipe, scale=weight)
+            return loss if weight else 0.0
+        if not len(indices):
+            self.model.zero_grad(set_to_none=True)
+            return 0.0
+        loss = compute_gradients(self.model, self.train_x[indices], self.train_y[indices], self.data.objective,
+                                 self.recipe)
+        self.group.scale_share(list(self.model.parameters()), len(indices), block, participants)
+        return loss
+
+    def weights_digest(self) -> float:
+        """The sum of the squares of every weight, over the group's shards: equal in groups that hold the same
+        model (a test's check, in the results)."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for p in self.model.parameters():
+            total += _local(p.detach()).double().pow(2).sum().cpu()
+        if self.fsdp and self.place.local_world > 1:
+            dist.all_reduce(total)
+        return float(total.item())
 
     def run(self) -> int:
         self.metrics.process_starts_total.inc()
@@ -629,40 +739,58 @@ class FaultTolerantTrainer(DDPTrainer):
         params = list(self.model.parameters())
         run_samples, train_seconds = 0, 0.0
         self.reporter.start_window(self.step)
-        while self.step < self.total_steps:
+        while not self.cursor.done(self.end()):
             step_start = time.perf_counter()
             group.begin()
             self.slowdown.begin()
-            batch = self.batch()
+            lane, lanes, participants = group.deal()
+            block = self.cursor.next_block(lanes, self.end())
+            if lanes != self.lanes:
+                self.cursor.hint(max(lane, 0), lanes)  # sharded data: fetch ahead what this rank trains now
             for param_group in self.optimizer.param_groups:
-                param_group["lr"] = self.recipe.rate(self.step, self.total_steps)
-            local_loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective,
-                                           self.recipe)
+                # plain DDP's schedule: its step and its steps (the progress's total counts this job's own)
+                param_group["lr"] = self.recipe.rate(self.cursor.nominal_step,
+                                                     planned_steps(spec.training, self.cursor.steps_per_epoch))
+            local_loss = self.train_share(block, lane, participants)
+            trained = block.count(lane)
             self.slowdown.after()
-            values = group.average(params, [local_loss * len(batch), float(len(batch))])
+            counted = self.counted(block, lane)
+            values = group.average(params, [local_loss * trained, float(trained), *counted])
             self.bytes_sent += group.last_bytes
             committed = group.commit()
             self.step = group.step
             if committed:
+                # A group that healed in this step holds its peers' cursor now: the block they trained.
+                block = self.cursor.next_block(lanes, self.end())
+                epoch_ended = self.cursor.advance(block)
                 if self.recipe.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
                                                    self.recipe.max_grad_norm)
                 optimizer_step(self.optimizer)
                 startup("first_step", rank=self.rank, step=self.step)
                 self.loss = values[0] / values[1] if values[1] else local_loss
-                self.samples += len(batch)
-                run_samples += len(batch)
+                self.samples += trained
+                run_samples += trained
                 now = time.perf_counter()
                 train_seconds += now - step_start
                 self.metrics.step_duration_seconds.observe(now - step_start)
-                self.reporter.report(self.step, samples=len(batch), loss=self.loss, event_fields={
-                    "local_loss": local_loss, "samples": self.samples,
-                    "epoch": round(self.step / self.cursor.steps_per_epoch, 4)})
-                if self.step % self.cursor.steps_per_epoch == 0:
+                if lanes != self.lanes:
+                    self.replan(lanes)
+                if self.cursor.done(self.end()):
+                    self.reporter.set_total(self.step)  # the last step: its event is written, the total exact
+                self.reporter.report(self.step, samples=trained, loss=self.loss, event_fields={
+                    "local_loss": local_loss, "samples": self.samples, "epoch": round(self.cursor.epochs_done, 4),
+                    # What the step trained, for the count of every sample once: the block of the epoch's
+                    # order, its ranks, this rank's lane among them and its share.
+                    "block": [block.epoch, block.start, block.size], "lanes": lanes, "lane": lane,
+                    "trained": trained, "participants": participants, "job_samples": self.cursor.trained})
+                if self.tally is not None:
+                    self.count(values[2:], participants, block.epoch if epoch_ended else None)
+                if epoch_ended:
                     self.evaluate()
-                if self.step % spec.checkpoint.interval_steps == 0 or self.step == self.total_steps:
+                if self.step % spec.checkpoint.interval_steps == 0 or self.cursor.done(self.end()):
                     self.checkpoint()
-            if group.agree(self.ctx.stop_requested) and self.step < self.total_steps:
+            if group.agree(self.ctx.stop_requested) and not self.cursor.done(self.end()):
                 self.checkpoint()
                 self.wait_checkpoint()
                 self.events.write("stop", step=self.step)
@@ -677,15 +805,17 @@ class FaultTolerantTrainer(DDPTrainer):
             return EXIT_OK
         # The first rank of every group evaluates the final model (a group's result speaks for the job
         # when the chief's group was replaced: engine._final_progress, local summary). Only the chief
-        # evaluated at the epochs' ends (the others only marked the step): the others evaluate now.
-        if not self.chief and self.topo.local_rank == 0:
-            self.chief, self.eval_step = True, -1
+        # evaluated at the epochs' ends (the others only marked the step): the others evaluate now, every
+        # rank of the group together (a sharded model's forward gathers its layers from all of them).
+        if self.place.group != 0:
+            self.chief, self.eval_step = self.topo.local_rank == 0, -1
         wall = self.final_checkpoint()
         result: dict[str, Any] = {
             **self.result(wall, run_samples, train_seconds),
             "rank": self.rank,
             "world_size": self.world_size,
             "replica_group": self.place.group,
+            "weights_digest": self.weights_digest(),
         }
         if self.chief:
             result.update(**self.eval_results())
@@ -696,6 +826,38 @@ class FaultTolerantTrainer(DDPTrainer):
                      termination_log=self.ctx.termination_log if self.topo.local_rank == 0 else None)
         self.events.write("end", step=self.step, wall_seconds=wall)
         return EXIT_OK
+
+    def counted(self, block: Block, lane: int) -> list[float]:
+        """FT_COUNT_VAR: one value per training sample, 1 for those this rank trains in the step."""
+        if self.tally is None:
+            return []
+        mine = torch.zeros(len(self.tally))
+        mine[self.cursor.share(block, lane)] = 1.0
+        return mine.tolist()
+
+    def count(self, averaged: list[float], participants: int, ended: int | None) -> None:
+        """Add a committed step's samples (the average of every rank's `counted`) to the tally; at an epoch's
+        end, write how many were trained never, once and more often, and begin the next epoch's."""
+        assert self.tally is not None
+        ranks = participants * self.place.local_world
+        self.tally += torch.tensor(averaged).mul(ranks).round().to(torch.int32)
+        if ended is None:
+            return
+        if self.topo.local_rank == 0:
+            self.events.write("epoch_samples", step=self.step, epoch=ended, never=int((self.tally == 0).sum()),
+                              once=int((self.tally == 1).sum()), more=int((self.tally > 1).sum()))
+        self.tally.zero_()
+
+    def replan(self, lanes: int) -> None:
+        """The ranks that train changed: the steps left at this width, for the progress (the status's total)."""
+        self.lanes = lanes
+        self.total_steps = self.step + self.cursor.steps_left(self.end(), lanes)
+        self.reporter.set_total(self.total_steps)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def run_replica_group(ctx: ReplicaContext) -> int:
@@ -731,7 +893,9 @@ class FaultTolerance:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  state: Callable[[], dict[str, Any]] | None = None,
-                 load_state: Callable[[dict[str, Any]], None] | None = None):
+                 load_state: Callable[[dict[str, Any]], None] | None = None,
+                 samples: int | None = None, batch_size: int | None = None, epochs: int | None = None,
+                 max_steps: int | None = None, seed: int = 0):
         from ..userapi import check_state, session
 
         self.session = session()
@@ -749,6 +913,25 @@ class FaultTolerance:
             raise ValueError("kubetrain.fault_tolerant: the model has no parameter that requires a gradient")
         self.loss = float("nan")
         """The loss of the last committed step, averaged over the groups that took part (as passed to commit)."""
+        self.cursor: QuorumCursor | None = None
+        self._end = (0, 0)
+        self._dealt: tuple[Block, int, int, int] | None = None  # the step's (block, lane, lanes, groups taking part)
+        if samples is not None or batch_size is not None or epochs is not None or max_steps is not None:
+            if (epochs is None) == (max_steps is None):
+                raise ValueError("kubetrain.fault_tolerant: pass one of epochs, max_steps with samples and batch_size, "
+                                 f"got epochs={epochs!r}, max_steps={max_steps!r}")
+            for name, value in (("samples", samples), ("batch_size", batch_size), ("epochs", epochs or max_steps)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    name = name if name != "epochs" or epochs is not None else "max_steps"
+                    raise ValueError(f"kubetrain.fault_tolerant: {name} must be a positive integer (the data is dealt "
+                                     f"by each step's quorum with samples, batch_size and epochs or max_steps), "
+                                     f"got {value!r}")
+            assert samples is not None and batch_size is not None
+            try:
+                self.cursor = QuorumCursor(samples, batch_size, seed, nominal=ctx.spec.ddp.nodes * place.local_world)
+            except ConfigError as err:
+                raise ValueError(f"kubetrain.fault_tolerant: {err}") from None
+            self._end = self.cursor.end(max_steps, epochs)
         self.group = ReplicaGroup(ctx, place, self.session.metrics, self.session.events, self.session.checkpoints,
                                   state=self._state, load=self._load, device=self.params[0].device)
         self.group.join()
@@ -765,19 +948,56 @@ class FaultTolerance:
         """Replica groups in the last step's quorum."""
         return self.group.participants
 
+    @property
+    def done(self) -> bool:
+        """Whether the job's committed steps trained every epoch (with `samples`, `batch_size`, `epochs`)."""
+        return self._data().done(self._end)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next step trains (with `samples`, `batch_size`, `epochs`)."""
+        return self._data().epoch
+
+    def _data(self) -> QuorumCursor:
+        if self.cursor is None:
+            raise RuntimeError("kubetrain.fault_tolerant: pass samples, batch_size and epochs to have the data dealt "
+                               "by each step's quorum (indices(), done, epoch)")
+        return self.cursor
+
     def zero_grad(self) -> None:
         """Start the step: its quorum (in the background) and the gradients set to none."""
         self.group.begin()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def indices(self) -> torch.Tensor:
+        """After `zero_grad`: this rank's samples of the step (positions 0 .. samples - 1 of your dataset),
+        dealt among the ranks of the groups that train it (it waits for the step's quorum). Empty for a spare
+        group, a group healing in this step, or a rank past a short last batch: then leave the gradients
+        unset and commit. A discarded step's samples are dealt again; every sample of an epoch is trained
+        exactly once, whatever the faults."""
+        cursor = self._data()
+        lane, lanes, participants = self.group.deal()
+        block = cursor.next_block(lanes, self._end)
+        self._dealt = (block, lane, lanes, participants)
+        return cursor.share(block, lane)
 
     def commit(self, loss: Any = None) -> bool:
         """After the backward pass: average the gradients (and `loss`) over the group's ranks and the
         quorum's groups, vote, and step the optimizer when the step commits. False: the step was
         discarded (a group was lost in it, or fewer than minReplicas took part): train the same step again."""
         value = float(loss.item() if hasattr(loss, "item") else loss) if loss is not None else float("nan")
-        values = self.group.average(self.params, [value, 1.0])
+        dealt, self._dealt = self._dealt, None
+        if dealt is not None:  # the step's samples came from indices(): the mean over the step's whole batch
+            block, lane, lanes, participants = dealt
+            trained = block.count(lane)
+            self.group.scale_share(self.params, trained, block, participants)
+            values = self.group.average(self.params, [value * trained if trained else 0.0, float(trained)])
+        else:
+            values = self.group.average(self.params, [value, 1.0])
         if not self.group.commit():
             return False
+        if dealt is not None and self.cursor is not None:
+            self.cursor.advance(self.cursor.next_block(dealt[2], self._end))  # after a heal: the peers' cursor
         self.optimizer.step()
         self.loss = values[0] / values[1] if values[1] else value
         return True
@@ -793,6 +1013,8 @@ class FaultTolerance:
 
     def _state(self) -> dict[str, Any]:
         out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.cursor is not None:
+            out["cursor"] = self.cursor.state_dict()
         if self._user_state is not None:
             out["user"] = self._user_state()
         return out
@@ -800,5 +1022,10 @@ class FaultTolerance:
     def _load(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.cursor is not None:
+            if "cursor" not in state:
+                raise ConfigError("kubetrain.fault_tolerant: the state (a checkpoint, or a peer's) holds no data cursor: "
+                                  "pass samples, batch_size and epochs in every group, or start the job afresh")
+            self.cursor.load_state_dict(state["cursor"])
         if self._user_load is not None and "user" in state:
             self._user_load(state["user"])

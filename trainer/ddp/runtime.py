@@ -150,7 +150,7 @@ class DDPTrainer(TrainState):
         if getattr(self.model, "materialized", True):
             self.model.to(self.device)
         self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
-        self.cursor = self.data.cursor(self.rank, self.world_size, spec.training.batch_size, spec.training.seed)
+        self.cursor = self.make_cursor()
         self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
         self.recipe = StepRecipe.of(spec.training)
         self.metrics = TrainerMetrics(self.ctx)
@@ -177,6 +177,11 @@ class DDPTrainer(TrainState):
                 f"{spec.world_size} ranks, but torchrun started {topo.world_size}"
             )
         return topo.rank, topo.world_size
+
+    def make_cursor(self) -> Any:
+        """This rank's way through the samples: its own shard of every epoch."""
+        training = self.ctx.spec.training
+        return self.data.cursor(self.rank, self.world_size, training.batch_size, training.seed)
 
     def writes_checkpoints(self) -> bool:
         """Global rank 0 alone writes: the state is the same on every rank."""
