@@ -135,9 +135,15 @@ def _bench_modes(args: argparse.Namespace) -> dict[str, Any]:
                        args.rounds)
 
 
+def _bench_soak(args: argparse.Namespace) -> dict[str, Any]:
+    from .soak import bench_soak
+
+    return bench_soak(args.minutes, args.seed, args.keep)
+
+
 BENCHES = {"transport": _bench_transport, "contract": _bench_contract, "compression": _bench_compression,
            "ft": _bench_ft, "checkpoint": _bench_checkpoint, "modes": _bench_modes, "data": _bench_data,
-           "finetune": _bench_finetune}
+           "finetune": _bench_finetune, "soak": _bench_soak}
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from kubetrain_operator.api.spec import DNS1123_PATTERN
 from kubetrain_operator.api.podtemplate import parse_allowances
 from kubetrain_operator.core import podsecurity as pod_security
 from kubetrain_operator.core.children import Settings
+from kubetrain_operator.core.gang import policy_problems
 
 EXIT_USAGE = 2
 EXIT_LOAD = 3
@@ -82,6 +83,13 @@ def _secret_names(value: str) -> frozenset[str]:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--object-store-secrets: ")) from None
 
 
+def _queue_names(value: str) -> frozenset[str]:
+    try:
+        return parse_secret_names(value, "--volcano-queues", "a Volcano queue name")
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--volcano-queues: ")) from None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
@@ -95,13 +103,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # manifest's directory (kubetrain run's code directory), else as installed packages.
         code_dir = Path(path).resolve().parent
         # What the template asks of the node, judged as the cluster's policy and operator judge it.
-        settings = Settings(pod_security_allow=frozenset(args.allow), object_store_secrets=args.object_store_secrets)
-        missing = [f"{path}: {p}" for job in jobs for p in pod_security.problems(job, settings)]
+        settings = Settings(pod_security_allow=frozenset(args.allow), object_store_secrets=args.object_store_secrets,
+                            volcano_queues=args.volcano_queues)
+        missing = [f"{path}: {p}" for job in jobs
+                   for p in pod_security.problems(job, settings)
+                   + policy_problems(job, settings.pod_security_allow, settings.volcano_queues)]
         if len(missing) > MAX_SHOWN_PROBLEMS:
             missing[MAX_SHOWN_PROBLEMS:] = [f"{path}: ... and {len(missing) - MAX_SHOWN_PROBLEMS} more problems"]
         if missing:
             missing.append(f"{path}: checked for an installation whose podSecurity.allow is "
                            f"[{', '.join(sorted(args.allow))}]; --allow NAME,... checks for one that allows more")
+            if any(".schedulingPolicy.queue: " in m for m in missing):
+                missing.append(f"{path}: checked for an installation whose gangScheduling.volcano.queues is "
+                               f"[{', '.join(sorted(args.volcano_queues))}]; --volcano-queues NAME,... names others")
         for job in jobs if not args.no_code_check else []:
             spec = job.spec
             refs = [
@@ -244,14 +258,15 @@ def parse_gang_schedulers(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def parse_secret_names(text: str | frozenset[str], flag: str) -> frozenset[str]:
-    """Comma-separated Secret names (DNS-1123); UsageError naming the flag and the bad name."""
+def parse_secret_names(text: str | frozenset[str], flag: str, what: str = "a Secret name") -> frozenset[str]:
+    """Comma-separated object names (DNS-1123: Secrets, Volcano queues); UsageError naming the flag and the
+    bad name."""
     if isinstance(text, frozenset):
         return text
     names = frozenset(n.strip() for n in text.split(",") if n.strip())
     for name in sorted(names):
         if not re.fullmatch(DNS1123_PATTERN, name) or len(name) > 253:
-            raise UsageError(f"{flag}: {name!r} is not a Secret name (a DNS-1123 name)")
+            raise UsageError(f"{flag}: {name!r} is not {what} (a DNS-1123 name)")
     return names
 
 
@@ -273,9 +288,11 @@ def cmd_operator(args: argparse.Namespace) -> int:
         gang_schedulers=parse_gang_schedulers(args.gang_scheduler),
         network_policy=not args.no_network_policy,
         kueue=args.kueue,
+        kueue_slices=args.kueue_workload_slices,
         metrics_from=parse_metrics_from(args.metrics_from_json),
         pod_security_allow=allowed,
         object_store_secrets=parse_secret_names(args.object_store_secrets, "--object-store-secrets"),
+        volcano_queues=parse_secret_names(args.volcano_queues, "--volcano-queues", "a Volcano queue name"),
         namespaces=args.namespace,
         metrics_port=args.metrics_port,
         liveness_port=args.liveness_port,

@@ -9,6 +9,7 @@ from kubetrain_operator.api.podtemplate import ALLOWANCES
 
 from .commands import (
     _allowances,
+    _queue_names,
     _secret_names,
     cmd_bench,
     cmd_checkpoints,
@@ -62,6 +63,9 @@ def add_local_commands(sub: Subparsers) -> None:
     p.add_argument("--object-store-secrets", type=_secret_names, default=frozenset(), metavar="NAME,...",
                    help="check for a cluster whose kubetrain installation lets jobs name these Secrets as "
                         "object-storage credentials (its chart's objectStorage.secrets)")
+    p.add_argument("--volcano-queues", type=_queue_names, default=frozenset(), metavar="NAME,...",
+                   help="check for a cluster whose kubetrain installation lets jobs name these Volcano queues "
+                        "(its chart's gangScheduling.volcano.queues)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help="run a TrainingJob on this machine as local processes (resumes an unfinished run)")
@@ -221,6 +225,10 @@ def add_operator_command(sub: Subparsers) -> None:
     p.add_argument("--kueue", action="store_true",
                    help="queue jobs labelled kueue.x-k8s.io/queue-name through Kueue: each gets a Workload and "
                         "stays suspended until Kueue admits it (docs/scheduling.md)")
+    p.add_argument("--kueue-workload-slices", action="store_true",
+                   help="with --kueue: resize a queued fault-tolerant DDP job live by Kueue workload slices (needs "
+                        "Kueue's ElasticJobsViaWorkloadSlices feature gate, alpha in v0.17); without it such a "
+                        "job stops and starts again at the new size (docs/scheduling.md#elastic-jobs)")
     p.add_argument("--metrics-from-json", default="[]", metavar="JSON",
                    help="JSON list of NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock) that may reach "
                         "the trainers' metrics port: the operator's own pods, Prometheus; default: none")
@@ -229,6 +237,10 @@ def add_operator_command(sub: Subparsers) -> None:
                         "(repeatable; the first is the default), optionally with the pods' schedulerName "
                         "(volcano, scheduler-plugins-scheduler); default: none, such a job fails with "
                         "GangSchedulingDisabled")
+    p.add_argument("--volcano-queues", default="", metavar="NAMES",
+                   help="comma-separated Volcano queues jobs may name in spec.runPolicy.schedulingPolicy.queue; "
+                        "default: none, a job naming one fails with PodSecurity (unset, its PodGroup goes to "
+                        "Volcano's default queue)")
     p.set_defaults(func=cmd_operator)
 
 
@@ -255,7 +267,18 @@ def add_bench_command(sub: Subparsers) -> None:
     add_bench_checkpoint(bsub)
     add_bench_data(bsub)
     add_bench_finetune(bsub)
+    add_bench_soak(bsub)
     p.set_defaults(func=cmd_bench)
+
+
+def add_bench_soak(bsub: Subparsers) -> None:
+    b = bsub.add_parser("soak", help="jobs of every mode on the e2e test cluster under every fault class at once, "
+                        "from a seeded schedule, with the invariants checked at the end (docs/benchmarks.md#soak)")
+    b.add_argument("--minutes", type=float, default=20.0, help="how long faults fall (the jobs then get time to end)")
+    b.add_argument("--seed", type=int, help="the schedule's seed (default: a random one, printed); give a failed "
+                   "soak's seed to replay it")
+    b.add_argument("--keep", action="store_true", help="leave the e2e cluster up afterwards (KUBETRAIN_E2E_KEEP)")
+    b.add_argument("--out", help="also write the JSON here")
 
 
 def add_bench_modes(bsub: Subparsers) -> None:
@@ -274,8 +297,9 @@ def add_bench_modes(bsub: Subparsers) -> None:
 
 
 def add_bench_ft(bsub: Subparsers) -> None:
-    b = bsub.add_parser("ft", help="a fault-tolerant DDP job with a node killed every 30 s against no kill, beside "
-                        "plain DDP restarted from its checkpoint under the same kills, in one run")
+    b = bsub.add_parser("ft", help="a fault-tolerant DDP job, with and without a spare group, with a node killed "
+                        "every 30 s against no kill, beside plain DDP restarted from its checkpoint under the same "
+                        "kills, in one run")
     b.add_argument("--steps", type=int, default=5000, help="maxSteps of every variant (1-4 minutes each here)")
     b.add_argument("--rounds", type=int, default=2, help="rounds of each job's two variants, in alternating order "
                    "(medians are compared)")

@@ -17,9 +17,10 @@ from typing import Any
 
 import yaml
 
-from . import podtemplate, schema
+from . import podtemplate, quantity, schema
 from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, TypeInfo
-from .spec import GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, SCRIPT_MODEL_MESSAGE, STANDBY_SIZE_MESSAGE, VERSION, Spec
+from .spec import (GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, SCRIPT_MODEL_MESSAGE, SPARE_RANGE_MESSAGE,
+                   STANDBY_SIZE_MESSAGE, VERSION, Resources, SchedulingPolicy, Spec)
 from .status import JobStatus
 
 SHORT_NAMES = ["tj"]
@@ -37,11 +38,6 @@ SPEC_CEL = [
         "|| self.ddp.commHook == 'None'",
         "message": "ddp.commHook: faultTolerance averages gradients through torchft's Manager, not DDP's "
         "communication hooks: use None",
-    },
-    {
-        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.ddp.strategy) "
-        "|| self.ddp.strategy == 'DDP'",
-        "message": "ddp.strategy: faultTolerance replicates the whole model in every replica group: use DDP",
     },
     {
         "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) || !has(self.checkpoint) "
@@ -110,6 +106,12 @@ SIZE_CEL = [
         f"|| !has(self.ddp.faultTolerance.minReplicas) || self.ddp.faultTolerance.minReplicas <= {_MIN_NODES}",
         "message": "ddp.faultTolerance.minReplicas: must be at most ddp.minNodes (ddp.nodes when unset): a quorum "
         "that needs more groups than the job may have never forms",
+    },
+    {
+        "rule": "self.mode != 'DDP' || !has(self.ddp) || !has(self.ddp.faultTolerance) "
+        "|| !has(self.ddp.faultTolerance.spareGroups) || self.ddp.faultTolerance.spareGroups == 0 "
+        "|| (!has(self.ddp.minNodes) && !has(self.ddp.maxNodes))",
+        "message": SPARE_RANGE_MESSAGE,
     },
     {
         "rule": "!has(self.replicas) || !has(self.parameterServer) || !has(self.parameterServer.standbyWorkers) "
@@ -207,6 +209,10 @@ def object_schema(cls: type) -> dict[str, Any]:
                 prop["default"] = {}
         elif cls is Spec and name == "podTemplate":
             prop = pod_template_schema()
+        elif cls is Resources:
+            prop = container_resources_schema()
+        elif cls is SchedulingPolicy and name == "minResources":
+            prop = quantity_map_schema()
         elif info.kind == "map" and info.value is not None and info.value.kind != "any":
             value = info.value
             prop = {"type": "object", "additionalProperties":
@@ -278,6 +284,31 @@ def _named_list(max_items: int, properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "maxItems": max_items, "items": _preserved(properties)}
 
 
+# --- resource quantities: read as Kubernetes reads them, within its bounds -----
+#
+# api/quantity.py in CEL, with its message: the grammar (`matches`, which also keeps the exponent to
+# two digits, so Kubernetes' int32 truncation of a longer one never comes into play), then
+# Kubernetes' own parser (`isQuantity`, `quantity()`) compared with the bound. The values are
+# int-or-string, as corev1's ResourceList holds them; a float is refused by the schema's type.
+
+QUANTITY_CEL = (f"type(self) == int ? self >= 0 && self <= {quantity.MAX_INTEGER} : "
+                f"size(self) <= {quantity.MAX_LENGTH} && self.matches({_cel_string('^(' + quantity.PATTERN + ')$')}) "
+                f"&& isQuantity(self) && quantity(self).compareTo(quantity({_cel_string(quantity.MAX_TEXT)})) <= 0")
+
+
+def quantity_map_schema() -> dict[str, Any]:
+    """A requests, limits or minResources map: resource names to quantities."""
+    return {"type": "object", "maxProperties": quantity.MAX_NAMES, "additionalProperties": {
+        "x-kubernetes-int-or-string": True, "maxLength": quantity.MAX_LENGTH,
+        "x-kubernetes-validations": [{"rule": QUANTITY_CEL, "message": quantity.MESSAGE}]}}
+
+
+def container_resources_schema() -> dict[str, Any]:
+    """corev1 ResourceRequirements (a role's, a template container's): its requests and limits declared,
+    the rest (claims) kept as written."""
+    return _preserved({kind: quantity_map_schema() for kind in ("limits", "requests")})
+
+
 def _container_rules() -> list[dict[str, str]]:
     # A sidecar may use any name; a container without a name is the trainer
     # (the merge sends it there).
@@ -336,6 +367,7 @@ def pod_template_schema() -> dict[str, Any]:
                 podtemplate.MAX_VOLUME_MOUNTS, {"name": {"type": "string"}, "mountPath": {"type": "string"}}
             ),
             "ports": _named_list(podtemplate.MAX_PORTS, {"name": {"type": "string"}}),
+            "resources": container_resources_schema(),
         },
         **{"x-kubernetes-validations": _container_rules()},
     )
@@ -346,7 +378,8 @@ def pod_template_schema() -> dict[str, Any]:
             "initContainers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": _preserved({
                 "name": {"type": "string", "x-kubernetes-validations": [
                     {"rule": f"self != {_cel_string(podtemplate.MODEL_INIT)}",
-                     "message": podtemplate.INIT_CONTAINER_MESSAGE}]}})},
+                     "message": podtemplate.INIT_CONTAINER_MESSAGE}]},
+                "resources": container_resources_schema()})},
         }
     )
     return _preserved({"metadata": _preserved({"labels": _string_map("labels"),
@@ -485,7 +518,8 @@ def pod_security_rules() -> dict[str, Any]:
         }],
         "variables": variables,
         "validations": [v for check in podtemplate.SECURITY_CHECKS if not check.rendered_only
-                        for v in _validations(check)] + secret_ref_validations() + [PRETRAINED_CLAIM_VALIDATION],
+                        for v in _validations(check)] + secret_ref_validations() + scheduling_validations()
+                       + [PRETRAINED_CLAIM_VALIDATION],
     }
 
 
@@ -511,6 +545,28 @@ def secret_ref_validations() -> list[dict[str, str]]:
 
 
 SECRET_REF_PATHS = ("checkpoint.storage", "dataset", "model")
+SCHEDULING_POLICY = "spec.runPolicy.schedulingPolicy"
+QUEUES_PLACEHOLDER = "VOLCANO_QUEUES"
+"""In the queue rule's expression: the Volcano queues jobs may name (the chart's gangScheduling.volcano.queues)."""
+QUEUE_MESSAGE = ("not a Volcano queue this kubetrain installation lets jobs name (the chart's "
+                 "gangScheduling.volcano.queues lists them; unset, the PodGroup waits in Volcano's default queue)")
+PRIORITY_CLASS_CHECK = next(c for c in podtemplate.SECURITY_CHECKS if c.field == ("priorityClassName",))
+
+
+def scheduling_validations() -> list[dict[str, Any]]:
+    """core/gang.policy_problems in CEL: the PodGroup's priorityClass needs the allowance the pods' own
+    priorityClassName needs (Volcano orders and preempts whole gangs by it); its queue must be one the
+    installation lists (QUEUES_PLACEHOLDER), which no allowance lifts: a queue is a team's share of the
+    cluster, given by name."""
+    policy = f"object.{SCHEDULING_POLICY}"
+    unset = (f"!has(object.spec.runPolicy) || !has({policy}) || {policy} == null || !has({policy}.{{0}}) "
+             f"|| {policy}.{{0}} == ''")
+    return [
+        {"allow": PRIORITY_CLASS_CHECK.allowance, "expression": unset.format("priorityClass"),
+         "message": f"{SCHEDULING_POLICY}.priorityClass: {PRIORITY_CLASS_CHECK.message}"},
+        {"allow": None, "expression": f"{unset.format('queue')} || {policy}.queue in {QUEUES_PLACEHOLDER}",
+         "message": f"{SCHEDULING_POLICY}.queue: {QUEUE_MESSAGE}"},
+    ]
 PRETRAINED_CLAIM_MESSAGE = ("a pvc:// pretrained model mounts a claim of the namespace besides the job's own: this "
                             "kubetrain installation does not allow it (podSecurity.allow: [claims]); put the model "
                             "in object storage (s3://)")
@@ -524,16 +580,19 @@ PRETRAINED_CLAIM_VALIDATION = {
 
 
 def pod_security_policy(allowed: Any = (), name: str = POD_SECURITY_NAME, namespace: str | None = None,
-                        secrets: Any = ()) -> list[dict[str, Any]]:
-    """The ValidatingAdmissionPolicy and its binding as the chart renders them (none when all is allowed).
+                        secrets: Any = (), queues: Any = ()) -> list[dict[str, Any]]:
+    """The ValidatingAdmissionPolicy and its binding as the chart renders them (none when no rule is left).
 
     `namespace`: bind to that namespace only (the chart's `operator.namespaced`); `secrets`: the Secrets jobs
-    may name as object-storage credentials (the chart's objectStorage.secrets).
+    may name as object-storage credentials (the chart's objectStorage.secrets); `queues`: the Volcano queues
+    they may name (gangScheduling.volcano.queues). The queue rule is lifted by no allowance: with every
+    allowance given, the policy holds it alone.
     """
     rules = pod_security_rules()
     names = json.dumps(sorted(secrets), separators=(",", ":"))
-    validations = [{k: v.replace(SECRETS_PLACEHOLDER, names) if k == "expression" else v
-                    for k, v in rule.items() if k != "allow"}
+    queue_names = json.dumps(sorted(queues), separators=(",", ":"))
+    validations = [{k: v.replace(SECRETS_PLACEHOLDER, names).replace(QUEUES_PLACEHOLDER, queue_names)
+                    if k == "expression" else v for k, v in rule.items() if k != "allow"}
                    for rule in rules.pop("validations") if rule["allow"] not in allowed]
     if not validations:
         return []

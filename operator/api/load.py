@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from . import schema
+from . import podtemplate, schema
 from .names import annotations_problems, labels_problems, namespace_problems
 from .schema import INT64_MAX, INT64_MIN, InvalidSpec, Problem, _short
 from .spec import API_VERSION, KIND, Metadata, Spec, TrainingJob
@@ -78,6 +78,7 @@ def from_object(doc: Any, source: str = "") -> TrainingJob:
         spec = schema.parse(Spec, spec_doc, "spec", problems)
     reported = {p.path for p in problems}
     problems += [p for p in huge_integers(spec_doc, "spec") if p.path not in reported]
+    problems += [p for p in null_problems(spec_doc) if p.path not in reported]
     if problems:
         raise InvalidSpec(sorted(set(problems), key=lambda p: (p.path, p.message)), source)
     metadata = Metadata(
@@ -131,6 +132,36 @@ def huge_integers(value: Any, path: str) -> list[Problem]:
             stack += [(v, f"{where}[{i}]") for i, v in enumerate(node)]
         elif isinstance(node, int) and not isinstance(node, bool) and not INT64_MIN <= node <= INT64_MAX:
             found.append(Problem(where, f"must be a 64-bit integer (at most {INT64_MAX}), got {_short(node)}"))
+    return found
+
+
+NULL_MESSAGE = "must not be null: leave the field out"
+
+
+def null_problems(spec_doc: Any) -> list[Problem]:
+    """A null inside a free-form field of the spec (podTemplate, model.args, dataset.args, the resources,
+    minResources), each named by its path. A typed field's null is `schema.parse`'s to judge (an optional
+    field's is its "unset"; any other's is refused there); a free-form field holds whatever was written,
+    and passed a null on to the pods, the merge or the user's code: the API server keeps a null where its
+    schema preserves unknown fields, and drops (or, in a server-side apply, refuses) one where it declares
+    the field. podTemplate's say why they matter most (podtemplate.NULL_MESSAGE)."""
+    found = []
+    stack: list[tuple[type, Any, str]] = [(Spec, spec_doc, "spec")]
+    while stack:
+        cls, data, path = stack.pop()
+        if not isinstance(data, dict):
+            continue  # refused by schema.parse
+        for f, info in schema.fields_of(cls):
+            name = schema.yaml_name(f)
+            value, where = data.get(name), f"{path}.{name}"
+            if value is None:
+                continue
+            if info.kind == "object" and info.cls is not None:
+                stack.append((info.cls, value, where))
+            elif info.kind == "any" or (info.kind in ("map", "list") and info.value is not None
+                                        and info.value.kind == "any"):
+                message = podtemplate.NULL_MESSAGE if (cls is Spec and name == "podTemplate") else NULL_MESSAGE
+                found += [Problem(p, message) for p in podtemplate.null_paths(value, where)]
     return found
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import quantity
 from .names import annotations_problems, labels_problems
 from .schema import _type_name
 
@@ -154,6 +155,7 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
         _name(container, f"{path}.containers[{i}]", problems)
         problems += _container_problems(container, f"{path}.containers[{i}]")
     problems += _shape_problems(spec, path)
+    problems += _resource_problems(spec, path)
     return problems
 
 
@@ -198,6 +200,23 @@ def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
     return problems
 
 
+def _resource_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
+    """Every container's requests and limits, read as quantities (api/quantity.py): the gang sums
+    (core/gang.py) add up each pod's containers, sidecars and init containers included."""
+    problems: list[tuple[str, str]] = []
+    for key in ("containers", "initContainers"):
+        items = spec.get(key)
+        for i, container in enumerate(items if isinstance(items, list) else []):
+            resources = container.get("resources") if isinstance(container, dict) else None
+            where = f"{path}.{key}[{i}].resources"
+            if resources is not None and not isinstance(resources, dict):
+                problems.append((where, f"must be an object, got {_type_name(resources)}"))
+            elif resources is not None:
+                for kind in ("limits", "requests"):
+                    problems += quantity.map_problems(resources.get(kind), f"{where}.{kind}")
+    return problems
+
+
 def _kind_name(kind: type) -> str:
     return "an object" if kind is dict else "a list"
 
@@ -215,18 +234,25 @@ MAX_METADATA_KEYS = 256
 refuses a rule over a map without a bound (its cost would be unbounded). Far above real pods (a few
 labels and annotations); the API server and `kubetrain validate` refuse more with the bound."""
 RESERVED_KEY_DOMAIN = "kubetrain.dev"
-RESERVED_KEYS: tuple[str, ...] = ("app.kubernetes.io/managed-by",)
+GANG_KEYS: tuple[str, ...] = (
+    "scheduling.k8s.io/group-name", "scheduling.volcano.sh/group-name", "scheduling.x-k8s.io/pod-group",
+    "pod-group.scheduling.sigs.k8s.io", "scheduling.volcano.sh/queue-name", "volcano.sh/queue-name")
+"""The keys by which Volcano and scheduler-plugins file a pod under a PodGroup or a queue: kubetrain sets a
+gang job's (core/gang.join_group). In a template they joined a job's pods to another job's PodGroup
+(counted in its minMember, placed with its gang), or put pods without a PodGroup of kubetrain's into any
+team's Volcano queue, past spec.runPolicy.schedulingPolicy.queue's list."""
+RESERVED_KEYS: tuple[str, ...] = ("app.kubernetes.io/managed-by", *GANG_KEYS)
 
 
 def reserved_key(key: str) -> bool:
     """Whether a label or annotation key is kubetrain's: prefixed kubetrain.dev/ (or a subdomain of it),
-    or app.kubernetes.io/managed-by."""
+    app.kubernetes.io/managed-by, or a gang scheduler's PodGroup or queue key (GANG_KEYS)."""
     prefix, slash, _ = key.rpartition("/")
     return key in RESERVED_KEYS or bool(slash) and (prefix == RESERVED_KEY_DOMAIN
                                                    or prefix.endswith("." + RESERVED_KEY_DOMAIN))
 
 
-RESERVED_KEY_REASON = (f"is kubetrain's own (it reserves every key prefixed {RESERVED_KEY_DOMAIN}/ and "
+RESERVED_KEY_REASON = (f"is kubetrain's own (it reserves every key prefixed {RESERVED_KEY_DOMAIN}/, and "
                        f"{', '.join(RESERVED_KEYS)}): choose another key")
 
 
@@ -363,6 +389,9 @@ ALLOWANCES: dict[str, str] = {
     "hostNamespaces": "the node's namespaces (hostPID, hostIPC, hostNetwork)",
     "hostPath": "hostPath volumes",
     "hostPorts": "ports of the node (ports[].hostPort)",
+    "probeHosts": "probes and lifecycle hooks aimed at another host than the pod (httpGet.host, tcpSocket.host "
+                  "of livenessProbe, readinessProbe, startupProbe, lifecycle.postStart, lifecycle.preStop): the "
+                  "kubelet sends them from the node's network",
     "capabilities": "added capabilities (securityContext.capabilities.add)",
     "root": "running as root (securityContext.runAsUser 0, securityContext.runAsNonRoot false), "
             "in the pod or a container",
@@ -378,7 +407,10 @@ ALLOWANCES: dict[str, str] = {
                    "secret)",
     "secrets": "the namespace's Secrets (secret volumes, secrets in projected volumes, env valueFrom.secretKeyRef, "
                "envFrom secretRef)",
-    "claims": "the namespace's PersistentVolumeClaims besides the job's own (volumes[].persistentVolumeClaim)",
+    "claims": "the namespace's PersistentVolumeClaims besides the job's own (volumes[].persistentVolumeClaim; an "
+              "ephemeral volume's volumeClaimTemplate.spec.dataSource, .dataSourceRef or .volumeName: a copy of "
+              "another claim or snapshot, or a chosen volume) and its ResourceClaims "
+              "(resourceClaims[].resourceClaimName)",
     "serviceAccount": "another ServiceAccount than the namespace's default, and a ServiceAccount token "
                       "(serviceAccountName, serviceAccount, automountServiceAccountToken, a projected "
                       "serviceAccountToken)",
@@ -499,6 +531,20 @@ def _checks() -> tuple[SecurityCheck, ...]:
           "variables from Secrets (envFrom secretRef) are"),
         C("claims", "volume", ("persistentVolumeClaim",), "present",
           "PersistentVolumeClaims besides the job's own are"),
+        # An ephemeral volume is a new claim, but one cloned from another claim (dataSource), filled from a
+        # VolumeSnapshot or a populator (dataSourceRef) or bound to a chosen PersistentVolume (volumeName)
+        # holds another job's data: its checkpoints, read or resumed from, with no claim volume in sight.
+        C("claims", "volume", ("ephemeral", "volumeClaimTemplate", "spec", "dataSource"), "present",
+          "ephemeral volumes cloned from another claim or a snapshot (volumeClaimTemplate.spec.dataSource) are"),
+        C("claims", "volume", ("ephemeral", "volumeClaimTemplate", "spec", "dataSourceRef"), "present",
+          "ephemeral volumes filled from another claim, a snapshot or a populator "
+          "(volumeClaimTemplate.spec.dataSourceRef) are"),
+        C("claims", "volume", ("ephemeral", "volumeClaimTemplate", "spec", "volumeName"), "string",
+          "ephemeral volumes bound to a chosen PersistentVolume (volumeClaimTemplate.spec.volumeName) are"),
+        # A ResourceClaim by name is shared with whoever else names it: another job's devices (its GPUs, and
+        # what they hold). A resourceClaimTemplateName makes the pod a claim of its own, as an ephemeral volume does.
+        C("claims", "pod", ("resourceClaims", EACH, "resourceClaimName"), "string",
+          "ResourceClaims of the namespace (resourceClaims[].resourceClaimName: another pod's devices) are"),
         C("serviceAccount", "pod", ("serviceAccountName",), "named",
           "another ServiceAccount than the namespace's default is"),
         C("serviceAccount", "pod", ("serviceAccount",), "named",
@@ -526,6 +572,16 @@ def _checks() -> tuple[SecurityCheck, ...]:
             C("seLinux", scope, (ctx, "seLinuxOptions", "user"), "string", "an SELinux user is"),
             C("seLinux", scope, (ctx, "seLinuxOptions", "role"), "string", "an SELinux role is"),
         ]
+    # Pod Security baseline's "Host Probes / Lifecycle Hooks" (Kubernetes 1.34+, check_hostProbesAndHostLifecycle.go):
+    # a probe's or a lifecycle hook's httpGet.host and tcpSocket.host may be absent or "" (the pod's IP), nothing
+    # else, not even localhost or 127.0.0.1 (the node's own loopback to the kubelet). The kubelet sends these from
+    # the node's network: to the cloud's metadata address, the node's own ports, whatever the node reaches.
+    out += [C("probeHosts", "container", (probe, handler, "host"), "string",
+              "a probe's host (the kubelet would connect to it from the node's network) is")
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe") for handler in ("httpGet", "tcpSocket")]
+    out += [C("probeHosts", "container", ("lifecycle", hook, handler, "host"), "string",
+              "a lifecycle hook's host (the kubelet would connect to it from the node's network) is")
+            for hook in ("postStart", "preStop") for handler in ("httpGet", "tcpSocket")]
     # Pod Security `restricted`'s requirements: kubetrain's own fields (core/children._harden, applied
     # after the template) meet them, so only a rendered pod is judged by them.
     out += [

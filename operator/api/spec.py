@@ -6,10 +6,11 @@ the CRD schema (`crd.py`) and the reference docs all read these classes.
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import quantity
 from .podtemplate import pod_template_problems
 from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, field
 
@@ -25,8 +26,6 @@ MODES: tuple[str, ...] = ("Single", "ParameterServer", "DDP")
 ENTRYPOINT_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
 ENTRYPOINT_HINT = "expected 'package.module:function'"
 QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
-# Resource quantities as a ResourceList holds them: CPUs in millicores too (500m).
-RESOURCE_QUANTITY_PATTERN = r"[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
 DNS1123_PATTERN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 # An object-storage URI: s3://BUCKET[/KEY], the bucket as S3 names it (3-63 lower-case letters, digits, dots and
 # hyphens); the trainer's objstore.parse_uri checks the same and the key's parts.
@@ -63,11 +62,24 @@ MAX_REPORTED_METRICS = 32
 # Standby workers of a ParameterServer job: each is an idle pod (a worker's resources, torch loaded) that
 # only takes over a failed worker; a few cover the failures that come at once, more only cost capacity.
 MAX_STANDBY_WORKERS = 8
+# What the operator may render for one job: the template's size (its JSON) times the pods it is merged
+# into. A template is merged into every pod the operator makes (a ParameterServer job's shards, workers and
+# standbys; a Single job's pod; a DDP job's StatefulSet template and its Lighthouse pod, one each however
+# many nodes). A 107 KB template (64 sidecars of 40 variables) times a job of 1,096 pods was 117 MB of
+# JSON and 647 MiB in the operator, past its 512 Mi limit: one tenant's job crash-looped the operator for
+# every tenant. At 8 MiB, the worst template (small variables, each a dict) cost 57 MiB to render all
+# 1,096 pods of a new job once; at 4 MiB, 37 MiB (traced by tracemalloc; tests/api/test_rendered_size.py
+# measures a round). Rounds of several jobs render side by side only within one budget
+# (controller/budget.RENDER_BUDGET_BYTES). It allows a 3.8 KB template on a 1,096-pod job, 40 KB on 100
+# pods (real templates: 1-4 KB).
+MAX_RENDERED_TEMPLATE_BYTES = 4 * 1024 * 1024
 # format text: the longest sample. Attention's memory grows with its square; a model's own limit
 # (max_position_embeddings) is checked against sequenceLength when its config is read.
 MAX_SEQUENCE_LENGTH = 131072
 SCRIPT_MODEL_MESSAGE = ("applies to a script job only as a pretrained model to fetch ({name: causal-lm, pretrained: "
                         "URI}): the script builds its own model, from KUBETRAIN_MODEL_DIR")
+SPARE_RANGE_MESSAGE = ("ddp.faultTolerance.spareGroups: spare groups stand in for lost ones at a fixed ddp.nodes: "
+                       "leave ddp.minNodes and ddp.maxNodes unset, or set spareGroups 0 to resize the job")
 STANDBY_SIZE_MESSAGE = ("replicas: a job with parameterServer.standbyWorkers keeps the size it was created with "
                         "(parameterServer.workers): leave spec.replicas unset; kubectl scale does not apply")
 
@@ -352,6 +364,9 @@ class ParameterServer:
 FT_MIN_HEARTBEAT_SECONDS = 0.2
 FT_MAX_HEARTBEAT_SECONDS = 60.0
 FT_MAX_TIMEOUT_SECONDS = 3600.0
+FT_MAX_SPARE_GROUPS = 16
+"""The most spare replica groups: each takes part in every step's average (its traffic, in the ring of every
+group) while it trains nothing; more than a few stand by for losses that come together."""
 FT_PORT = 29510
 """The port the Lighthouse listens on in a pod (torchft's own examples use 29510)."""
 
@@ -383,6 +398,15 @@ class FaultTolerance:
         "unreachable) before it gives up and exits 75 (retried: it is restarted as any replica is).",
         60.0, minimum=1.0, maximum=FT_MAX_TIMEOUT_SECONDS,
     )
+    spare_groups: int = field(
+        "Replica groups started beside ddp.nodes that train nothing while every group is there: each takes "
+        "part in every step's average with nothing of its own, so it holds the same model and optimizer, "
+        "and when a group is lost it trains from the next step on (about heartbeatTimeoutSeconds after the "
+        "loss, no start, no heal). The groups with the lowest indices train; a lost group's replacement "
+        "takes its place back once it has healed, and the spare stands by again. A spare is a pod like the "
+        "others (resources, Kueue's quota). Not with an elastic node range (ddp.minNodes, ddp.maxNodes).",
+        0, minimum=0, maximum=FT_MAX_SPARE_GROUPS,
+    )
     timeout_seconds: float = field(
         "How long a group waits for a peer in a step's gradient average, its commit vote, and a healing "
         "transfer of the model from a peer, before the step is discarded. A peer that is killed fails "
@@ -402,8 +426,9 @@ class DDP:
         "How the built-in loop spreads the model over the ranks: DDP (a whole replica on every rank, gradients "
         "averaged) or FSDP (FSDP2: every layer, then the model, sharded across the ranks, gradients "
         "reduce-scattered; checkpoints sharded, every rank writing its own shards, so a job of several nodes "
-        "needs checkpoint.storage.accessMode ReadWriteMany, or checkpoint.storage.uri). Script jobs shard their "
-        "own model.",
+        "needs checkpoint.storage.accessMode ReadWriteMany, or checkpoint.storage.uri). With faultTolerance, "
+        "FSDP shards the model over each replica group's procsPerNode ranks and the groups replicate it (HSDP); "
+        "every group writes its own sharded checkpoints on its own volume. Script jobs shard their own model.",
         "DDP", immutable=True,
     )
     comm_hook: Literal["None", "FP16", "PowerSGD"] = field(
@@ -435,6 +460,11 @@ class DDP:
     )
 
     @property
+    def groups(self) -> int:
+        """The nodes (pods) the job runs: ddp.nodes, and the spare replica groups of a fault-tolerant job."""
+        return self.nodes + (self.fault_tolerance.spare_groups if self.fault_tolerance is not None else 0)
+
+    @property
     def node_range(self) -> tuple[int, int]:
         """The sizes spec.replicas may take: [minNodes, maxNodes], each nodes when unset."""
         low = self.min_nodes if self.min_nodes is not None else self.nodes
@@ -455,8 +485,11 @@ class Resources:
     def check(self) -> list[tuple[str, str]]:
         problems = []
         for role in ("ps", "worker"):
-            for key in getattr(self, role):
-                if key not in ("limits", "requests", "claims"):
+            for key, value in getattr(self, role).items():
+                if key in ("limits", "requests"):
+                    # Read here, once: the gang sums (core/gang.py) add them up in every round.
+                    problems += quantity.map_problems(value, f"{role}.{key}")
+                elif key != "claims":
                     problems.append((f"{role}.{key}", "unknown field; expected limits, requests or claims"))
         return problems
 
@@ -559,7 +592,9 @@ class SchedulingPolicy:
         minimum=1,
     )
     queue: str = field(
-        "Volcano: the queue the PodGroup waits in (Volcano's own default queue when empty).",
+        "Volcano: the queue the PodGroup waits in, one the cluster's kubetrain installation lets jobs name (the "
+        "chart's gangScheduling.volcano.queues; none by default: a queue is a team's share of the cluster). Empty: "
+        "Volcano's own default queue.",
         "",
         pattern=DNS1123_PATTERN,
         pattern_hint="expected a DNS-1123 name",
@@ -567,13 +602,14 @@ class SchedulingPolicy:
     )
     min_resources: dict[str, Any] | None = field(
         "Resources the gang needs before any pod starts (the PodGroup's minResources), e.g. {cpu: 4, "
-        "memory: 8Gi}; "
+        "memory: 8Gi}, quantities as spec.resources takes them; "
         "default: the sum of the requests of the first minAvailable pods (parameter servers first).",
         None,
     )
     priority_class: str = field(
         "Volcano: PriorityClass of the PodGroup (its priorityClassName), the order in which Volcano "
-        "takes gangs. The pods' own priority is podTemplate.spec.priorityClassName.",
+        "takes (and preempts) gangs; as the pods' own podTemplate.spec.priorityClassName, only where the "
+        "cluster's kubetrain installation allows it (podSecurity.allow: [priorityClass]).",
         "",
         pattern=DNS1123_PATTERN,
         pattern_hint="expected a DNS-1123 name",
@@ -589,10 +625,7 @@ class SchedulingPolicy:
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        for name, value in (self.min_resources or {}).items():
-            if isinstance(value, bool) or not isinstance(value, (str, int)) or not re.fullmatch(
-                    RESOURCE_QUANTITY_PATTERN, str(value)):
-                problems.append((f"minResources.{name}", f"expected a quantity such as 2, 500m or 4Gi, got {value!r}"))
+        problems += quantity.map_problems(self.min_resources, "minResources")
         if self.gang_scheduler is not None:
             problems += self.inapplicable(self.gang_scheduler)
         return problems
@@ -719,7 +752,11 @@ class Spec:
         "Parameter-server settings (mode ParameterServer).", None
     )
     ddp: DDP | None = field("DDP settings (mode DDP).", None)
-    resources: Resources = field("Resources per role (cluster only).", default_factory=Resources)
+    resources: Resources = field(
+        "Resources per role (cluster only): corev1 ResourceRequirements (requests, limits, claims). Each quantity "
+        "as Kubernetes writes it (2, 500m, 4Gi, 1e3: a string, or an integer), from 0 to 9223372036854775807m "
+        "(Kubernetes counts resources in 64-bit milli-units) with an exponent of at most two digits; so are "
+        "podTemplate containers' and schedulingPolicy.minResources.", default_factory=Resources)
     checkpoint: Checkpoint = field("Checkpoints.", default_factory=Checkpoint)
     restart_policy: RestartPolicy = field("Restarts of failed replicas.", default_factory=RestartPolicy)
     run_policy: RunPolicy = field("Lifetime of the job.", default_factory=RunPolicy)
@@ -732,20 +769,25 @@ class Spec:
         "config, data, tmp, model, pretrained; mounts at /etc/kubetrain, /kubetrain/data, /tmp, /kubetrain/model, "
         "/kubetrain/pretrained; the init container model-init; env KUBETRAIN_*, HOME, "
         "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse; labels and annotations "
-        "kubetrain.dev/* and app.kubernetes.io/managed-by; and null anywhere in spec. kubetrain's own "
+        "kubetrain.dev/* and app.kubernetes.io/managed-by, and the gang schedulers' PodGroup and queue keys "
+        "(scheduling.k8s.io/group-name, scheduling.volcano.sh/group-name, scheduling.x-k8s.io/pod-group, "
+        "pod-group.scheduling.sigs.k8s.io, scheduling.volcano.sh/queue-name, volcano.sh/queue-name); and null "
+        "anywhere in spec (but as an optional field's unset). kubetrain's own "
         "security fields are applied after the template. What reaches past the pod is refused unless the "
         "cluster's kubetrain installation allows it (the chart's podSecurity.allow): Pod Security "
         "baseline and restricted (privileged containers and allowPrivilegeEscalation, hostPID, hostIPC, "
         "hostNetwork, hostPath volumes, hostPort, added capabilities, runAsUser 0 or runAsNonRoot false, "
         "Unconfined seccomp or AppArmor profiles, SELinux options, procMount, unsafe sysctls, volume "
-        "types outside restricted's), the namespace's Secrets and other claims, another ServiceAccount "
-        "or its token, nodeName, a toleration of every taint, priorityClassName and runtimeClassName "
-        "(docs/security.md).",
+        "types outside restricted's, a probe's or lifecycle hook's host), the namespace's Secrets and "
+        "other claims (ephemeral volumes cloned or filled from one, or bound to a chosen volume; "
+        "ResourceClaims by name), another ServiceAccount or its token, nodeName, a toleration of every "
+        "taint, priorityClassName and runtimeClassName (docs/security.md). Its size times the pods it is "
+        "merged into is at most 4 MiB of JSON.",
         default_factory=dict,
     )
 
     def check(self) -> list[tuple[str, str]]:
-        problems = self._size_problems()
+        problems = self._size_problems() + self._rendered_size_problems()
         if self.script is not None and self.mode == "ParameterServer":
             problems.append(("script", "script jobs run in mode Single or DDP, got ParameterServer "
                                        "(a parameter server needs the built-in loop's model, dataset and training)"))
@@ -845,11 +887,9 @@ class Spec:
         if ddp.comm_hook != "None":
             problems.append(("ddp.commHook", f"faultTolerance averages gradients through torchft's Manager, "
                                              f"not DDP's communication hooks: use None, got {ddp.comm_hook}"))
-        strategy = ddp.strategy
-        if strategy != "DDP":
-            problems.append(("ddp.strategy", f"faultTolerance replicates the whole model in every replica group: "
-                                             f"use DDP, got {strategy} (sharding within a group is not combined "
-                                             "with fault tolerance across groups yet)"))
+        if ft.spare_groups and (ddp.min_nodes is not None or ddp.max_nodes is not None):
+            problems.append(("ddp.faultTolerance.spareGroups",
+                             SPARE_RANGE_MESSAGE.split(": ", 1)[1] + f", got {ft.spare_groups}"))
         if self.checkpoint.storage.access_mode == "ReadWriteMany" and not self.checkpoint.storage.uri:
             problems.append(("checkpoint.storage.accessMode",
                              "with faultTolerance every replica group writes its own checkpoints on its own "
@@ -868,12 +908,39 @@ class Spec:
             problems.append(("ddp.commHook", f"{ddp.comm_hook} is a hook of DDP's gradient all-reduce; FSDP "
                                              "reduce-scatters its gradients: use None with strategy FSDP"))
         if (ddp.node_range[1] > 1 and self.checkpoint.storage.access_mode != "ReadWriteMany"
-                and not self.checkpoint.storage.uri):
+                and not self.checkpoint.storage.uri and ddp.fault_tolerance is None):
             problems.append(("checkpoint.storage.accessMode",
                              f"strategy FSDP writes sharded checkpoints, each rank its own shards, into one "
                              f"directory every rank reads: a job of up to {ddp.node_range[1]} nodes needs "
                              f"ReadWriteMany (one claim every node mounts), got {self.checkpoint.storage.access_mode}"))
         return problems
+
+    @property
+    def rendered_pods(self) -> dict[str, int]:
+        """The objects the operator merges spec.podTemplate into, by the field that sets their number."""
+        if self.mode == "ParameterServer":
+            ps = self.parameter_server or ParameterServer()
+            return {"parameterServer.replicas": ps.replicas, "parameterServer.workers": self.size,
+                    "parameterServer.standbyWorkers": ps.standby_workers}
+        if self.fault_tolerant:
+            return {"ddp (one StatefulSet template)": 1, "ddp.faultTolerance (the Lighthouse pod)": 1}
+        return {"ddp (one StatefulSet template)" if self.mode == "DDP" else "mode Single": 1}
+
+    def _rendered_size_problems(self) -> list[tuple[str, str]]:
+        """MAX_RENDERED_TEMPLATE_BYTES, judged before anything is rendered: the template's JSON is measured
+        once (a 3 MB template costs milliseconds), the pods are counted, nothing is merged."""
+        if not self.pod_template:
+            return []
+        size = len(json.dumps(self.pod_template, separators=(",", ":"), default=str))
+        counts = self.rendered_pods
+        pods = sum(counts.values())
+        if size * pods <= MAX_RENDERED_TEMPLATE_BYTES:
+            return []
+        by_field = ", ".join(f"{n} ({path})" for path, n in counts.items() if n)
+        return [("podTemplate", f"is {size} bytes (as JSON) and would be merged into {pods} pods: {by_field}; "
+                                f"{size * pods} bytes in all, more than the operator renders for one job "
+                                f"({MAX_RENDERED_TEMPLATE_BYTES} bytes, {MAX_RENDERED_TEMPLATE_BYTES // 2**20} MiB): "
+                                "make the template smaller or the job smaller")]
 
     def _size_problems(self) -> list[tuple[str, str]]:
         """spec.replicas and the DDP node range (the CRD holds the same rules in CEL, SIZE_CEL)."""

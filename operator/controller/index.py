@@ -35,6 +35,7 @@ class Index:
         self.versions: dict[Key, dict[str, tuple[str, float]]] = {}  # job -> pod name -> (resourceVersion, indexed at)
         self.claims: dict[Key, dict[str, str]] = {}  # job -> claim name -> phase
         self.workloads: dict[Key, dict[str, dict[str, Any]]] = {}  # job -> Kueue Workload name -> object
+        self.statefulsets: dict[Key, tuple[str, str]] = {}  # DDP job -> (its uid, its StatefulSet's uid)
         self.gone: dict[str, float] = {}  # uid of a pod deleted -> when (monotonic), for GONE_SECONDS
         self._pruned = time.monotonic()
 
@@ -47,12 +48,44 @@ class Index:
             self.jobs[key] = raw
 
     def replicas(self, key: Key, uid: str) -> dict[str, ReplicaObservation]:
-        """The replicas of the job `key` whose uid is `uid`: pods labelled with its name and owned by it
-        (or by its StatefulSet). A label is anyone's to set; a pod another job's template (or another
-        tenant) labelled as this job's replica once made the job Succeeded, or restarted."""
+        """The replicas of the job `key` whose uid is `uid`: pods labelled with its name, owned by it
+        (or by its StatefulSet, of the uid the API server gave: `statefulsets`) and named as the job
+        names that replica's pod. A label is anyone's to set; a pod another job's template (or another tenant)
+        labelled as this job's replica once made the job Succeeded, or restarted. An owner reference is
+        anyone's to write too, the job's uid included (anyone who may read the job reads it): the name
+        `<job>-<replica>` is the one thing another pod cannot take while the replica's own pod exists."""
         with self.lock:
-            return {o.replica: o for owner, o in (self.pods.get(key) or {}).values()
-                    if observe.owned_by(owner, key[1], uid)}
+            statefulset = self._statefulset(key, uid) or ""
+            return {o.replica: o for pod, (owner, o) in (self.pods.get(key) or {}).items()
+                    if observe.names_its_replica(pod, key[1], o.replica)
+                    and observe.owned_by(owner, key[1], uid, statefulset)}
+
+    def statefulset_unknown(self, key: Key, uid: str) -> bool:
+        """Whether a pod of the job `key` (uid `uid`) names as its controller the job's StatefulSet
+        (`<job>-ddp`) while the index holds no uid for it: the StatefulSet is new to this operator (it
+        started, or made the StatefulSet, since it last asked), or the pod's owner is forged. Only the
+        API server can say which (kube.statefulset_uid), once; a pod whose owner's uid differs from
+        the one it said is not the job's, and costs no call."""
+        with self.lock:
+            if self._statefulset(key, uid) is not None:
+                return False
+            name = observe.statefulset_name(key[1])
+            return any(owner.kind == "StatefulSet" and owner.name == name
+                       for owner, _ in (self.pods.get(key) or {}).values())
+
+    def set_statefulset(self, key: Key, uid: str, statefulset: str | None) -> None:
+        """The API server's answer: the job's StatefulSet has the uid `statefulset`; None: it has none
+        that is the job's (none yet, or one another owns: ChildConflict), or the operator just made or
+        rendered it again, so the next round that meets its pods asks again."""
+        with self.lock:
+            if statefulset is None:
+                self.statefulsets.pop(key, None)
+            else:
+                self.statefulsets[key] = (uid, statefulset)
+
+    def _statefulset(self, key: Key, uid: str) -> str | None:
+        held = self.statefulsets.get(key)
+        return held[1] if held is not None and held[0] == uid else None
 
     def set_pod(self, key: Key, name: str, seen: Seen | None, version: str = "") -> None:
         with self.lock:
@@ -134,6 +167,11 @@ class Index:
         with self.lock:
             return (self.workloads.get(key) or {}).get(name)
 
+    def workloads_of(self, key: Key) -> dict[str, dict[str, Any]]:
+        """Every Workload of the job, by name (a fault-tolerant job resized by slices has several)."""
+        with self.lock:
+            return dict(self.workloads.get(key) or {})
+
     def set_workload(self, key: Key, name: str, raw: dict[str, Any] | None) -> None:
         with self.lock:
             workloads = self.workloads.setdefault(key, {})
@@ -147,6 +185,7 @@ class Index:
     def forget(self, key: Key) -> None:
         with self.lock:
             self.jobs.pop(key, None)
+            self.statefulsets.pop(key, None)
 
     # -- fed by the watches ------------------------------------------------------------
 

@@ -211,8 +211,10 @@ def _send(method: str, path: str, body: Any = None, content_type: str = "applica
     return resp
 
 
-def create(obj: dict[str, Any]) -> bool:
-    """Create an object; False when it exists already (another round created it)."""
+def create(obj: dict[str, Any], started: bool = False) -> bool:
+    """Create an object; False when it exists already (another round created it: `_check_ours`, NotOurs
+    otherwise). `started`: the job's status says it started before, so an earlier round made its
+    children."""
     kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]
     plural = PLURALS.get(kind) or CUSTOM_PLURALS.get(kind)
     if plural is None:
@@ -221,7 +223,7 @@ def create(obj: dict[str, Any]) -> bool:
         _send("POST", _path(obj["apiVersion"], ns, plural), obj)
     except ApiException as err:
         if err.status == 409:
-            _check_ours(obj)
+            _check_ours(obj, started)
             return False
         if err.status == 404 and kind in CUSTOM_PLURALS:
             # The namespace exists (the job is in it): what is missing is the resource, its CRD.
@@ -268,20 +270,32 @@ with a JSON patch that only tests its owner's uid (it changes nothing), so that 
 `get` on them: two grants fewer under issue 15's ceiling (tests/cluster/test_chart.py)."""
 
 
-def _check_ours(obj: dict[str, Any]) -> None:
+def _check_ours(obj: dict[str, Any], started: bool = False) -> None:
     """An object of this name exists: ours (an earlier round made it), or raise NotOurs.
 
-    Ours means owned by this job's uid. A checkpoint claim kept from an earlier job of the
-    same name by whenDeleted: Retain is labelled with the job name and has no owner: mounting
-    it is the point of keeping it (training resumes from its checkpoints). The token Secret is
-    never read (the operator has no read access to Secrets); its name carries the job's uid,
-    so only this job's rounds create it. The same holds for a Kueue Workload (the operator may
-    list and watch Workloads, not get one by name).
+    Ours means owned by this job's uid. The job's own checkpoint claim with whenDeleted: Retain
+    has no owner: it is ours, labelled with the job's name, once the job has started (`started`:
+    the round that first started it made the claim, or met this rule). Before that, an unowned
+    claim of its name is someone else's: one kept from an earlier job of the same name, or one a
+    tenant who may create claims made for the job to write its checkpoints to (or to resume from);
+    kept checkpoints are given to a new job by making it the claim's owner (docs/operating.md).
+
+    The token Secret is never read (the operator has no read access to Secrets). Its name carries
+    the job's uid, so no earlier job's is met; but the uid is anyone's to read once the job
+    exists, and a tenant who may create Secrets could make it (their token, CA and key) while the
+    job waits to start. So it is ours only once the job has started: a round that first starts
+    the job either made it or met this rule (rounds._create_all remembers what a failed wave made).
+    A Kueue Workload is taken as ours (the operator may list and watch Workloads, not get one by name).
     """
     kind, meta = obj["kind"], obj["metadata"]
-    if kind in ("Secret", "Workload"):
-        return
     ns, name = meta.get("namespace", "default"), meta["name"]
+    if kind == "Workload":
+        return
+    if kind == "Secret":
+        if started:
+            return
+        raise NotOurs(f"Secret {ns}/{name} exists, made before this job first started, so not by it; the job will "
+                      "not use it (its pods would take their token and keys from it): delete it")
     if kind in _TESTERS:
         _test_owner(kind, ns, name, meta["ownerReferences"][0]["uid"])
         return
@@ -302,10 +316,13 @@ def _check_ours(obj: dict[str, Any]) -> None:
     if owners & wanted:
         return
     job = (meta.get("labels") or {}).get(LABEL_JOB)
-    if kind == "PersistentVolumeClaim" and not owners and (found.get("labels") or {}).get(LABEL_JOB) == job:
+    kept = kind == "PersistentVolumeClaim" and not owners and (found.get("labels") or {}).get(LABEL_JOB) == job
+    if kept and started:
         return
     whose = f"owned by {', '.join(sorted(str(o) for o in owners))}" if owners else "not owned by this job"
-    raise NotOurs(f"{kind} {ns}/{name} exists and is {whose}; the job will not adopt it: delete or rename it")
+    hint = (" (a claim kept from an earlier job of this name: make this job its owner to resume from it, "
+            "docs/operating.md#keeping-checkpoints-after-the-job)") if kept else ""
+    raise NotOurs(f"{kind} {ns}/{name} exists and is {whose}; the job will not adopt it: delete or rename it{hint}")
 
 
 def _test_owner(kind: str, ns: str, name: str, uid: str) -> None:
@@ -321,6 +338,22 @@ def _test_owner(kind: str, ns: str, name: str, uid: str) -> None:
             raise NotOurs(f"{kind} {ns}/{name} exists and is not owned by this job; the job will not adopt it: "
                           "delete or rename it") from None
         raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
+
+
+def statefulset_uid(namespace: str, name: str, owner: str) -> str | None:
+    """The uid of the StatefulSet `name` if its first owner is the job of uid `owner`; None when there is
+    none or another owns it. Asked, as _test_owner asks, with a JSON patch that only tests the owner (it
+    changes nothing; the answer is the object): the operator has no `get` on StatefulSets. The pods a
+    StatefulSet makes name it by uid, so the uid is what tells its pods from pods that name it falsely."""
+    test = [{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": owner}]
+    try:
+        resp = _TESTERS["StatefulSet"](_api())(name, namespace, test, _preload_content=False,
+                                               _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status in (404, 422):  # none, or not the job's (its create says ChildConflict)
+            return None
+        raise KubeError("patch", f"statefulset {namespace}/{name}", err) from None
+    return (_json(resp).get("metadata") or {}).get("uid") or None
 
 
 def list_workloads(namespaces: list[str]) -> list[dict[str, Any]]:
@@ -363,6 +396,18 @@ def get_kueue_object(plural: str, name: str) -> dict[str, Any] | None:
             return None
         raise KubeError("get", f"{plural} {name}", err) from None
     return _json(resp)
+
+
+def patch_workload(namespace: str, name: str, patch: dict[str, Any]) -> None:
+    """A merge patch of a Workload's spec (a live resize lowers its counts: core/kueue.shrunk); one gone is no
+    error (the next round reads the job's Workloads again)."""
+    try:
+        client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
+            KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name, patch, _preload_content=False,
+            _request_timeout=API_TIMEOUT)
+    except ApiException as err:
+        if err.status != 404:
+            raise KubeError("patch", f"workload {namespace}/{name}", err) from None
 
 
 def patch_workload_status(namespace: str, name: str, patch: dict[str, Any]) -> bool:
@@ -559,6 +604,8 @@ def scrape(ip: str, port: int, timeout: float = SCRAPE_SECONDS, max_bytes: int =
         log.warning("scrape %s:%s: no whole answer within %.1fs", ip, port, timeout)
     except OSError as err:  # refused, reset
         log.debug("scrape %s:%s failed: %s", ip, port, err)
+    except ValueError as err:  # a number in the answer that is none: a bad answer, not the operator's error
+        log.warning("scrape %s:%s: a malformed answer: %s", ip, port, err)
     return None
 
 
@@ -587,7 +634,7 @@ def _read_answer(sock: socket.socket, left, max_bytes: int, where: str) -> str |
                 log.warning("scrape %s: a chunked answer to an HTTP/1.0 request; not read", where)
                 return None
             announced = headers.get("content-length", "")
-            length = int(announced) if announced.isdigit() and len(announced) <= 12 else None
+            length = int(announced) if _ascii_number(announced) and len(announced) <= 12 else None
             if announced and length is None or length is not None and length > max_bytes:
                 log.warning("scrape %s: %s bytes announced, more than %d; not read", where, announced, max_bytes)
                 return None
@@ -606,11 +653,18 @@ def _read_answer(sock: socket.socket, left, max_bytes: int, where: str) -> str |
     return body.decode(errors="replace")
 
 
+def _ascii_number(text: str) -> bool:
+    """Whether `text` is a number of ASCII digits. Not `str.isdigit`: the head is latin-1, where it holds
+    for the superscripts \xb2, \xb3 and \xb9, which `int` refuses (a status line `HTTP/1.1 2\xb20` raised
+    ValueError out of `scrape`, a traceback at every scrape of that chief)."""
+    return text.isascii() and text.isdigit()
+
+
 def _head(raw: bytes) -> tuple[int | None, dict[str, str]]:
     """(the status code, lower-cased header names -> values) of an HTTP answer's head."""
     lines = raw.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
-    status = int(parts[1]) if len(parts) >= 2 and parts[0].startswith("HTTP/") and parts[1].isdigit() \
+    status = int(parts[1]) if len(parts) >= 2 and parts[0].startswith("HTTP/") and _ascii_number(parts[1]) \
         and len(parts[1]) == 3 else None
     headers = {}
     for line in lines[1:]:

@@ -50,14 +50,31 @@ def owner_of(pod: dict[str, Any]) -> Owner:
     return Owner()
 
 
-def owned_by(owner: Owner, job: str, uid: str) -> bool:
+def owned_by(owner: Owner, job: str, uid: str, statefulset: str = "") -> bool:
     """Whether a pod with this controller is one of job `job`'s (uid `uid`): made by the job itself,
-    or by its StatefulSet, whose name is the job's (`<job>-ddp`) and which the operator creates for
-    that job alone (a StatefulSet of that name owned by anyone else is never adopted: ChildConflict).
+    or by its StatefulSet `<job>-ddp` of uid `statefulset` (as the API server answered the operator,
+    index.Index.statefulsets; "" while it is not known: then no StatefulSet's pod is the job's). The
+    StatefulSet's name is not enough: anyone who may create pods can name `<victim>-ddp` as a pod's
+    owner, with any uid and an apiVersion no API serves, which the garbage collector never resolves
+    and so never deletes; such a pod, labelled as rank 0, was filed as the victim's ddp-0 (its forged
+    success ended the victim; its forged failures spent its restarts).
     The pod's labels say which job it claims to be; this says whether the claim holds."""
     if owner.kind == KIND:
         return bool(uid) and owner.uid == uid
-    return owner.kind == "StatefulSet" and owner.name == f"{job}-ddp"
+    return owner.kind == "StatefulSet" and owner.name == statefulset_name(job) and bool(statefulset) \
+        and owner.uid == statefulset
+
+
+def statefulset_name(job: str) -> str:
+    """The name of a DDP job's StatefulSet (core/children.statefulset)."""
+    return f"{job}-ddp"
+
+
+def names_its_replica(pod: str, job: str, replica: str) -> bool:
+    """Whether a pod's name is the one the job gives that replica's pod, `<job>-<replica>`
+    (core/children.pod_name; a StatefulSet's rank n is `<job>-ddp-n`). A pod name is unique in its
+    namespace: while the replica's own pod exists, another pod, whoever owns it, cannot pass for it."""
+    return pod == f"{job}-{replica}"
 
 
 def pod_observation(pod: dict[str, Any]) -> PodObservation | None:

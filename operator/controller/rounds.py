@@ -6,18 +6,21 @@ out what it decided."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from ..api import InvalidSpec, TrainingJob, from_spec_dict
 from ..api.status import JobStatus
 from ..core import engine
 from ..core.conditions import TERMINAL
-from ..core.engine import ProgressReading, Refusal, ReplicaObservation
+from ..core.engine import ProgressReading, ProgressUnknown, Refusal, ReplicaObservation
 from ..core.plan import chief
 from ..core.reconcile import ClusterActions, reconcile
-from . import kube, metrics, observe, queueing, refusals
+from . import kube, metrics, observe, queueing, refusals, scrapes
+from .budget import render_weight
 from .index import Key
 from .reporting import last_status, write_status
 from .state import Controller, JobState
@@ -45,10 +48,14 @@ def reconcile_once(ctl: Controller, body: dict[str, Any], state: JobState) -> fl
     _count_created(state, job, fresh=state.status is None and not body.get("status"))
     pods, progress = _observe(ctl, job, state, old)
     pvc_pending = ctl.index.pending_claims(key) if old.state == "Created" and pods else None
-    workload, admission, placements = queueing.queue(ctl, job, uid, state, old, pods)
-    act = reconcile(job, uid, state.token, pods, old, time.time(), progress, ctl.config.settings, pvc_pending,
-                    state.existing, admission, placements, safety_net=ctl.safety_net())
-    _carry_out(ctl, body, job, state, pods, act)
+    workload, admission, placements, job = queueing.queue(ctl, job, uid, state, old, pods)
+    # The pods this round renders are held until they are created: their bytes come out of the budget
+    # every round shares (budget.py); a round whose pods all exist weighs nothing.
+    with ctl.render_budget.hold(render_weight(job, len(pods))):
+        act = reconcile(job, uid, state.token, pods, old, time.time(), progress, ctl.config.settings, pvc_pending,
+                        state.existing, admission, placements, safety_net=ctl.safety_net())
+        _carry_out(ctl, body, job, state, pods, act, started=old.start_time is not None)
+        act.create, act.replace = [], []  # created: nothing rendered outlives its share of the budget
     _count_outcome(job, old, act)
     write_status(ctl, key, state, old, act.status)
     state.problem = None
@@ -99,10 +106,10 @@ def _refuse(ctl: Controller, body: dict[str, Any], state: JobState, job: Trainin
     """A job the installation refuses: the engine fails it (its replicas, if any, stopped as any
     failed job's are); nothing is created."""
     key = (job.metadata.namespace, job.name)
-    pods = ctl.index.replicas(key, job.metadata.uid)
+    pods = replicas_of(ctl, key, job.metadata.uid)
     act = reconcile(job, job.metadata.uid, state.token, pods, old, time.time(), settings=ctl.config.settings,
                     existing=state.existing, refusal=refusal)
-    _carry_out(ctl, body, job, state, pods, act)
+    _carry_out(ctl, body, job, state, pods, act, started=old.start_time is not None)
     write_status(ctl, key, state, old, act.status)
 
 
@@ -116,12 +123,12 @@ def _count_created(state: JobState, job: TrainingJob, fresh: bool) -> None:
 
 
 def _observe(ctl: Controller, job: TrainingJob, state: JobState,
-             old: JobStatus) -> tuple[dict[str, ReplicaObservation], ProgressReading | None]:
+             old: JobStatus) -> tuple[dict[str, ReplicaObservation], ProgressReading | ProgressUnknown | None]:
     """The job's replicas and its chief's progress; a finished job's replicas alone (nothing is scraped)."""
     key = (job.metadata.namespace, job.name)
     if old.state in TERMINAL:
         ctl.scrapes.unfollow(key)
-        return ctl.index.replicas(key, job.metadata.uid), None
+        return replicas_of(ctl, key, job.metadata.uid), None
     pods = observed_replicas(ctl, key, job.metadata.uid, state)
     return pods, _progress(ctl, job, pods)
 
@@ -130,7 +137,7 @@ def observed_replicas(ctl: Controller, key: Key, uid: str, state: JobState) -> d
     """The job's replicas from the index, with the pods this operator just created and the watch
     has not shown yet taken as Pending."""
     now = time.monotonic()
-    replicas = ctl.index.replicas(key, uid)
+    replicas = replicas_of(ctl, key, uid)
     for replica, created in list(state.expected.items()):
         if replica in replicas or now - created > EXPECTATION_SECONDS:
             del state.expected[replica]
@@ -139,10 +146,20 @@ def observed_replicas(ctl: Controller, key: Key, uid: str, state: JobState) -> d
     return replicas
 
 
+def replicas_of(ctl: Controller, key: Key, uid: str) -> dict[str, ReplicaObservation]:
+    """The job's replicas from the index (index.Index.replicas). When a pod names the job's StatefulSet
+    as its owner and the index holds no uid for it, the API server is asked first (kube.statefulset_uid):
+    once per StatefulSet and operator, not per round, as no pod's owner reference can be taken at its word."""
+    if ctl.index.statefulset_unknown(key, uid):
+        ctl.index.set_statefulset(key, uid, kube.statefulset_uid(key[0], observe.statefulset_name(key[1]), uid))
+    return ctl.index.replicas(key, uid)
+
+
 def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: JobState,
-               pods: dict[str, ReplicaObservation], act: ClusterActions) -> None:
+               pods: dict[str, ReplicaObservation], act: ClusterActions, started: bool = False) -> None:
     """What the round decided, done: children rendered again, pods annotated, created, deleted, the
-    StatefulSet scaled, the Events recorded."""
+    StatefulSet scaled, the Events recorded. `started`: the job's status says it started before (its
+    startTime), so an earlier round made its children (kube.create)."""
     ns, name = job.metadata.namespace, job.name
     for restarted in act.restarted:  # before its pod goes: tests/e2e time the operator's reaction from here
         log.info("%s/%s: %s failed (%s); restarting it in %.1f s", ns, name, restarted.replica, restarted.reason,
@@ -150,19 +167,23 @@ def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: J
     for obj in act.replace:  # a resize: the job file and StatefulSet at the new size, before its pods
         kube.replace(obj)
         state.existing.add((obj["kind"], obj["metadata"]["name"]))
+        if obj["kind"] == "StatefulSet":  # made again if it was missing: a new uid, asked for when its pods show
+            ctl.index.set_statefulset((ns, name), job.metadata.uid, None)
         log.info("%s/%s: %s %s rendered again at size %s", ns, name, obj["kind"], obj["metadata"]["name"],
                  act.status.replicas)
     for pod, wanted in act.annotate_pods.items():  # after the job file: the kubelet remounts it
         kube.annotate_pod(ns, pod, wanted)
         log.info("%s/%s: annotated pod %s with %s", ns, name, pod,
                  ", ".join(f"{k}={v}" for k, v in sorted(wanted.items())))
-    for obj, created in _create_all(ctl, act.create):
+    for obj, created in _create_all(ctl, act.create, state, started):
         if obj["kind"] == "Pod":
             state.expected[obj["metadata"]["name"][len(name) + 1 :]] = time.monotonic()
             if created:
                 log.info("%s/%s: created pod %s", ns, name, obj["metadata"]["name"])
         else:
             state.existing.add((obj["kind"], obj["metadata"]["name"]))
+            if obj["kind"] == "StatefulSet" and created:  # a new uid, asked for when its pods show
+                ctl.index.set_statefulset((ns, name), job.metadata.uid, None)
     _delete_pods(ctl, job, pods, act.delete_pods)
     for pod in act.force_delete_pods:
         seen = pods.get(pod[len(name) + 1 :])
@@ -207,54 +228,68 @@ def _count_outcome(job: TrainingJob, old: JobStatus, act: ClusterActions) -> Non
         metrics.JOBS_FAILED.labels(ns, mode).inc()
 
 
-def _create_all(ctl: Controller, objs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
+def _create_all(ctl: Controller, objs: list[dict[str, Any]], state: JobState,
+                started: bool) -> list[tuple[dict[str, Any], bool]]:
     """Create `objs` in two waves, each side by side (state.CREATE_THREADS): everything but pods, then the
     pods (the job's NetworkPolicy and Secret exist before any pod that they guard or that mounts them).
-    Returns (object, created) in order; the first failure is raised once its wave is done."""
+    Returns (object, created) in order; the first failure is raised once its wave is done.
+
+    Every child that the wave made (or found to be the job's) is remembered in `state.existing` even when
+    another of the wave failed, so that no later round asks for it again: before the job first started,
+    kube.create takes a token Secret that is there already for someone else's, and a claim (one refused
+    by a quota) that failed beside the Secret would have made the job's own Secret look foreign."""
     done: list[tuple[dict[str, Any], bool]] = []
+    create = kube.carrying_urgency(kube.create)  # an urgent round's creates do not wait at the routine gate
     for wave in ([o for o in objs if o["kind"] != "Pod"], [o for o in objs if o["kind"] == "Pod"]):
         if len(wave) == 1:
-            done.append((wave[0], kube.create(wave[0])))
-            continue
-        create = kube.carrying_urgency(kube.create)  # an urgent round's creates do not wait at the routine gate
-        futures = [ctl.creators.submit(create, obj) for obj in wave]
-        for obj, future in zip(wave, futures):
-            done.append((obj, future.result()))  # raises the first failure, after waiting for it
-        # (the wave's other creates still finish: a later round finds them existing)
+            results = [(wave[0], _now(kube.create, wave[0], started))]
+        else:
+            results = list(zip(wave, [ctl.creators.submit(create, obj, started) for obj in wave]))
+        failure: Exception | None = None
+        for obj, future in results:
+            try:
+                created = future.result()  # waits for it
+            except Exception as err:  # noqa: BLE001 - raised below, once the wave is done
+                failure = failure or err
+                continue
+            if obj["kind"] != "Pod":
+                state.existing.add((obj["kind"], obj["metadata"]["name"]))
+            done.append((obj, created))
+        if failure is not None:
+            raise failure  # the first, in the wave's order
     return done
 
 
-def _progress(ctl: Controller, job: TrainingJob, pods: dict[str, ReplicaObservation]) -> ProgressReading | None:
+def _now(fn: Any, *args: Any) -> Future:
+    """`fn(*args)` called here, as a finished Future (a wave of one needs no thread)."""
+    done: Future = Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as err:  # noqa: BLE001 - handed to whoever reads the result
+        done.set_exception(err)
+    return done
+
+
+def _progress(ctl: Controller, job: TrainingJob,
+              pods: dict[str, ReplicaObservation]) -> ProgressReading | ProgressUnknown | None:
     """Progress from the chief's metrics (and, for a PS job, ps-0, which counts the global step), as
     the job's latest scrape read them: scrapes run in a pool of their own (scrapes.py), so a round
-    never waits for a tenant's /metrics."""
+    never waits for a tenant's /metrics. PROGRESS_UNKNOWN when the read timed out or is stale."""
     port = job.spec.metrics.port
     if not ctl.config.scrape or not port:
         return None
-    replicas = [chief(job)] + (["ps-0"] if job.spec.mode == "ParameterServer" else [])
-    if job.spec.fault_tolerant:
-        replicas += sorted(name for name in pods if name.startswith("ddp-") and name != replicas[0])
+    heads = [chief(job)]
+    if job.spec.fault_tolerant:  # the other groups in order, after the chief's (ddp-2 before ddp-10)
+        heads += sorted((name for name in pods if name.startswith("ddp-") and name != heads[0]),
+                        key=lambda name: (len(name), name))
+    shard = "ps-0" if job.spec.mode == "ParameterServer" else None
     ips = {}
-    for replica in replicas:
+    for replica in heads + ([shard] if shard else []):
         p = pods.get(replica)
         if p is not None and p.phase == "Running" and observe.scrape_allowed(p.ip, ctl.config.scrape_networks):
             ips[replica] = p.ip
     if not ips:
         ctl.scrapes.unfollow((job.metadata.namespace, job.name))
         return None
-
-    def samples(replica: str) -> dict[str, float] | None:
-        text = kube.scrape(ips[replica], port) if replica in ips else None
-        return observe.parse_metrics(text) if text is not None else None
-
-    def read() -> ProgressReading | None:
-        head = samples(replicas[0])
-        if head is None and job.spec.fault_tolerant:
-            # The chief's group is lost and the others train on: any live group speaks for the job.
-            head = next((found for name in replicas[1:] if name in ips and (found := samples(name))), None)
-        shard = samples("ps-0") if job.spec.mode == "ParameterServer" else None
-        if head is None and shard is None:
-            return None
-        return observe.progress_from(head or {}, shard)
-
-    return ctl.scrapes.latest((job.metadata.namespace, job.name), read)
+    return ctl.scrapes.latest((job.metadata.namespace, job.name),
+                              functools.partial(scrapes.read_progress, ips, port, heads, shard))

@@ -97,15 +97,19 @@ def run(
     network_policy: bool = True,
     metrics_from: tuple[dict[str, Any], ...] = (),
     kueue: bool = False,
+    kueue_slices: bool = False,
     gang_schedulers: tuple[tuple[str, str], ...] = (),
+    volcano_queues: frozenset[str] = frozenset(),
     workers: int = WORKERS,
 ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
     settings = Settings(image=trainer_image, pull_policy=pull_policy, pod_security_allow=pod_security_allow,
-                        object_store_secrets=object_store_secrets, network_policy=network_policy, metrics_from=metrics_from, gang_schedulers=gang_schedulers)
+                        object_store_secrets=object_store_secrets, network_policy=network_policy, metrics_from=metrics_from, gang_schedulers=gang_schedulers,
+                        volcano_queues=volcano_queues)
     config = OperatorConfig(settings=settings, scrape_networks=scrape_networks, scrape=scrape,
-                            namespaces=list(namespaces), workers=workers, kueue=kueue)
+                            namespaces=list(namespaces), workers=workers, kueue=kueue,
+                            kueue_slices=kueue_slices)
     handlers.register(Controller(config))
     metrics.serve(metrics_port)
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None

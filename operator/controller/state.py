@@ -25,6 +25,7 @@ from ..core.children import Settings
 from ..core.conditions import TERMINAL
 from ..core.engine import MAX_REQUEUE_SECONDS
 from . import metrics, scrapes
+from .budget import RenderBudget
 from .index import Index, Key
 from .workqueue import WorkQueue
 
@@ -120,6 +121,7 @@ class OperatorConfig:
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
     workers: int = WORKERS
     kueue: bool = False  # jobs labelled kueue.x-k8s.io/queue-name wait for Kueue's admission (handlers.register watches their Workloads)
+    kueue_slices: bool = False  # a queued fault-tolerant job resizes live by Workload slices (Kueue's ElasticJobsViaWorkloadSlices gate)
 
 
 @dataclass
@@ -154,6 +156,7 @@ class Controller:
         self.gauges = JobGauges()  # under jobs_lock
         self.workers: list[threading.Thread] = []
         self.creators = ThreadPoolExecutor(max_workers=CREATE_THREADS, thread_name_prefix="create")
+        self.render_budget = RenderBudget()  # the pods every round together may render at once
 
     def job_state(self, key: Key) -> JobState:
         with self.jobs_lock:

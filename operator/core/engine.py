@@ -122,6 +122,19 @@ class ProgressReading:
     quorum: int | None = None  # fault-tolerant DDP: replica groups in the reader's current quorum
 
 
+@dataclass(frozen=True)
+class ProgressUnknown:
+    """The driver could not read the chief's progress: its read has not run lately (the operator's reads of
+    tenants' /metrics wait their turn in a bounded pool, controller/scrapes.py), or it failed in the
+    operator itself. Not a reading of no progress (that is None: nothing to read, or the job's own pods
+    refused, answered without a step or stalled past their deadline): the hang
+    clock cannot tell a job that stands still from one whose reads wait, so it never ends in Hung on it. The
+    next reading settles it: a new step, or the same step, which is then a hang if the deadline passed."""
+
+
+PROGRESS_UNKNOWN = ProgressUnknown()
+
+
 SHOWN_AS_READ = ("step", "total_steps", "loss", "eval_accuracy", "eval_loss", "eval_perplexity", "samples_per_second")
 """What status.progress shows of a reading as it was read; its metrics are copied, its ETA computed and its
 updateTime stamped by the engine."""
@@ -196,13 +209,14 @@ def step(
     status: JobStatus | Mapping[str, Any] | None,
     replicas: Mapping[str, ReplicaObservation],
     now: float,
-    progress: ProgressReading | None = None,
+    progress: ProgressReading | ProgressUnknown | None = None,
     volume_pending: list[str] | None = None,
     admission: QueueAdmission | None = None,
     refusal: Refusal | None = None,
     safety_net: float = MAX_REQUEUE_SECONDS,
 ) -> Round:
-    """One round of the state machine. Pure: the old status is not changed. `refusal`: the job may not
+    """One round of the state machine. Pure: the old status is not changed. `progress`: the chief's reading,
+    None when there is none to read, PROGRESS_UNKNOWN when it could not be read. `refusal`: the job may not
     run at all (`Refusal`); it fails, unless it has ended already. `safety_net`: the seconds after which a
     job that has not ended asks for a round even when no clock of its runs out."""
     old = status if isinstance(status, JobStatus) else read_status(status)
@@ -278,8 +292,9 @@ class _Round:
         self.is_ddp = self.spec.mode == "DDP"
         self.observed: Observed | None = None
         self.departing: dict[str, ReplicaObservation] = {}  # workers above the size (`_release`)
+        self.progress_unknown = False  # this round's progress could not be read (`ProgressUnknown`)
 
-    def run(self, progress: ProgressReading | None, volume_pending: list[str],
+    def run(self, progress: ProgressReading | ProgressUnknown | None, volume_pending: list[str],
             admission: QueueAdmission | None = None, refusal: Refusal | None = None) -> Round:
         self._fold_progress(progress)
         if self.before in TERMINAL:
@@ -311,8 +326,9 @@ class _Round:
 
     # -- 1. progress -----------------------------------------------------------------
 
-    def _fold_progress(self, progress: ProgressReading | None) -> None:
-        if progress is None:
+    def _fold_progress(self, progress: ProgressReading | ProgressUnknown | None) -> None:
+        if not isinstance(progress, ProgressReading):
+            self.progress_unknown = isinstance(progress, ProgressUnknown)
             return
         memory = self.memory
         if memory.last_step is None or progress.step > memory.last_step:
@@ -337,7 +353,8 @@ class _Round:
                 progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
             )
         if progress.quorum is not None and self.spec.fault_tolerant:
-            quorum = Quorum(participants=progress.quorum, groups=self.spec.size)
+            assert self.spec.ddp is not None
+            quorum = Quorum(participants=progress.quorum, groups=self.spec.ddp.groups)  # spares included
             old_quorum = self.status.quorum
             if old_quorum is None or dataclasses.replace(old_quorum, update_time=None) != quorum:
                 quorum.update_time = iso(self.now)
@@ -620,7 +637,10 @@ class _Round:
 
     def _hung(self) -> bool:
         """No new step for progressDeadlineSeconds while replicas run. The clock starts with the
-        first step read, so a job whose progress cannot be read is never taken for hung."""
+        first step read, so a job whose progress cannot be read is never taken for hung; nor is one whose
+        progress is unknown now (ProgressUnknown: its read waited its turn behind other jobs'): four jobs whose pods never answered once held the operator's scrape pool, and every other
+        job's reading went stale and was taken for one that stood still, restarted as Hung. No round is
+        asked for then: the read that settles it changes the result, and that brings the round."""
         memory = self.memory
         if memory.last_step is None or memory.last_step_time is None or self.before not in ACTIVE:
             return False
@@ -631,7 +651,7 @@ class _Round:
         if left > 0:
             self._requeue(left)
             return False
-        return True
+        return not self.progress_unknown
 
     # -- 6. the restart policy ------------------------------------------------------------
 

@@ -12,12 +12,12 @@ objects against the projects' own CRDs (tests/assets/crds/), not the schedulers'
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
-from ..api import TrainingJob
+from ..api import TrainingJob, quantity
+from ..api.crd import PRIORITY_CLASS_CHECK, QUEUE_MESSAGE
 from ..api.spec import SchedulingPolicy
 
 FIELD = "spec.runPolicy.schedulingPolicy"
@@ -89,30 +89,26 @@ def gang_problem(job: TrainingJob, enabled: tuple[tuple[str, str], ...]) -> str 
     return None
 
 
+def policy_problems(job: TrainingJob, allowed: frozenset[str], queues: frozenset[str]) -> list[str]:
+    """"<path>: <message>" for what the job's schedulingPolicy asks of other tenants, as the chart's admission
+    policy judges it (api/crd.scheduling_validations): the PodGroup's priorityClass without the priorityClass
+    allowance (Volcano orders, and preempts, whole gangs by it: the allowance the pods' own priorityClassName
+    needs, which this field once went around), and a Volcano queue the installation does not list (`queues`:
+    a queue is a team's share of the cluster; any could be named). Refused whichever scheduler is chosen."""
+    policy = job.spec.run_policy.scheduling_policy
+    if policy is None:
+        return []
+    problems = []
+    if policy.priority_class and PRIORITY_CLASS_CHECK.allowance not in allowed:
+        problems.append(f"{FIELD}.priorityClass: {PRIORITY_CLASS_CHECK.message}")
+    if policy.queue and policy.queue not in queues:
+        problems.append(f"{FIELD}.queue: {QUEUE_MESSAGE}")
+    return problems
+
+
 # --- resource quantities -----------------------------------------------------
 
-_SUFFIXES = {
-    "": Decimal(1), "m": Decimal("0.001"),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
-}
-_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE][+-]?[0-9]+)|(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei))?")
 _BINARY = ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki")
-
-
-def parse_quantity(value: Any) -> Decimal:
-    """A Kubernetes quantity ('500m', '4Gi', '1e3', 2) as a number; ValueError when it is none."""
-    match = _QUANTITY.fullmatch(str(value).strip())
-    if match is None:
-        raise ValueError(f"not a quantity: {value!r}")
-    number, exponent, suffix = match.groups()
-    try:
-        amount = Decimal(number)
-        return amount * (Decimal(10) ** int(exponent[1:]) if exponent else _SUFFIXES[suffix or ""])
-    except InvalidOperation:
-        raise ValueError(f"not a quantity: {value!r}") from None
 
 
 def format_quantity(amount: Decimal) -> str:
@@ -121,7 +117,7 @@ def format_quantity(amount: Decimal) -> str:
     if amount == amount.to_integral_value():
         whole = int(amount)
         for suffix in _BINARY:
-            unit = int(_SUFFIXES[suffix])
+            unit = int(quantity.SUFFIXES[suffix])
             if whole and whole % unit == 0:
                 return f"{whole // unit}{suffix}"
         return str(whole)
@@ -131,17 +127,26 @@ def format_quantity(amount: Decimal) -> str:
 def pod_requests(pod_spec: dict[str, Any]) -> dict[str, Decimal]:
     """What the scheduler reserves for a pod: each resource's request (its limit when only that is
     set, as the API server defaults it) summed over the containers, or the largest init container's
-    if that is more (init containers run one at a time, before the others). A resource whose quantity
-    does not parse is left out (the API server refuses such a pod anyway)."""
+    if that is more (init containers run one at a time, before the others).
 
-    def of(container: dict[str, Any]) -> dict[str, Decimal]:
-        resources = container.get("resources") or {}
-        wanted = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    Every quantity here was read by validation (api/quantity.py; the spec's resources and the
+    template's containers), so each is at most 9223372036854775807m and the sums stay small. One that
+    is not (a spec that skipped validation) is left out, never raised: "1e999999" once cost 28.5 s of
+    `int()` holding the interpreter, then a ValueError, in every round of its job."""
+
+    def of(container: Any) -> dict[str, Decimal]:
+        resources = container.get("resources") if isinstance(container, dict) else None
+        if not isinstance(resources, dict):
+            return {}
+        wanted: dict[str, Any] = {}
+        for kind in ("limits", "requests"):
+            if isinstance(resources.get(kind), dict):
+                wanted.update(resources[kind])
         out = {}
         for name, value in wanted.items():
             try:
-                out[name] = parse_quantity(value)
-            except ValueError:
+                out[name] = quantity.parse(value)
+            except quantity.QuantityError:
                 continue
         return out
 

@@ -114,7 +114,7 @@ def replica_names(job: TrainingJob) -> list[tuple[str, int]]:
     ddp = spec.ddp
     assert ddp is not None
     lighthouse = [("lighthouse", 0)] if ddp.fault_tolerance is not None else []
-    return [("ddp", i) for i in range(ddp.nodes)] + lighthouse
+    return [("ddp", i) for i in range(ddp.groups)] + lighthouse
 
 
 def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
@@ -195,7 +195,7 @@ def fault_tolerance_env(job: TrainingJob, endpoints: Endpoints, index: int, stor
     return {
         FT_LIGHTHOUSE_VAR: lighthouse,
         FT_GROUP_VAR: str(index),
-        FT_GROUPS_VAR: str(job.spec.ddp.node_range[1]),
+        FT_GROUPS_VAR: str(job.spec.ddp.node_range[1] + job.spec.ddp.groups - job.spec.ddp.nodes),
         FT_STORE_VAR: f"{endpoints.advertise_address(index)}:{store_port}",
     }
 

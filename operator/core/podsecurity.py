@@ -16,7 +16,7 @@ from typing import Any
 from ..api import TrainingJob
 from ..api.crd import PRETRAINED_CLAIM_MESSAGE
 from ..api.podtemplate import rendered_pod_problems
-from .children import Settings, workloads
+from .children import Settings, representatives, workloads
 
 UID = "pod-security"  # the rendered pods' owner, never sent anywhere
 
@@ -34,7 +34,8 @@ def problems(job: TrainingJob, settings: Settings) -> list[str]:
     """
     bare = TrainingJob(metadata=job.metadata, spec=dataclasses.replace(job.spec, pod_template={}))
     found: set[str] = set(secret_ref_problems(job, settings)) | set(pretrained_claim_problems(job, settings))
-    for mine, own in zip(workloads(job, UID, settings), workloads(bare, UID, settings)):
+    chosen = representatives(job)
+    for mine, own in zip(workloads(job, UID, settings, chosen), workloads(bare, UID, settings, chosen)):
         found.update(rendered_pod_problems(_pod_of(mine), _pod_of(own), settings.pod_security_allow))
     return sorted(found)
 

@@ -54,7 +54,7 @@ def reconcile(
     pods: dict[str, PodObservation],
     old_status: JobStatus,
     now: float,
-    progress: engine.ProgressReading | None = None,
+    progress: engine.ProgressReading | engine.ProgressUnknown | None = None,
     settings: Settings = Settings(),
     pvc_pending: list[str] | None = None,
     existing: set[tuple[str, str]] | None = None,
@@ -94,7 +94,7 @@ def reconcile(
         else:
             out.delete_pods = [pod_name(job, r) for r in act.stop]
             if act.start and existing is not None and ("StatefulSet", f"{job.name}-ddp") in existing:
-                out.scale_statefulset = job.spec.ddp.nodes
+                out.scale_statefulset = job.spec.ddp.groups
     else:
         out.delete_pods = [pod_name(job, r) for r in act.stop]
     if act.hold or done.status.state in ("Succeeded", "Failed"):
@@ -102,7 +102,16 @@ def reconcile(
     if act.resized and not is_ddp:
         out.annotate_pods = _size_annotations(job, pods, act.stop)
     start = set(act.start)
-    for obj in children(job, uid, token, settings):
+
+    def wanted(kind: str, name: str) -> bool:
+        # What this round creates or replaces; the rest is not rendered (children.children).
+        if kind == "Pod":
+            return name[len(job.name) + 1 :] in start
+        if act.resized and kind in RESIZED_KINDS:
+            return True
+        return existing is None or (kind, name) not in existing
+
+    for obj in children(job, uid, token, settings, wanted):
         if obj["kind"] in ("Pod", "StatefulSet") and placements:
             placement = placements.get(obj["metadata"]["labels"].get(LABEL_ROLE, ""))
             if placement is not None:

@@ -63,6 +63,9 @@ def sidecar(name: str = "side", **ctx) -> dict:
     return {"name": name, "image": "busybox", "securityContext": ctx}
 
 
+SCRATCH_CLAIM = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+
+
 CASES = [
     Case("privileged trainer", {"containers": [{"name": "trainer", "securityContext": {"privileged": True}}]},
          "privileged", f"{PT}.containers[trainer].securityContext.privileged", "privileged containers"),
@@ -140,6 +143,34 @@ CASES = [
     Case("AppArmor unconfined annotation", {}, "appArmor", "spec.podTemplate.metadata.annotations",
          "an AppArmor profile other", metadata={"annotations": {
              "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+    # Tenants, third pass: the kubelet sends a probe's or a hook's request from the node's network (the
+    # cloud's metadata address, the node's own ports); Pod Security baseline refuses any host but "" (1.34+).
+    *[Case(f"{probe} {handler}.host", {"containers": [{"name": "trainer", probe: {handler: {
+        "host": "169.254.169.254", "port": 80, **({"path": "/latest/meta-data/"} if handler == "httpGet" else {})}}}]},
+        "probeHosts", f"{PT}.containers[trainer].{probe}.{handler}.host", "a probe's host")
+      for probe in ("livenessProbe", "readinessProbe", "startupProbe") for handler in ("httpGet", "tcpSocket")],
+    *[Case(f"lifecycle.{hook} {handler}.host", {"containers": [sidecar(), {"name": "trainer", "lifecycle": {
+        hook: {handler: {"host": "10.0.0.1", "port": 10250}}}}]},
+        "probeHosts", f"{PT}.containers[trainer].lifecycle.{hook}.{handler}.host", "a lifecycle hook's host")
+      for hook in ("postStart", "preStop") for handler in ("httpGet", "tcpSocket")],
+    Case("probe host localhost in a sidecar init container", {"initContainers": [{
+        "name": "proxy", "image": "busybox", "restartPolicy": "Always",
+        "startupProbe": {"tcpSocket": {"host": "localhost", "port": 22}}}]},
+         "probeHosts", f"{PT}.initContainers[proxy].startupProbe.tcpSocket.host", "a probe's host"),
+    # ... and another job's checkpoints cloned, or its devices claimed, past the claim volume's check.
+    Case("an ephemeral volume cloned from another job's claim", {"volumes": [{"name": "copy", "ephemeral": {
+        "volumeClaimTemplate": {"spec": {**SCRATCH_CLAIM, "dataSource": {
+            "kind": "PersistentVolumeClaim", "name": "victim-ckpt-single-0"}}}}}]},
+         "claims", f"{PT}.volumes[copy].ephemeral.volumeClaimTemplate.spec.dataSource", "ephemeral volumes cloned"),
+    Case("an ephemeral volume filled from a snapshot of another job's claim", {"volumes": [{"name": "copy", "ephemeral": {
+        "volumeClaimTemplate": {"spec": {**SCRATCH_CLAIM, "dataSourceRef": {
+            "apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "victim-ckpt-snap"}}}}}]},
+         "claims", f"{PT}.volumes[copy].ephemeral.volumeClaimTemplate.spec.dataSourceRef", "ephemeral volumes filled"),
+    Case("an ephemeral volume bound to another job's volume", {"volumes": [{"name": "theirs", "ephemeral": {
+        "volumeClaimTemplate": {"spec": {**SCRATCH_CLAIM, "volumeName": "pvc-0a1b2c3d"}}}}]},
+         "claims", f"{PT}.volumes[theirs].ephemeral.volumeClaimTemplate.spec.volumeName", "ephemeral volumes bound"),
+    Case("another job's ResourceClaim", {"resourceClaims": [{"name": "gpus", "resourceClaimName": "victim-gpus"}]},
+         "claims", f"{PT}.resourceClaims[].resourceClaimName", "ResourceClaims"),
     *[case for scope, path, wrap in (
         ("pod", f"{PT}.securityContext", lambda ctx: {"securityContext": ctx}),
         ("container", f"{PT}.containers[side].securityContext", lambda ctx: {"containers": [sidecar(**ctx)]}))
@@ -177,7 +208,8 @@ WITHIN_BOUNDS = {
                 {"name": "info", "projected": {"sources": [{"downwardAPI": {"items": [
                     {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}, {"configMap": {"name": "x"}}]}},
                 {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
-                    "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}}}],
+                    **SCRATCH_CLAIM, "storageClassName": "fast", "volumeName": ""}}}}],
+    "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                     {"key": "team", "operator": "Equal", "value": "ml"}],
     "nodeName": "", "priorityClassName": "", "runtimeClassName": "",
@@ -185,7 +217,11 @@ WITHIN_BOUNDS = {
 WITHIN_BOUNDS["containers"][0].update(
     ports=[{"name": "web", "containerPort": 8080}, {"name": "debug", "containerPort": 8081, "hostPort": 0}],
     env=[{"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "mode"}}}],
-    envFrom=[{"configMapRef": {"name": "x"}}])
+    envFrom=[{"configMapRef": {"name": "x"}}],
+    # Probes and hooks aimed at the pod itself (no host, or an empty one: the pod's IP).
+    livenessProbe={"httpGet": {"path": "/healthz", "port": 8080}},
+    readinessProbe={"tcpSocket": {"port": 8080, "host": ""}},
+    lifecycle={"preStop": {"httpGet": {"path": "/drain", "port": 8080, "host": ""}}})
 WITHIN_BOUNDS["containers"][1]["securityContext"].update(procMount="Default", seccompProfile={"type": "RuntimeDefault"})
 
 
@@ -294,11 +330,12 @@ def test_the_charts_policy_rules_are_generated_from_the_table():
     assert committed == crd.render_pod_security(), \
         f"run: python -m kubetrain_operator.api.crd --pod-security > {crd.POD_SECURITY_FILE}"
     rules = yaml.safe_load(committed)["validations"]
-    assert {r["allow"] for r in rules} == set(ALLOWANCES)
+    assert {r["allow"] for r in rules} == set(ALLOWANCES) | {None}  # None: the Volcano queue rule, no allowance's
     # Every message is a check's message, after the path the API server prints; the object-storage
     # credentials' rules (one per secretRef) come next, lifted by the same allowance as a template's Secrets;
     # a pvc:// pretrained model's claim last, lifted by the template's claims allowance.
-    messages = {c.message for c in SECURITY_CHECKS} | {crd.SECRET_REF_MESSAGE, crd.PRETRAINED_CLAIM_MESSAGE}
+    messages = {c.message for c in SECURITY_CHECKS} | {crd.SECRET_REF_MESSAGE, crd.PRETRAINED_CLAIM_MESSAGE,
+                                                        crd.QUEUE_MESSAGE}
     assert all(r["message"].split(": ", 1)[1] in messages for r in rules)
     assert [r["message"].split(":")[0] for r in rules if r["message"].endswith(crd.SECRET_REF_MESSAGE)] == \
         ["spec.checkpoint.storage.secretRef", "spec.dataset.secretRef", "spec.model.secretRef"]
@@ -311,8 +348,12 @@ def test_the_charts_values_schema_lists_the_allowances():
     assert yaml.safe_load((CHART / "values.yaml").read_text())["podSecurity"] == {"allow": []}  # off by default
 
 
-def test_everything_allowed_means_no_policy():
-    assert crd.pod_security_policy(allowed=set(ALLOWANCES)) == []
+def test_everything_allowed_means_no_policy_but_the_queue_rule():
+    # A Volcano queue is a team's share of the cluster: only gangScheduling.volcano.queues lists them.
+    [policy, _] = crd.pod_security_policy(allowed=set(ALLOWANCES), queues={"research"})
+    assert [v["message"] for v in policy["spec"]["validations"]] == [
+        f"spec.runPolicy.schedulingPolicy.queue: {crd.QUEUE_MESSAGE}"]
+    assert policy["spec"]["validations"][0]["expression"].endswith('queue in ["research"]')
     policy, binding = crd.pod_security_policy(namespace="ml")
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ml"}
     assert len(policy["spec"]["validations"]) == len(crd.pod_security_rules()["validations"])
@@ -580,6 +621,21 @@ def test_the_check_judges_the_rendered_pod():
     assert podsecurity.problems(ps, Settings()) == [
         f"{PT}.volumes[theirs].secret: {message('secrets', 'Secret volumes')}"]
     assert podsecurity.problems(ps, Settings(pod_security_allow=frozenset({"secrets"}))) == []
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_template_and_the_rendered_pods_are_refused_alike(case):
+    """The API server's view (the template) and the operator's (the rendered pods) give the same refusal,
+    and the case's allowance alone lifts both."""
+    from kubetrain_operator.core import podsecurity
+    from kubetrain_operator.core.children import Settings
+
+    template = case.manifest()["spec"]["podTemplate"]
+    assert case.problem in pod_security_problems(template)
+    assert pod_security_problems(template, {case.allowance}) == []
+    job = from_object(case.manifest())
+    assert case.problem in podsecurity.problems(job, Settings())
+    assert podsecurity.problems(job, Settings(pod_security_allow=frozenset({case.allowance}))) == []
 
 
 def test_every_allowance_is_documented_where_an_operator_looks():

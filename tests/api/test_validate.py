@@ -100,6 +100,12 @@ CASES = [
                                                          script={"command": ["python", "t.py"]}),
          "spec.ddp.strategy", "a script job shards its own"),
     Case("unknown strategy", with_spec(mode="DDP", ddp={"strategy": "ZeRO"}), "spec.ddp.strategy", "DDP, FSDP"),
+    Case("spare groups with a node range", with_spec(mode="DDP", ddp={"minNodes": 1, "faultTolerance": {"spareGroups": 1}}),
+         "spec.ddp.faultTolerance.spareGroups", "at a fixed ddp.nodes: leave ddp.minNodes and ddp.maxNodes unset"),
+    Case("spare groups past the most", with_spec(mode="DDP", ddp={"faultTolerance": {"spareGroups": 17}}),
+         "spec.ddp.faultTolerance.spareGroups", "at most 16, got 17"),
+    Case("spare groups negative", with_spec(mode="DDP", ddp={"faultTolerance": {"spareGroups": -1}}),
+         "spec.ddp.faultTolerance.spareGroups", "at least 0"),
     Case("restart policy", with_spec(restartPolicy={"policy": "Always"}), "spec.restartPolicy.policy", "OnFailure, ExitCode, Never"),
     Case("backoff negative", with_spec(restartPolicy={"backoffLimit": -1}), "spec.restartPolicy.backoffLimit", "at least 0"),
     Case("suspend string", with_spec(runPolicy={"suspend": "yes"}), "spec.runPolicy.suspend", "true or false"),
@@ -190,6 +196,26 @@ CASES += [
          f"{PT}.automountServiceAccountToken", "must not be null: leave the field out"),
     Case("podTemplate null capabilities", with_trainer(securityContext={"capabilities": None}),
          f"{PT}.containers[0].securityContext.capabilities", "must not be null"),
+    # Tenants, third pass: null anywhere in spec, not only in podTemplate.spec (a free-form field passes its
+    # null on: to the pods, to the model's or dataset's code).
+    Case("null limits", with_spec(resources={"worker": {"limits": None}}), "spec.resources.worker.limits",
+         "must not be null: leave the field out"),
+    Case("null request", with_spec(resources={"ps": {"requests": {"cpu": None}}}), "spec.resources.ps.requests.cpu",
+         "must not be null"),
+    Case("null in claims", with_spec(resources={"worker": {"claims": [None]}}), "spec.resources.worker.claims[0]",
+         "must not be null"),
+    Case("null model argument", with_spec(model={"name": "mlp", "args": {"hidden": None}}), "spec.model.args.hidden",
+         "must not be null: leave the field out"),
+    Case("null deep in dataset arguments", with_spec(dataset={"name": "synthetic", "args": {"x": {"y": [1, None]}}}),
+         "spec.dataset.args.x.y[1]", "must not be null"),
+    Case("null template labels", with_spec(podTemplate={"metadata": {"labels": None}}),
+         "spec.podTemplate.metadata.labels", "must not be null"),
+    Case("null template annotation", with_spec(podTemplate={"metadata": {"annotations": {"a": None}}}),
+         "spec.podTemplate.metadata.annotations.a", "must be a string, got null"),  # as the API server says it
+    Case("null template metadata", with_spec(podTemplate={"metadata": None}), "spec.podTemplate.metadata",
+         "must not be null"),
+    Case("null minResources", with_spec(runPolicy={"schedulingPolicy": {"minResources": {"cpu": None}}}),
+         "spec.runPolicy.schedulingPolicy.minResources.cpu", "must not be null"),
     # Issue 42: fine-tuning a pretrained causal LM.
     Case("causal-lm without pretrained", with_spec(model={"name": "causal-lm"}, dataset=TEXT),
          "spec.model.pretrained", "fine-tunes a pretrained model"),
@@ -307,3 +333,17 @@ def test_every_pod_template_collision_is_reported_at_once(tmp_path, capsys):
     paths = {line.split(": ")[1] for line in capsys.readouterr().err.splitlines()}
     assert paths == {f"{PT}.volumes[0].name", f"{PT}.volumes[1].name", f"{PT}.containers[0].env[0].name",
                      f"{PT}.containers[0].ports[0].name"}
+
+
+def test_a_null_where_the_reference_has_an_optional_field_means_unset():
+    """The one null kubetrain reads: an optional field's (the CRD marks it nullable; the API server keeps it).
+    Everywhere else a null is refused (CASES above), as the API server drops or refuses one in a field its
+    schema declares (tests/cluster/test_api.py)."""
+    from kubetrain_operator.api import from_object
+
+    job = from_object(with_spec("DDP", ddp={"nodes": 2, "minNodes": None},
+                                runPolicy={"activeDeadlineSeconds": None, "schedulingPolicy": {"minAvailable": None,
+                                                                                              "minResources": None}}))
+    assert job.spec.run_policy.active_deadline_seconds is None
+    assert job.spec.run_policy.scheduling_policy.min_available is None
+    assert job.spec.run_policy.scheduling_policy.min_resources is None

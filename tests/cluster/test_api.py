@@ -11,7 +11,7 @@ import yaml
 
 from helpers.kube import install_crd
 from kubetrain_operator.api import podtemplate
-from support import EXAMPLES
+from support import EXAMPLES, ROOT
 
 pytestmark = pytest.mark.cluster
 
@@ -89,6 +89,11 @@ INVALID = [
      "ddp.faultTolerance.minReplicas: must be at most ddp.minNodes"),
     ("hook with fault tolerance", {**base(), "spec": {"mode": "DDP", "ddp": {"commHook": "FP16", "faultTolerance": {}}}},
      "ddp.commHook: faultTolerance averages gradients through torchft's Manager"),
+    ("spares with a node range", {**base(), "spec": {"mode": "DDP", "ddp": {"nodes": 2, "maxNodes": 3,
+                                                                          "faultTolerance": {"spareGroups": 1}}}},
+     "ddp.faultTolerance.spareGroups: spare groups stand in for lost ones at a fixed ddp.nodes"),
+    ("too many spares", {**base(), "spec": {"mode": "DDP", "ddp": {"faultTolerance": {"spareGroups": 17}}}},
+     "spec.ddp.faultTolerance.spareGroups"),
     ("heartbeat too short", {**base(), "spec": {"mode": "DDP", "ddp": {"faultTolerance": {"heartbeatTimeoutSeconds": 0.1}}}},
      "spec.ddp.faultTolerance.heartbeatTimeoutSeconds"),
     ("metrics port", base(metrics={"port": 70000}), "spec.metrics.port"),
@@ -198,3 +203,122 @@ def test_kubectl_explain_shows_the_field_docs(cluster, ns):
     out = cluster.kubectl("explain", "trainingjob.spec.parameterServer")
     assert "Parameter-server shards; parameters are balanced across them by bytes." in out
     assert "aggregation" in out and "compression" in out
+
+
+# Resource quantities (api/quantity.py): Kubernetes' grammar within its 64-bit milli-unit bound, the
+# validator's message. The API server's path names a map's key as [cpu] where the validator's says .cpu.
+QUANTITIES = [
+    ("a million-digit exponent", base(resources={"worker": {"requests": {"cpu": "1e999999"}}}),
+     "spec.resources.worker.requests[cpu]"),
+    ("past 64-bit milli-units", base(resources={"ps": {"limits": {"memory": "9Ei"}}}), "spec.resources.ps.limits[memory]"),
+    ("one milli-unit past", base(resources={"worker": {"limits": {"cpu": "9223372036854775808m"}}}),
+     "spec.resources.worker.limits[cpu]"),
+    ("an integer past", base(resources={"worker": {"limits": {"cpu": 9223372036854776}}}), "spec.resources.worker.limits[cpu]"),
+    ("negative", base(resources={"worker": {"requests": {"cpu": "-1"}}}), "spec.resources.worker.requests[cpu]"),
+    ("no quantity", base(resources={"worker": {"requests": {"memory": "lots"}}}), "spec.resources.worker.requests[memory]"),
+    ("a three-digit exponent", base(resources={"worker": {"requests": {"cpu": "1.0e-100"}}}),
+     "spec.resources.worker.requests[cpu]"),
+    ("minResources", base(runPolicy={"schedulingPolicy": {"minResources": {"cpu": "1e999999"}}}),
+     "spec.runPolicy.schedulingPolicy.minResources[cpu]"),
+    ("a sidecar's request", pod_template({"containers": [{"name": "side", "resources": {"requests": {"cpu": "1e999999"}}}]}),
+     f"{PT}.containers[0].resources.requests[cpu]"),
+    ("an init container's limit", pod_template({"initContainers": [{"name": "f", "resources": {"limits": {"cpu": "9Ei"}}}]}),
+     f"{PT}.initContainers[0].resources.limits[cpu]"),
+]
+
+
+@pytest.mark.parametrize("name, doc, path", QUANTITIES, ids=[c[0] for c in QUANTITIES])
+def test_a_quantity_past_kubernetes_bounds_is_refused_with_the_validators_message(cluster, ns, name, doc, path):
+    from kubetrain_operator.api import quantity
+
+    done = apply(cluster, ns, doc, dry_run=True)
+    assert done.returncode != 0, f"{name}: accepted"
+    assert path in done.stderr and quantity.MESSAGE in done.stderr, done.stderr
+
+
+def test_quantities_within_kubernetes_bounds_are_accepted_and_kept_as_written(cluster, ns):
+    # Not 1e3 or 1e-9: PyYAML writes them unquoted (YAML 1.1 strings), kubectl reads numbers (1e-9 a float,
+    # which an int-or-string refuses); 1.5e+3 is a float to PyYAML, so it is quoted.
+    requests = {"a": "9223372036854775807m", "b": 9223372036854775, "c": "8Pi", "e": "500m", "f": ".5",
+                "g": "1.5Gi", "h": "0", "i": "+2", "j": "1.", "k": "2P", "l": "1.5e+3", "m": 3}
+    doc = base(resources={"worker": {"requests": requests, "claims": [{"name": "gpu"}]}},
+               podTemplate={"spec": {"containers": [{"name": "side", "resources": {"limits": {"memory": "1Gi"}}}]}})
+    doc["metadata"]["name"] = "quantities"
+    done = apply(cluster, ns, doc)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", "quantities", "-o", "json"))["spec"]
+    assert spec["resources"]["worker"] == {"requests": requests, "claims": [{"name": "gpu"}]}
+
+
+# The chart's admission policy (a ValidatingAdmissionPolicy, rendered by helm from the generated rules):
+# the PodGroup's priority needs the priorityClass allowance, its queue must be one the chart lists.
+
+@pytest.fixture(scope="module")
+def policed(cluster, ns):
+    """A namespace under the chart's policy for a release listing the Volcano queue `research`."""
+    import time
+
+    name = f"{ns}-gang"
+    cluster.kubectl("create", "namespace", name)
+    release = f"gang-{uuid.uuid4().hex[:6]}"
+    rendered = cluster.run("helm", "template", release, str(ROOT / "charts" / "kubetrain"), "--namespace", name,
+                           "--set", "operator.namespaced=true", "--set", "gangScheduling.volcano.queues={research}")
+    objs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"].startswith("ValidatingAdmissionPolicy")]
+    cluster.run("kubectl", "apply", "-f", "-", input=yaml.safe_dump_all(objs))
+    probe = base(runPolicy={"schedulingPolicy": {"queue": "not-listed"}})
+    deadline = time.monotonic() + 60
+    while apply(cluster, name, probe, dry_run=True).returncode == 0:
+        assert time.monotonic() < deadline, "the chart's policy is not enforced after 60 s"
+        time.sleep(0.5)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false")
+    for obj in objs:
+        cluster.kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
+
+
+@pytest.mark.parametrize("field, value", [("queue", "team-b"), ("priorityClass", "system-cluster-critical")])
+def test_the_chart_policy_refuses_another_teams_queue_or_a_podgroup_priority_with_the_validators_message(
+        cluster, policed, field, value, tmp_path, capsys):
+    from kubetrain_cli import main
+
+    doc = base(runPolicy={"schedulingPolicy": {"gangScheduler": "volcano", field: value}})
+    done = apply(cluster, policed, doc, dry_run=True)
+    assert done.returncode != 0, f"{field} {value}: accepted"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["validate", "--no-code-check", "--volcano-queues", "research", str(path)]) == 2
+    [says] = [line.split(": ", 1)[1] for line in capsys.readouterr().err.splitlines()
+              if f"spec.runPolicy.schedulingPolicy.{field}:" in line]
+    assert says in done.stderr, done.stderr  # the same path and message
+
+
+def test_the_chart_policy_accepts_a_listed_queue_and_volcanos_default(cluster, policed):
+    for policy in ({"gangScheduler": "volcano", "queue": "research"}, {"gangScheduler": "volcano"}, {}):
+        done = apply(cluster, policed, base(runPolicy={"schedulingPolicy": policy}), dry_run=True)
+        assert done.returncode == 0, done.stderr
+
+
+def test_a_null_the_schema_declares_is_dropped_or_refused_and_a_free_form_one_is_kept(cluster, ns):
+    """What the API server does with a null, which kubetrain refuses anywhere in spec but where an optional
+    field is unset (tests/api/test_validate.py): in a field the CRD declares (a typed one, the template's
+    labels, a role's requests and limits) a create drops it and a server-side apply refuses it; in a
+    free-form one (model.args, the template's spec) it is kept, and the operator fails the job naming it
+    (tests/operator/test_tenants.py)."""
+    declared = {"resources": {"worker": {"limits": None, "requests": {"cpu": "1"}}},
+                "podTemplate": {"metadata": {"labels": None}}, "training": {"batchSize": None}}
+    doc = base(**declared)
+    doc["metadata"]["name"] = "nulls-declared"
+    done = apply(cluster, ns, doc, dry_run=True)
+    assert done.returncode != 0 and "spec.resources.worker.limits" in done.stderr, done.stderr
+    cluster.kube(ns).run("create", "-f", "-", input=json.dumps(doc))
+    spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", "nulls-declared", "-o", "json"))["spec"]
+    assert spec["resources"]["worker"] == {"requests": {"cpu": "1"}} and spec["podTemplate"] == {"metadata": {}}
+    assert spec["training"]["batchSize"] == 64  # dropped, then defaulted
+
+    free = base(model={"name": "mlp", "args": {"hidden": None}}, podTemplate={"spec": {"nodeSelector": None}},
+                runPolicy={"schedulingPolicy": {"minAvailable": None}})  # the last: an optional field, nullable
+    free["metadata"]["name"] = "nulls-kept"
+    cluster.kube(ns).run("create", "-f", "-", input=json.dumps(free))
+    spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", "nulls-kept", "-o", "json"))["spec"]
+    assert spec["model"]["args"] == {"hidden": None} and spec["podTemplate"]["spec"] == {"nodeSelector": None}
+    assert spec["runPolicy"]["schedulingPolicy"]["minAvailable"] is None

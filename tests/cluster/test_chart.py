@@ -233,6 +233,89 @@ def test_dashboards_are_configmaps_with_the_grafana_label(cluster):
     assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" for m in maps)
 
 
+def test_no_tenant_endpoint_is_scraped_with_its_own_labels(cluster):
+    """A trainer's /metrics is a tenant's code. With honorLabels its own `namespace` and `job` labels won
+    over the target's: a script job in any namespace could serve
+    kubetrain_training_step{namespace="team-b",job="victim"} with a step that moves, and keep the victim's
+    KubetrainJobNoProgress alert from firing (or fire another tenant's). The PodMonitor and the plain
+    scrape job take those labels from the pod (its namespace, its kubetrain.dev/* labels, which the
+    operator sets and a template may not); the trainer's own become `exported_*`. Only the operator's
+    endpoint keeps its labels: its `namespace` label is each job's, and it is no tenant's."""
+    out = helm(cluster, "template", "kubetrain", str(CHART), "--namespace", "kt",
+               "--api-versions", "monitoring.coreos.com/v1")
+    monitors = {d["kind"]: d for d in yaml.safe_load_all(out) if d and d["kind"] in ("PodMonitor", "ServiceMonitor")}
+    assert set(monitors) == {"PodMonitor", "ServiceMonitor"}
+    trainers = monitors["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    assert trainers and not any(e.get("honorLabels") for e in trainers), trainers
+    for endpoint in trainers:
+        from_pod = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+        assert from_pod["namespace"] == ["__meta_kubernetes_namespace"]
+        assert from_pod["job"] == ["__meta_kubernetes_pod_label_kubetrain_dev_job_name"]
+    assert monitors["ServiceMonitor"]["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    jobs = {j["job_name"]: j for j in yaml.safe_load((CHART / "files" / "scrape-configs.yaml").read_text())}
+    assert not jobs["kubetrain-trainers"].get("honor_labels"), jobs["kubetrain-trainers"]
+    relabelled = {r["target_label"]: r["source_labels"] for r in jobs["kubetrain-trainers"]["relabel_configs"]
+                  if "target_label" in r and r.get("regex") is None}
+    assert relabelled["namespace"] == ["__meta_kubernetes_namespace"]
+    assert relabelled["job"] == ["__meta_kubernetes_pod_label_kubetrain_dev_job_name"]
+    assert [name for name, j in jobs.items() if j.get("honor_labels")] in ([], ["kubetrain-operator"])
+
+
+def test_a_trainer_scraped_by_the_charts_scrape_job_cannot_name_another_tenants_series(cluster, tmp_path):
+    """The property itself, in a real Prometheus (the one `hack/cluster build` makes) running the chart's
+    plain scrape jobs against the cluster: a trainer pod of job `forger` in one namespace serves
+    kubetrain_training_step labelled as job `victim` of another namespace. What Prometheus stores is the
+    forger's, by the pod's namespace and label; nothing lands under the victim's labels."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    from helpers.net import free_port
+    from helpers.prometheus import start_prometheus
+    from helpers.wait import wait_for
+
+    ns = f"forge-{uuid.uuid4().hex[:5]}"
+    port = free_port()
+    registry = CollectorRegistry()
+    Gauge("kubetrain_training_step", "s", ["namespace", "job", "role", "replica"], registry=registry).labels(
+        namespace="team-victim", job="victim", role="worker", replica="worker-0").set(42)
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    kube = cluster.kube(ns)
+    cluster.kubectl("create", "namespace", ns)
+    prom = None
+    try:
+        kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": "forger-worker-0", "namespace": ns,
+            "labels": {"kubetrain.dev/job-name": "forger", "kubetrain.dev/role": "worker",
+                       "kubetrain.dev/replica": "worker-0"}},
+            "spec": {"containers": [{"name": "trainer", "image": "busybox",
+                                     "ports": [{"name": "metrics", "containerPort": port}]}]}})
+        wait_for("the pod placed by kwok", lambda: ((kube.get("pod", "forger-worker-0") or {}).get("status") or {})
+                 .get("phase") == "Running", timeout=60)
+        # kwok runs nothing: the pod's address is made the loopback, where this test serves its /metrics.
+        kube.run("patch", "pod", "forger-worker-0", "--subresource=status", "--type=merge", "-p", json.dumps(
+            {"status": {"podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}}))
+        jobs = yaml.safe_load((CHART / "files" / "scrape-configs.yaml").read_text())
+        for job in jobs:
+            for sd in job["kubernetes_sd_configs"]:
+                sd |= {"kubeconfig_file": str(cluster.kubeconfig), "namespaces": {"names": [ns]}}
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+                                          "scrape_configs": jobs}))
+        prom = start_prometheus(cluster.bin_dir / "prometheus", config, tmp_path)
+        seen = wait_for(f"the forger scraped: {prom.targets() if prom else ''}",
+                        lambda: prom.query("kubetrain_training_step"), timeout=60)
+        labels = seen[0]["metric"]
+        assert (labels["namespace"], labels["job"], labels["role"], labels["replica"]) == (
+            ns, "forger", "worker", "worker-0"), labels
+        assert (labels["exported_namespace"], labels["exported_job"]) == ("team-victim", "victim")  # kept, not used
+        assert prom.query('kubetrain_training_step{job="victim"}') == []
+        assert prom.query('kubetrain_training_step{namespace="team-victim"}') == []
+    finally:
+        if prom is not None:
+            prom.stop()
+        server.shutdown()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
 def test_install_and_uninstall_leave_nothing_behind(cluster):
     release = f"kt-{uuid.uuid4().hex[:5]}"
     ns = f"{release}-ns"

@@ -138,8 +138,12 @@ def test_a_pod_belongs_to_the_job_that_owns_it_not_to_the_one_its_labels_name():
     assert owned_by(owner_of(owned("TrainingJob", "victim", "u-victim")), "victim", "u-victim")
     assert not owned_by(owner_of(owned("TrainingJob", "victim", "u-old")), "victim", "u-victim")  # a job gone
     assert not owned_by(owner_of(owned("TrainingJob", "attacker", "u-attacker")), "victim", "u-victim")
-    assert owned_by(owner_of(owned("StatefulSet", "victim-ddp", "s")), "victim", "u-victim")
-    assert not owned_by(owner_of(owned("StatefulSet", "attacker-ddp", "s")), "victim", "u-victim")
+    assert owned_by(owner_of(owned("StatefulSet", "victim-ddp", "s")), "victim", "u-victim", "s")
+    assert not owned_by(owner_of(owned("StatefulSet", "attacker-ddp", "s")), "victim", "u-victim", "s")
+    # The StatefulSet's name alone: any pod may name it, with any uid.
+    assert not owned_by(owner_of(owned("StatefulSet", "victim-ddp", "forged")), "victim", "u-victim", "s")
+    assert not owned_by(owner_of(owned("StatefulSet", "victim-ddp", "s")), "victim", "u-victim")  # not known yet
+    assert not owned_by(owner_of(owned("StatefulSet", "victim-ddp", "")), "victim", "u-victim")
     assert not owned_by(owner_of(owned("TrainingJob", "victim", "u-victim", controller=False)), "victim", "u-victim")
     assert not owned_by(owner_of({"metadata": {}}), "victim", "u-victim")  # a bare pod, labelled by anyone
 
@@ -161,6 +165,44 @@ def test_the_operators_index_files_a_pod_under_its_owner():
     index.set_pod(key, "forged", observed_pod(raw("forged", "u-attacker", "Succeeded")))
     seen = index.replicas(key, "u-victim")
     assert list(seen) == ["single-0"] and seen["single-0"].phase == "Running" and seen["single-0"].uid == "victim-single-0"
+    # The victim's own uid (anyone who may read the job reads it) on a pod of another name: not its replica.
+    index.set_pod(key, "victim-forged", observed_pod(raw("victim-forged", "u-victim", "Succeeded")))
+    seen = index.replicas(key, "u-victim")
+    assert list(seen) == ["single-0"] and seen["single-0"].uid == "victim-single-0"
+
+
+def test_the_operators_index_files_a_pod_under_the_statefulset_it_knows_by_uid():
+    """A DDP job's ranks are the pods of its StatefulSet, by uid: a pod that names `<job>-ddp` as its
+    owner with another uid (a tenant who may create pods) is not rank 0, and until the API server has
+    said which uid the job's StatefulSet has, the index asks for it (statefulset_unknown) and counts none."""
+    from kubetrain_operator.controller.index import Index, observed_pod
+
+    index = Index()
+    key = ("ns", "victim")
+
+    def raw(name, owner_uid, phase, replica_label=None):
+        labels = {"kubetrain.dev/job-name": "victim", "apps.kubernetes.io/pod-index": "0"}
+        if replica_label:
+            labels["kubetrain.dev/replica"] = replica_label
+        return {"metadata": {"name": name, "namespace": "ns", "uid": name, "labels": labels,
+                             "ownerReferences": [{"kind": "StatefulSet", "name": "victim-ddp", "uid": owner_uid,
+                                                  "controller": True}]},
+                "spec": {}, "status": {"phase": phase}}
+
+    index.set_pod(key, "victim-ddp-0", observed_pod(raw("victim-ddp-0", "s-real", "Running")))
+    assert index.statefulset_unknown(key, "u-victim") and index.replicas(key, "u-victim") == {}
+    index.set_statefulset(key, "u-victim", "s-real")  # the API server's answer (kube.statefulset_uid)
+    assert not index.statefulset_unknown(key, "u-victim")
+    assert index.statefulset_unknown(key, "u-next")  # a job re-created under the name: asked again
+    # Seen later, it used to win ddp-0: another StatefulSet's uid under the victim's StatefulSet's name...
+    index.set_pod(key, "victim-forged", observed_pod(raw("victim-forged", "s-forged", "Succeeded", "ddp-0")))
+    # ...or the real uid, on a pod that is not the StatefulSet's rank by its name.
+    index.set_pod(key, "victim-ddp-7", observed_pod(raw("victim-ddp-7", "s-real", "Succeeded", "ddp-0")))
+    assert not index.statefulset_unknown(key, "u-victim")  # a forged uid costs no call once the real one is known
+    seen = index.replicas(key, "u-victim")
+    assert list(seen) == ["ddp-0"] and seen["ddp-0"].uid == "victim-ddp-0" and seen["ddp-0"].phase == "Running"
+    index.set_statefulset(key, "u-victim", None)  # made again by the operator: its uid asked anew
+    assert index.statefulset_unknown(key, "u-victim") and index.replicas(key, "u-victim") == {}
 
 
 @pytest.mark.parametrize("kind, pod, expected", [

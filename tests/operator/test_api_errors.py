@@ -23,7 +23,7 @@ def api(monkeypatch):
     calls: dict[str, list] = {"patch": [], "event": [], "create": []}
 
     def refuse(status: int, reason: str):
-        def create(obj):
+        def create(obj, started=False):
             calls["create"].append(obj["kind"])
             raise kube.KubeError("create", f"{obj['kind'].lower()} ns/{obj['metadata']['name']}",
                                  ApiException(status=status, reason=reason))
@@ -61,7 +61,7 @@ def test_a_pod_template_beyond_the_operators_allowances_fails_the_job_without_po
     policy refuses it too, from its own --pod-security-allow."""
     ctl, _, calls = api
     created = []
-    monkeypatch.setattr(kube, "create", lambda obj: created.append(obj["kind"]))
+    monkeypatch.setattr(kube, "create", lambda obj, started=False: created.append(obj["kind"]))
     privileged = {**BODY, "spec": {"mode": "Single", "podTemplate": {"spec": {"containers": [
         {"name": "trainer", "securityContext": {"privileged": True}}]}}}}
     ctl.index.jobs[("ns", "j")] = privileged
@@ -146,3 +146,23 @@ def test_a_running_job_the_installation_refuses_now_fails_through_the_engine(api
     assert status["memory"]["activeSince"] is None and status["memory"]["activeSeconds"] > 5.0
     # Its pod deleted as the incarnation the round saw (the uid a precondition).
     assert deleted == [("j-single-0", "p1")] and [e[1] for e in calls["event"]] == ["PodSecurity"]
+
+
+def test_what_a_failed_wave_made_is_not_asked_for_again(api, monkeypatch):
+    """A claim refused beside the job's token Secret: the Secret was made, and no later round may create
+    it again, since before the job first started a Secret of its name that is there already is taken
+    for someone else's (kube._check_ours): the job would have shown ChildConflict over its own Secret."""
+    ctl, _, calls = api
+    asked = []
+
+    def create(obj, started=False):
+        asked.append((obj["kind"], started))
+        if obj["kind"] == "PersistentVolumeClaim":
+            raise kube.KubeError("create", f"persistentvolumeclaim ns/{obj['metadata']['name']}",
+                                 ApiException(status=422, reason="Unprocessable"))
+        return True
+
+    monkeypatch.setattr(kube, "create", create)
+    process(ctl, ("ns", "j"))
+    process(ctl, ("ns", "j"))
+    assert asked.count(("Secret", False)) == 1 and asked.count(("PersistentVolumeClaim", False)) == 2, asked

@@ -8,9 +8,12 @@ Volcano or the coscheduling plugin then places the gang together is the schedule
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 
 import pytest
+import yaml
 
 from helpers.kube import wait_established
 from support import ROOT
@@ -38,9 +41,10 @@ def namespace(cluster):
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
 
 
-def gang_operator(cluster, spawn_operator, namespace: str):
+def gang_operator(cluster, spawn_operator, namespace: str, *args: str):
     """An operator serving both schedulers, Volcano the default, scheduler-plugins' pods under `sp-scheduler`."""
-    proc = spawn_operator(namespace, "--gang-scheduler", "volcano", "--gang-scheduler", "scheduler-plugins=sp-scheduler")
+    proc = spawn_operator(namespace, "--gang-scheduler", "volcano", "--gang-scheduler", "scheduler-plugins=sp-scheduler",
+                          *args)
     op = proc.handle(cluster, namespace)
     op.wait("the operator to start", lambda: proc.proc.poll() is not None or "startup" in proc.log.read_text().lower())
     assert proc.proc.poll() is None, proc.log.read_text()
@@ -88,7 +92,9 @@ def test_each_scheduler_gets_its_podgroup_and_pods_that_name_it_and_the_podgroup
         cluster, spawn_operator, namespace):
     install(cluster, VOLCANO_CRD)
     install(cluster, PLUGINS_CRD)
-    op = gang_operator(cluster, spawn_operator, namespace)
+    # The PodGroup's priority and queue only where the installation allows them (the next test).
+    op = gang_operator(cluster, spawn_operator, namespace, "--pod-security-allow", "priorityClass",
+                       "--volcano-queues", "research,team-a")
     ps = manifest(mode="ParameterServer", resources={"ps": {"requests": {"cpu": "500m", "memory": "1Gi"}},
                                                      "worker": {"requests": {"cpu": "1", "memory": "512Mi"}}})
     ps["spec"]["runPolicy"] = {"schedulingPolicy": {"queue": "research", "priorityClass": "high-priority"}}  # Volcano: the default
@@ -140,3 +146,95 @@ def test_a_podgroup_of_the_job_s_name_owned_by_another_is_not_adopted(cluster, s
     assert f"PodGroup {namespace}/{name} exists" in cond["message"] and "will not adopt" in cond["message"]
     assert op.get(VOLCANO_CRD, name)["spec"]["minMember"] == 5  # untouched
     assert pods_of(op, name) == {}  # no pod joins a group the job does not own
+
+
+@pytest.fixture
+def crd_without_quantity_rules(cluster, crd):
+    """The TrainingJob CRD without its quantity rules, as a cluster keeps a CRD of an older kubetrain (Helm
+    never upgrades a chart's crds/); the session's CRD again afterwards."""
+    from kubetrain_operator.api import quantity
+
+    def strip(node):
+        if isinstance(node, dict):
+            if node.get("x-kubernetes-int-or-string"):
+                node.pop("maxLength", None)
+            rules = [r for r in node.get("x-kubernetes-validations", []) if r.get("message") != quantity.MESSAGE]
+            if "x-kubernetes-validations" in node:
+                node["x-kubernetes-validations"] = rules
+                if not rules:
+                    del node["x-kubernetes-validations"]
+            for value in node.values():
+                strip(value)
+        elif isinstance(node, list):
+            for value in node:
+                strip(value)
+
+    older = yaml.safe_load(crd.read_text())
+    strip(older)
+    cluster.kube().run("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(older))
+    wait_established(cluster, "trainingjobs.kubetrain.dev")
+    try:
+        yield
+    finally:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+        wait_established(cluster, "trainingjobs.kubetrain.dev")
+
+
+def test_a_quantity_past_kubernetes_bounds_fails_the_job_at_once_and_raises_in_no_round(
+        cluster, spawn_operator, namespace, crd_without_quantity_rules):
+    """requests.cpu "1e999999" once made every round of the job compute int() of a million-digit number
+    (28.5 s holding the operator's interpreter, then ValueError and a traceback, retried for ever);
+    "1e999999999" raised decimal.Overflow. The CRD refuses both now (tests/cluster/test_api.py); under
+    an older CRD the operator fails the job once, naming the field, and makes nothing for it."""
+    install(cluster, VOLCANO_CRD)
+    op = gang_operator(cluster, spawn_operator, namespace)
+    docs = []
+    for cpu in ("1e999999", "1e999999999", "1"):
+        doc = manifest(mode="Single", resources={"worker": {"requests": {"cpu": cpu}}})
+        doc["spec"]["runPolicy"] = {"schedulingPolicy": {"gangScheduler": "volcano"}}
+        docs.append(doc)
+    docs[2]["spec"]["podTemplate"] = {"spec": {"containers": [{"name": "side", "image": "busybox",
+                                                               "resources": {"limits": {"memory": "9Ei"}}}]}}
+    start = time.monotonic()
+    for doc in docs:
+        op.apply(doc)
+    for doc, path in ((docs[0], "spec.resources.worker.requests.cpu"), (docs[1], "spec.resources.worker.requests.cpu"),
+                      (docs[2], "spec.podTemplate.spec.containers[0].resources.limits.memory")):
+        name = doc["metadata"]["name"]
+        failed = problem(op, name, "InvalidSpec")
+        assert f"{path}: must be a Kubernetes quantity" in failed["message"], failed["message"]
+        assert op.job_status(name)["state"] == "Failed"
+        assert op.get(VOLCANO_CRD, name) is None and pods_of(op, name) == {}
+    assert time.monotonic() - start < 30
+    log = op.log.read_text()
+    assert "Traceback" not in log and "Overflow" not in log and "Exceeds the limit" not in log, log[-3000:]
+
+
+def test_another_teams_queue_or_a_podgroup_priority_fails_the_job_and_no_podgroup_is_made(
+        cluster, spawn_operator, namespace):
+    """schedulingPolicy.queue and .priorityClass reached the PodGroup unchecked: any team's Volcano queue,
+    and a priority past the allowance the pods' own priorityClassName needs. The operator refuses what its
+    installation does not list or allow (--volcano-queues, --pod-security-allow), as the chart's admission
+    policy does (tests/cluster/test_api.py), with the same messages."""
+    from kubetrain_operator.api.crd import PRIORITY_CLASS_CHECK, QUEUE_MESSAGE
+
+    install(cluster, VOLCANO_CRD)
+    op = gang_operator(cluster, spawn_operator, namespace, "--volcano-queues", "research")
+    refused = {}
+    for field, value, message in (("queue", "team-b", QUEUE_MESSAGE),
+                                  ("priorityClass", "system-cluster-critical", PRIORITY_CLASS_CHECK.message)):
+        doc = manifest(mode="Single")
+        doc["spec"]["runPolicy"] = {"schedulingPolicy": {"gangScheduler": "volcano", field: value}}
+        op.apply(doc)
+        refused[doc["metadata"]["name"]] = f"spec.runPolicy.schedulingPolicy.{field}: {message}"
+    listed = manifest(mode="Single")
+    listed["spec"]["runPolicy"] = {"schedulingPolicy": {"queue": "research"}}
+    op.apply(listed)
+    for name, says in refused.items():
+        cond = problem(op, name, "PodSecurity")
+        assert says in cond["message"], cond["message"]
+        assert op.job_status(name)["state"] == "Failed"
+        assert op.get(VOLCANO_CRD, name) is None and pods_of(op, name) == {}
+    group = op.wait("the listed queue's PodGroup", lambda: op.get(VOLCANO_CRD, listed["metadata"]["name"]))
+    assert group["spec"]["queue"] == "research"
+    assert "Traceback" not in op.log.read_text()

@@ -184,6 +184,23 @@ def test_a_null_in_the_template_fails_the_job_naming_the_field_and_no_pod_is_mad
     assert pods_of(operator, name) == {}
 
 
+def test_a_null_anywhere_in_spec_fails_the_job_naming_the_field_and_no_pod_is_made(operator, storage):
+    """Not only podTemplate.spec: the API server keeps a null in every free-form field (model.args, a role's
+    resource claims, the template's metadata beyond its labels), which went on to the trainer's model code
+    or the pods. Each is named; no pod is made."""
+    doc = manifest(mode="Single", checkpoint=storage, model={"name": "mlp", "args": {"hidden": None}},
+                   resources={"worker": {"claims": [None]}}, podTemplate={"metadata": {"finalizers": None}})
+    name = doc["metadata"]["name"]
+    create_json(operator, doc)
+    stored = operator.get("trainingjob", name)["spec"]
+    assert stored["model"]["args"] == {"hidden": None} and stored["resources"]["worker"]["claims"] == [None]
+    failed = condition(failed_status(operator, name), "Failed")
+    assert failed["reason"] == "InvalidSpec"
+    for path in ("spec.model.args.hidden", "spec.resources.worker.claims[0]", "spec.podTemplate.metadata.finalizers"):
+        assert f"{path}: must not be null" in failed["message"], failed["message"]
+    assert pods_of(operator, name) == {}
+
+
 def test_a_pod_labelled_as_another_jobs_replica_is_not_that_jobs(operator, storage):
     """A pod in the namespace labelled `kubetrain.dev/job-name: victim` (made by a tenant who may create
     pods, or by a template before such labels were refused) used to be filed under the victim: its
@@ -214,6 +231,53 @@ def test_a_pod_labelled_as_another_jobs_replica_is_not_that_jobs(operator, stora
     own = json.loads(json.dumps(forged_results).replace("999", "7"))
     operator.kubectl("patch", "pod", f"{name}-single-0", "--subresource=status", "--type=merge", "-p",
                      json.dumps({"status": own}))
+    status = operator.wait("the victim Succeeded", lambda: (s := operator.job_status(name)).get("state") == "Succeeded"
+                           and s)
+    assert status["progress"]["step"] == 7, status["progress"]
+    assert status.get("restarts", 0) == 0
+    assert operator.get("pod", f"{name}-forged") is not None  # not the victim's to delete either
+
+
+def test_a_pod_owned_by_another_statefulset_of_the_jobs_name_is_not_its_rank(operator):
+    """A tenant who may create pods makes one whose controller is `<victim>-ddp` by name, of any uid,
+    labelled as the victim's rank 0 and finished with forged results. Its owner reference names an
+    apiVersion no API serves, so the garbage collector never resolves the owner and never deletes the
+    pod. The operator checked the StatefulSet's name alone: the pod was filed as the victim's ddp-0 and
+    the victim Succeeded with the forged step (a forged failure would have spent its restarts). Now
+    only the StatefulSet the operator knows as the job's (its uid) owns the job's ranks."""
+    doc = manifest(mode="DDP")
+    doc["spec"]["ddp"]["nodes"] = 1  # one rank: its end is the job's
+    name = doc["metadata"]["name"]
+    operator.apply(doc)
+    running_pods(operator, name, 1)
+    real_uid = operator.get("statefulset", f"{name}-ddp")["metadata"]["uid"]
+    forged_uid = str(uuid.uuid4())
+    assert forged_uid != real_uid
+    forged = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": f"{name}-forged", "labels": {"kubetrain.dev/job-name": name, "kubetrain.dev/role": "ddp",
+                                             "kubetrain.dev/replica": "ddp-0"},
+        "ownerReferences": [{"apiVersion": "forged.example/v1", "kind": "StatefulSet", "name": f"{name}-ddp",
+                             "uid": forged_uid, "controller": True}]},
+        "spec": {"containers": [{"name": "trainer", "image": "busybox"}]}}
+    operator.apply(forged)
+    operator.wait("the forged pod placed by kwok", lambda: (operator.get("pod", f"{name}-forged") or {}).get(
+        "status", {}).get("phase") == "Running")
+
+    def ended(step: int) -> str:
+        return json.dumps({"status": {"phase": "Running", "containerStatuses": [{
+            "name": "trainer", "image": "busybox", "imageID": "", "ready": False, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                     "message": json.dumps({"global_step": step})}}}]}})
+
+    operator.kubectl("patch", "pod", f"{name}-forged", "--subresource=status", "--type=merge", "-p", ended(999))
+    deadline = time.monotonic() + 8  # the pod's event reaches a round within a second
+    while time.monotonic() < deadline:
+        status = operator.job_status(name)
+        assert status.get("state") != "Succeeded", "the forged rank 0 ended the victim"
+        assert not status.get("restarts"), "the forged rank 0 was taken for a new incarnation: a restart"
+        time.sleep(0.5)
+    # The victim's own rank 0 ends with its own results: those, not the forged ones, are the job's.
+    operator.kubectl("patch", "pod", f"{name}-ddp-0", "--subresource=status", "--type=merge", "-p", ended(7))
     status = operator.wait("the victim Succeeded", lambda: (s := operator.job_status(name)).get("state") == "Succeeded"
                            and s)
     assert status["progress"]["step"] == 7, status["progress"]
