@@ -94,6 +94,14 @@ class JobMemory:
     in_place_restarts: dict[str, int] = field(
         "Restarts of each DDP replica's container in place already counted.", default_factory=dict
     )
+    group_restart: list[str] = field(
+        "Plain DDP: the ranks of the group restart counted last, the counted one first, until the job steps "
+        "past groupRestartStep. torchrun on every node ends when the rendezvous host's node does: those ends "
+        "are that one restart, counted once.", default_factory=list
+    )
+    group_restart_step: int | None = field(
+        "Plain DDP: lastStep when the group restart in groupRestart was counted (-1 before any step).", None
+    )
     workers_done_time: float | None = field("When every worker of a PS job had finished (unix seconds).", None)
     active_seconds: float = field("Time the job ran before activeSince (seconds; suspended time excluded).", 0.0)
     active_since: float | None = field("When the current active period began (unix seconds); None while stopped.", None)

@@ -337,6 +337,7 @@ class _Round:
                     memory.steps_per_second, progress.step - memory.last_step, self.now - memory.last_step_time)
             memory.last_step = progress.step
             memory.last_step_time = self.now
+            memory.group_restart, memory.group_restart_step = [], None  # the group trains again: it is over
         reading = Progress(**{name: getattr(progress, name) for name in SHOWN_AS_READ},
                            metrics=dict(progress.metrics) if progress.metrics else None)
         old = self.status.progress
@@ -620,7 +621,8 @@ class _Round:
                 if known and known != seen.uid and self.before in ACTIVE:
                     # Replaced (deleted, evicted, its node gone) before a round saw it missing.
                     memory.in_place_restarts[name] = seen.restart_count
-                    failures.append(policy.Failure(name, reason="Deleted"))
+                    if not self._with_its_group(name, "was replaced"):
+                        failures.append(policy.Failure(name, reason="Deleted"))
                     continue
             failure = _failure(seen)
             if failure is not None:
@@ -628,12 +630,33 @@ class _Round:
             elif seen.restart_count > memory.in_place_restarts.get(name, 0):
                 # Its container restarted in place (torchrun gave up): count it once.
                 memory.in_place_restarts[name] = seen.restart_count
-                if seen.last_exit_code not in (0, None):
+                if seen.last_exit_code not in (0, None) and not self._with_its_group(name, "restarted"):
                     failures.append(policy.Failure(name, exit_code=seen.last_exit_code))
         if not failures and self._hung():
             # Which replica is stuck cannot be seen from outside; the chief is restarted.
             failures.append(policy.Failure(chief(self.job), reason="Hung"))
         return failures
+
+    def _with_its_group(self, name: str, what: str) -> bool:
+        """Whether a plain DDP rank's end is part of the group restart counted last: another rank's, and the
+        job has not stepped since. torchrun on the other nodes ends when the rendezvous host's node ends (its
+        store goes with it), so one SIGKILLed ddp-0 ended every node, each end a restart in place of its own:
+        the soak counted two restarts for one fault. Each rank joins a group restart once: a rank that ends
+        again before the job steps is a restart of its own, counted (a crash loop still meets backoffLimit).
+        The mark is the newest step, which only grows: the group resumes from a checkpoint, so ends until it
+        steps past its newest step before the fault are taken for that fault's (a new fault of another rank
+        in that window goes uncounted: the window is the restart's own)."""
+        memory = self.memory
+        if not self.is_ddp or self.spec.fault_tolerant:
+            return False
+        step = memory.last_step if memory.last_step is not None else -1
+        if not memory.group_restart or memory.group_restart_step != step or name in memory.group_restart:
+            return False
+        memory.group_restart.append(name)
+        self.actions.events.append(("Normal", "RestartedWithItsGroup",
+                                    f"{name} {what} with its torchrun group, whose restart for "
+                                    f"{memory.group_restart[0]} was counted: not counted again."))
+        return True
 
     def _hung(self) -> bool:
         """No new step for progressDeadlineSeconds while replicas run. The clock starts with the
@@ -679,6 +702,9 @@ class _Round:
         if seen is not None and failure.reason != "Deleted" and (failure.reason == "Hung" or not _restarted_in_place(seen)):
             self.actions.stop.append(name)
         memory.identities.pop(name, None)  # its replacement is this restart, not another one
+        if self.is_ddp and not self.spec.fault_tolerant:
+            memory.group_restart = [name]  # the other ranks' ends that follow are this one (_with_its_group)
+            memory.group_restart_step = memory.last_step if memory.last_step is not None else -1
         if memory.last_step_time is not None:
             memory.last_step_time = self.now + decision.delay_seconds  # the hang clock restarts with it
         return True
