@@ -20,14 +20,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAULTS: tuple[str, ...] = ("kill", "delete", "operator", "lighthouse", "stall", "apiserver")
+FAULTS: tuple[str, ...] = ("kill", "delete", "operator", "lighthouse", "stall", "apiserver", "volume-full")
 """The fault classes: a replica's container SIGKILLed through the node's containerd (`kill`), a replica's
 pod deleted (`delete`), the acting operator's pod killed at once, its standby taking over (`operator`),
 a fault-tolerant job's Lighthouse pod deleted (`lighthouse`), a chief's processes stopped (SIGSTOP) for
 STALL_SECONDS, its /metrics accepting and never answering (`stall`), the API server killed and started
-again with the same arguments (`apiserver`)."""
-REPLICA_FAULTS = frozenset({"kill", "delete", "lighthouse"})
+again with the same arguments (`apiserver`), a Single job's checkpoint volume filled to the last byte
+(`volume-full`: its next checkpoint fails, the trainer exits 75 and resumes from its newest checkpoint once
+the volume has room again)."""
+REPLICA_FAULTS = frozenset({"kill", "delete", "lighthouse", "volume-full"})
 """What costs the job it hits one restart, no more: a replica that ended. The others cost none."""
+VOLUME_FULL_SECONDS = 90.0
+"""The longest a volume is held full: the trainer's next checkpoint (every 50 steps) fails well within it. The
+volume gets its room back as soon as the job's restart shows in its status, or this long after the fault;
+time lost is counted from then (the job trains on while its volume is full, until the checkpoint)."""
+SMALL_VOLUME_MIB = 16
+"""A soak Single job's checkpoint volume: a tmpfs of its own, so that filling it fills nothing else."""
 JOB_KINDS: tuple[str, ...] = ("single", "ps", "ps-standby", "ddp", "ft-ddp", "fsdp-script")
 STALL_SECONDS = 8.0
 """How long a stalled chief stays stopped: longer than a scrape's deadline (2 s) and its job's read
@@ -77,6 +85,7 @@ class Injected:
     target: str = ""  # the pod, or the component
     steps: dict[str, int] = field(default_factory=dict)  # the step of each job it waits for, at injection
     recovered_after: float | None = None  # seconds until each of those jobs stepped past its step, or ended
+    held_seconds: float | None = None  # volume-full: how long the volume was full (recovery counted after it)
     skipped: str = ""  # why it was not injected
 
 
@@ -88,6 +97,7 @@ class JobRecord:
     restarts: int = 0
     checkpoints: list[int] = field(default_factory=list)  # status.lastCheckpoint.step, each change, in order
     replica_faults: int = 0
+    reasons: list[str] = field(default_factory=list)  # its Events' reasons, read when its restarts are off
 
 
 def summarize(seed: int, seconds: float, injected: list[Injected], jobs: list[JobRecord],
@@ -107,6 +117,7 @@ def summarize(seed: int, seconds: float, injected: list[Injected], jobs: list[Jo
         "no checkpoint regressed": [f"{j.name}: checkpoints {j.checkpoints}" for j in jobs
                                     if any(b < a for a, b in zip(j.checkpoints, j.checkpoints[1:]))],
         "restarts counted once per fault": [f"{j.name} ({j.kind}): {j.restarts} restarts for {j.replica_faults} faults"
+                                            + (f" (its Events: {', '.join(j.reasons)})" if j.reasons else "")
                                             for j in jobs if j.restarts != j.replica_faults],
         "no orphaned child": orphans,
         "operator memory bounded": ([f"peak {operator_peak_mib:.0f} MiB, limit {operator_limit_mib:.0f} MiB"]

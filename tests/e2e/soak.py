@@ -8,16 +8,18 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import yaml
-from e2elib import CACHE, E2E_CLUSTER, EXAMPLES, apply, example, on_real_node, processes
+from e2elib import CACHE, E2E_CLUSTER, EXAMPLES, NAMESPACE, apply, example, on_real_node, processes
 from test_e2e_faults import sigkill
 
 from kubetrain_bench.soak import (
-    QUIET_SECONDS, REPLICA_FAULTS, STALL_SECONDS, Fault, Injected, JobRecord, schedule,
+    QUIET_SECONDS, REPLICA_FAULTS, SMALL_VOLUME_MIB, STALL_SECONDS, VOLUME_FULL_SECONDS, Fault, Injected, JobRecord,
+    schedule,
 )
 
 POLL_SECONDS = 2.0
@@ -47,10 +49,16 @@ def job_doc(kind: str, n: int) -> dict:
         doc = example(manifest, epochs)
         if kind == "ps-standby":
             doc["spec"]["parameterServer"]["standbyWorkers"] = 1
+        if kind == "single":  # its checkpoints on a small volume of its own, which `volume-full` fills
+            doc["spec"]["checkpoint"].setdefault("storage", {})["existingClaim"] = small_claim(kind, n)
     doc["metadata"]["name"] = f"soak-{kind}-{n}"
     # Faults come every MEAN_GAP_SECONDS; a job hit by many must not run out of restarts.
     doc["spec"].setdefault("restartPolicy", {})["backoffLimit"] = 50
     return doc
+
+
+def small_claim(kind: str, n: int) -> str:
+    return f"soakvol-{kind}-{n}"
 
 
 class Soak:
@@ -65,6 +73,9 @@ class Soak:
         self.operator_peak_mib = 0.0
         self.failed_polls = 0  # polls the API server did not answer (its own restarts)
         self.supervisor: Supervisor | None = None
+        self.volume_root = Path(tempfile.mkdtemp(prefix="kubetrain-soak-volumes-"))
+        self.volumes: dict[str, Path] = {}  # claim -> its tmpfs on the host
+        self.full: dict[str, tuple[Path, int, float, Injected]] = {}  # job -> (ballast, restarts before, until, fault)
         self.t0 = time.monotonic()
 
     # -- the run -----------------------------------------------------------------------------------
@@ -79,6 +90,7 @@ class Soak:
             self._poll()
             while pending and pending[0].at <= self._now():
                 self._inject(pending.pop(0))
+            self._release_volumes()
             for kind in JOB_KINDS:  # a kind whose job ended starts again while faults fall
                 if all(self.statuses.get(j.name, {}).get("state") in ("Succeeded", "Failed")
                        for j in self.jobs.values() if j.kind == kind) and self.started[kind] < MAX_JOBS_PER_KIND:
@@ -87,6 +99,7 @@ class Soak:
         deadline = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < deadline:
             self._poll()
+            self._release_volumes()
             if all(s.get("state") in ("Succeeded", "Failed") for s in
                    (self.statuses.get(n, {}) for n in self.jobs)) and self._recoveries_settled():
                 break
@@ -99,6 +112,9 @@ class Soak:
         n = self.started.get(kind, 0)
         doc = job_doc(kind, n)
         try:
+            claim = doc["spec"]["checkpoint"].get("storage", {}).get("existingClaim")
+            if claim and claim not in self.volumes:
+                self._small_volume(claim)
             apply(self.e2e, doc)
         except Exception:  # the API server restarting: the next loop tries again
             self.failed_polls += 1
@@ -128,10 +144,12 @@ class Soak:
         for fault in self.injected:
             if fault.skipped or fault.recovered_after is not None or not fault.steps:
                 continue
+            if fault.kind == "volume-full" and fault.job in self.full:
+                continue  # measured from the volume's release: the job trains on until its checkpoint
             if all(((self.statuses.get(n, {}).get("progress") or {}).get("step") or 0) > step
                    or self.statuses.get(n, {}).get("state") in ("Succeeded", "Failed")
                    for n, step in fault.steps.items()):
-                fault.recovered_after = round(now - fault.at, 1)
+                fault.recovered_after = round(now - fault.at - (fault.held_seconds or 0.0), 1)
         try:
             self._operator_memory()
         except Exception:
@@ -176,7 +194,7 @@ class Soak:
                                 and (s.get("progress") or {}).get("step")}
                 record.target = self._operator() if fault.kind == "operator" else self._apiserver()
                 return
-            kinds = ("ft-ddp",) if fault.kind == "lighthouse" else None
+            kinds = {"lighthouse": ("ft-ddp",), "volume-full": ("single",)}.get(fault.kind)
             candidates = self._running_jobs(kinds)
             if not candidates:
                 record.skipped = "no running job to hit"
@@ -200,6 +218,11 @@ class Soak:
                 self.e2e.kubectl("delete", "pod", pod, "--wait=false")
             elif fault.kind == "stall":
                 self._stall(pod)
+            elif fault.kind == "volume-full":
+                claim = self.e2e.get("trainingjob", job)["spec"]["checkpoint"]["storage"]["existingClaim"]
+                record.target = claim
+                self.full[job] = (self._fill(self.volumes[claim]), self.jobs[job].restarts,
+                                  self._now() + VOLUME_FULL_SECONDS, record)
             if fault.kind in REPLICA_FAULTS:
                 self.jobs[job].replica_faults += 1
         except Exception as err:  # a fault that could not be injected is reported, not fatal to the soak
@@ -219,6 +242,51 @@ class Soak:
                     pass
 
         threading.Timer(STALL_SECONDS, resume).start()
+
+    def _small_volume(self, claim: str) -> None:
+        """A tmpfs of SMALL_VOLUME_MIB on the host (the real node's kubelet shares its mounts), bound to the
+        claim `claim` as a static PersistentVolume."""
+        path = self.volume_root / claim
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_VOLUME_MIB}m,mode=1777", "tmpfs", str(path)],
+                       check=True, capture_output=True, timeout=30)
+        self.volumes[claim] = path
+        size = f"{SMALL_VOLUME_MIB}Mi"
+        self.e2e.kube.apply({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{NAMESPACE}-{claim}"},
+            "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                     "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(path), "type": "Directory"},
+                     "claimRef": {"namespace": NAMESPACE, "name": claim}}})
+        self.e2e.kube.apply({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+            "spec": {"storageClassName": "", "volumeName": f"{NAMESPACE}-{claim}", "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": size}}}})
+
+    @staticmethod
+    def _fill(path: Path) -> Path:
+        """Write a ballast file until the volume has no byte left (smaller writes for the last ones)."""
+        ballast = path / "soak-ballast"
+        with open(ballast, "wb", buffering=0) as f:
+            for size in (1 << 20, 1 << 16, 1 << 12, 1):
+                block = b"\0" * size
+                try:
+                    while True:
+                        f.write(block)
+                except OSError:
+                    continue
+        return ballast
+
+    def _release_volumes(self) -> None:
+        """A full volume gets its room back once its job's restart shows (the checkpoint failed, the trainer
+        exited), or VOLUME_FULL_SECONDS after the fault; the fault's recovery is measured from then."""
+        for job, (ballast, before, until, fault) in list(self.full.items()):
+            record = self.jobs[job]
+            if record.restarts <= before and self._now() < until and record.state not in ("Succeeded", "Failed"):
+                continue
+            ballast.unlink(missing_ok=True)
+            del self.full[job]
+            fault.steps = {job: (self.statuses.get(job, {}).get("progress") or {}).get("step") or 0}
+            fault.held_seconds = round(self._now() - fault.at, 1)
 
     def _operator(self) -> str:
         pod = self.e2e.operator_pod().removeprefix("pod/")
@@ -275,9 +343,26 @@ class Soak:
             time.sleep(2)
         return left
 
+    def reasons(self) -> None:
+        """The Events' reasons of each job whose restarts differ from its replica faults: what the figures
+        name beside the broken invariant (read before orphans() deletes the jobs)."""
+        for record in self.jobs.values():
+            if record.restarts == record.replica_faults:
+                continue
+            try:
+                events = self.e2e.kube.json("get", "events", "--field-selector", f"involvedObject.name={record.name}")
+            except Exception:
+                continue
+            record.reasons = [f"{e.get('reason')} x{e.get('count') or 1}" for e in events.get("items", [])
+                              if e.get("reason") not in ("Created", "Running", "Succeeded")]
+
     def close(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
+        for claim, path in self.volumes.items():
+            self.e2e.kube.run("delete", "pvc", claim, "--wait=false", check=False, timeout=60)
+            self.e2e.kube.run("delete", "pv", f"{NAMESPACE}-{claim}", "--wait=false", check=False, timeout=60)
+            subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
 
     def write(self, result: dict, path: str | None) -> None:
         if path:

@@ -25,6 +25,7 @@ def test_a_soak_of_every_mode_under_every_fault_class_keeps_its_invariants(e2e, 
     soak = Soak(e2e, SEED, SECONDS)
     try:
         soak.run()
+        soak.reasons()
         orphans = soak.orphans()
     finally:
         soak.close()
