@@ -293,6 +293,7 @@ class _Round:
         self.observed: Observed | None = None
         self.departing: dict[str, ReplicaObservation] = {}  # workers above the size (`_release`)
         self.progress_unknown = False  # this round's progress could not be read (`ProgressUnknown`)
+        self.rank_ends: dict[str, str] = {}  # plain DDP ranks that ended this round: how (`_with_its_group`)
 
     def run(self, progress: ProgressReading | ProgressUnknown | None, volume_pending: list[str],
             admission: QueueAdmission | None = None, refusal: Refusal | None = None) -> Round:
@@ -316,6 +317,8 @@ class _Round:
             return self._done()
         self._release()
         for failure in self._failures():
+            if self._with_its_group(failure.replica):
+                continue
             if not self._decide(failure):
                 return self._done()
         self._starts()
@@ -621,8 +624,8 @@ class _Round:
                 if known and known != seen.uid and self.before in ACTIVE:
                     # Replaced (deleted, evicted, its node gone) before a round saw it missing.
                     memory.in_place_restarts[name] = seen.restart_count
-                    if not self._with_its_group(name, "was replaced"):
-                        failures.append(policy.Failure(name, reason="Deleted"))
+                    self.rank_ends[name] = "was replaced"
+                    failures.append(policy.Failure(name, reason="Deleted"))
                     continue
             failure = _failure(seen)
             if failure is not None:
@@ -630,15 +633,17 @@ class _Round:
             elif seen.restart_count > memory.in_place_restarts.get(name, 0):
                 # Its container restarted in place (torchrun gave up): count it once.
                 memory.in_place_restarts[name] = seen.restart_count
-                if seen.last_exit_code not in (0, None) and not self._with_its_group(name, "restarted"):
+                if seen.last_exit_code not in (0, None):
+                    self.rank_ends[name] = "restarted"
                     failures.append(policy.Failure(name, exit_code=seen.last_exit_code))
         if not failures and self._hung():
             # Which replica is stuck cannot be seen from outside; the chief is restarted.
             failures.append(policy.Failure(chief(self.job), reason="Hung"))
         return failures
 
-    def _with_its_group(self, name: str, what: str) -> bool:
-        """Whether a plain DDP rank's end is part of the group restart counted last: another rank's, and the
+    def _with_its_group(self, name: str) -> bool:
+        """Whether a plain DDP rank's end (its container restarted in place, or its pod replaced: `rank_ends`)
+        is part of the group restart counted last, in this round or an earlier one: another rank's, and the
         job has not stepped since. torchrun on the other nodes ends when the rendezvous host's node ends (its
         store goes with it), so one SIGKILLed ddp-0 ended every node, each end a restart in place of its own:
         the soak counted two restarts for one fault. Each rank joins a group restart once: a rank that ends
@@ -647,7 +652,8 @@ class _Round:
         steps past its newest step before the fault are taken for that fault's (a new fault of another rank
         in that window goes uncounted: the window is the restart's own)."""
         memory = self.memory
-        if not self.is_ddp or self.spec.fault_tolerant:
+        what = self.rank_ends.get(name)
+        if what is None or not self.is_ddp or self.spec.fault_tolerant:
             return False
         step = memory.last_step if memory.last_step is not None else -1
         if not memory.group_restart or memory.group_restart_step != step or name in memory.group_restart:

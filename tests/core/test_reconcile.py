@@ -240,19 +240,24 @@ def test_ddp_rank_restart_in_place_is_counted_and_success_scales_down():
     assert act.scale_statefulset == 0
 
 
+def host_then_peer_end(j, names):
+    """ddp-0 (the rendezvous host) SIGKILLed at step 40, its container restarted in place, then ddp-1's
+    container ended too, the job at step 40 all along: (the pods, the last round's actions)."""
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in names}
+    act = reconcile(j, "u", "t", pods, st, T0 + 1, ProgressReading(step=40))
+    for t, (name, code) in enumerate((("ddp-0", 137), ("ddp-1", 1)), start=2):
+        pods[name] = Pod(name, "Running", uid=f"{name}-a", restart_count=1, last_exit_code=code)
+        act = reconcile(j, "u", "t", pods, act.status, T0 + t, ProgressReading(step=40))
+    return pods, act
+
+
 def test_a_plain_ddp_group_that_ends_every_node_for_one_rank_is_one_restart():
     """The soak's case: ddp-0 (the rendezvous host) SIGKILLed, its container restarts in place, and ddp-1's
     torchrun ends too (the host's store went with it): one fault, one restart. A rank that ends again before
     the job steps, and any end after it stepped, is a restart of its own."""
     j = job("DDP")
-    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
-    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1")}
-    act = reconcile(j, "u", "t", pods, st, T0 + 1, ProgressReading(step=40))
-    pods["ddp-0"] = Pod("ddp-0", "Running", uid="ddp-0-a", restart_count=1, last_exit_code=137)
-    act = reconcile(j, "u", "t", pods, act.status, T0 + 2, ProgressReading(step=40))
-    assert to_dict(act.status)["restarts"] == 1
-    pods["ddp-1"] = Pod("ddp-1", "Running", uid="ddp-1-a", restart_count=1, last_exit_code=1)
-    act = reconcile(j, "u", "t", pods, act.status, T0 + 3, ProgressReading(step=40))
+    pods, act = host_then_peer_end(j, ("ddp-0", "ddp-1"))
     assert to_dict(act.status)["restarts"] == 1, act.events
     [(kind, reason, message)] = [e for e in act.events if e[1] == "RestartedWithItsGroup"]
     assert kind == "Normal" and "ddp-1 restarted with its torchrun group" in message and "ddp-0" in message
@@ -268,6 +273,13 @@ def test_a_plain_ddp_group_that_ends_every_node_for_one_rank_is_one_restart():
     assert to_dict(act.status)["restarts"] == 3
 
 
+def test_a_fault_tolerant_groups_ends_are_each_counted():
+    """Each replica group is a torchrun of its own: one group's end never ends another's."""
+    _, act = host_then_peer_end(job("DDP", ddp={"nodes": 2, "faultTolerance": {}}), ("ddp-0", "ddp-1", "lighthouse"))
+    assert to_dict(act.status)["restarts"] == 2
+    assert not any(e[1] == "RestartedWithItsGroup" for e in act.events)
+
+
 def test_a_deleted_host_pods_peer_ending_with_it_is_the_same_restart():
     j = job("DDP")
     st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
@@ -279,19 +291,6 @@ def test_a_deleted_host_pods_peer_ending_with_it_is_the_same_restart():
     assert to_dict(act.status)["restarts"] == 1, act.events
     assert [e[1] for e in act.events if e[0] == "Warning"] == ["Deleted"]
     assert any(e[1] == "RestartedWithItsGroup" for e in act.events)
-
-
-def test_a_fault_tolerant_groups_ends_are_each_counted():
-    """Each replica group is a torchrun of its own: one group's end never ends another's."""
-    j = job("DDP", ddp={"nodes": 2, "faultTolerance": {}})
-    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
-    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in ("ddp-0", "ddp-1", "lighthouse")}
-    act = reconcile(j, "u", "t", pods, st, T0 + 1, ProgressReading(step=40))
-    pods["ddp-0"] = Pod("ddp-0", "Running", uid="ddp-0-a", restart_count=1, last_exit_code=137)
-    act = reconcile(j, "u", "t", pods, act.status, T0 + 2, ProgressReading(step=40))
-    pods["ddp-1"] = Pod("ddp-1", "Running", uid="ddp-1-a", restart_count=1, last_exit_code=137)
-    act = reconcile(j, "u", "t", pods, act.status, T0 + 3, ProgressReading(step=40))
-    assert to_dict(act.status)["restarts"] == 2
 
 
 def test_ddp_pod_replaced_by_its_statefulset_is_one_restart_with_reason_deleted():
