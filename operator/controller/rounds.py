@@ -188,6 +188,11 @@ def _carry_out(ctl: Controller, body: dict[str, Any], job: TrainingJob, state: J
     for pod in act.force_delete_pods:
         seen = pods.get(pod[len(name) + 1 :])
         kube.delete_pod(ns, pod, force=True, uid=seen.uid if seen is not None else "")
+        if seen is not None:
+            # Gone from the API when the call returns: out of the index at once, or a round before the watch's
+            # DELETED event would find it still Terminating and delete it (and say so) again (CI once counted
+            # 4 forced deletions of 3 pods).
+            ctl.index.forget_pod((ns, name), pod, seen.uid)
     if act.scale_statefulset is not None:
         kube.scale_statefulset(ns, f"{name}-ddp", act.scale_statefulset)
     for type_, reason, message in act.events:
