@@ -352,7 +352,13 @@ class _Round:
             # Written when it changes: a job that stands still costs no status write.
             reading.update_time = iso(self.now)
             self.status.progress = reading
-        if progress.checkpoint_step:
+        old_checkpoint = self.status.last_checkpoint
+        if progress.checkpoint_step and not (self.spec.fault_tolerant and old_checkpoint is not None
+                                             and progress.checkpoint_step < old_checkpoint.step):
+            # A fault-tolerant job's groups each write their own checkpoints, and its progress is read from
+            # whichever group answers (the chief, else the next): one that healed later holds older ones.
+            # The job's newest is the newest of any group (losing every group restores it: the others heal
+            # from it), so the status never goes back to another group's older one (the soak saw 1650, 1550).
             self.status.last_checkpoint = LastCheckpoint(
                 progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
             )

@@ -280,6 +280,20 @@ def test_a_fault_tolerant_groups_ends_are_each_counted():
     assert not any(e[1] == "RestartedWithItsGroup" for e in act.events)
 
 
+@pytest.mark.parametrize("ft,expected", [({"faultTolerance": {}}, 1650), ({}, 1550)])
+def test_a_fault_tolerant_jobs_newest_checkpoint_is_the_newest_any_group_reported(ft, expected):
+    """Its progress is read from whichever group answers, and a group that healed later holds older
+    checkpoints: the status keeps the newest. A plain job's chief is the one that writes them: what it
+    reports is the newest (a restart that fell back to an older one says so)."""
+    j = job("DDP", ddp={"nodes": 2, **ft})
+    st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}
+    names = ("ddp-0", "ddp-1", "lighthouse") if ft else ("ddp-0", "ddp-1")
+    pods = {n: Pod(n, "Running", uid=f"{n}-a") for n in names}
+    act = reconcile(j, "u", "t", pods, st, T0 + 1, ProgressReading(step=1660, checkpoint_step=1650))
+    act = reconcile(j, "u", "t", pods, act.status, T0 + 2, ProgressReading(step=1670, checkpoint_step=1550))
+    assert to_dict(act.status)["lastCheckpoint"]["step"] == expected
+
+
 def test_a_deleted_host_pods_peer_ending_with_it_is_the_same_restart():
     j = job("DDP")
     st = {"state": "Running", "startTime": iso(T0), "memory": {"activeSince": T0}}

@@ -43,7 +43,7 @@ def job_doc(kind: str, n: int) -> dict:
         # Its ranks share one claim: the real node's ReadWriteMany class (hack/realnode/node).
         doc["spec"]["checkpoint"]["storage"]["storageClassName"] = "local-path-shared"
     else:
-        manifest, epochs = {"single": ("single.yaml", 2000), "ps": ("parameter-server.yaml", 400),
+        manifest, epochs = {"single": ("single.yaml", 10000), "ps": ("parameter-server.yaml", 400),
                             "ps-standby": ("parameter-server.yaml", 400), "ddp": ("ddp.yaml", 500),
                             "ft-ddp": ("ddp-fault-tolerant.yaml", 700)}[kind]
         doc = example(manifest, epochs)
