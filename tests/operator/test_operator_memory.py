@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 
 import pytest
 
-from test_lifecycle import condition, manifest, pods_of, running_pods
-from test_tenants import create_json, failed_status, shared_claim
+from test_lifecycle import condition, manifest, pods_of
+from test_tenants import create_json, failed_status, own_operator_with_a_victim
 
 from kubetrain_operator.api.spec import MAX_RENDERED_TEMPLATE_BYTES
 
@@ -54,16 +53,7 @@ def vm(pid: int, field: str) -> float:
 
 
 def test_jobs_within_every_bound_keep_the_operator_small_and_others_reconciled(cluster, operator, spawn_operator):
-    namespace = f"mem-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    proc = spawn_operator(namespace)
-    op = type(operator)(cluster, namespace, proc.log, proc.metrics_port)
-    try:
-        storage = shared_claim(op)
-        victim = manifest(mode="Single", name="victim", checkpoint=storage)
-        op.apply(victim)
-        running_pods(op, "victim", 1)
-        op.wait("the victim Running", lambda: op.job_status("victim").get("state") == "Running")
+    with own_operator_with_a_victim(cluster, operator, spawn_operator, "mem") as (op, proc, storage):
         baseline = vm(proc.proc.pid, "VmHWM")
 
         for i in range(HEAVY):  # refused before anything is rendered
@@ -98,5 +88,3 @@ def test_jobs_within_every_bound_keep_the_operator_small_and_others_reconciled(c
         assert proc.proc.poll() is None, proc.log.read_text()[-3000:]
         assert grown < MEMORY_BOUND_MIB, grown
         assert "Traceback" not in proc.log.read_text()
-    finally:
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false")

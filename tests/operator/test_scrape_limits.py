@@ -204,24 +204,36 @@ def test_an_answer_whose_numbers_are_not_ascii_digits_is_a_failed_scrape(serve, 
 
 # --- scrapes apart from the reconcile workers, SCRAPE_WORKERS at once ---------------------------
 
+class StalledReads:
+    """Reads that stall until `gate` is set (at most DRIP_SECONDS), counting how many run at once (`running`,
+    its `peak`) and which ended (`done`)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.running = self.peak = 0
+        self.done: list[str] = []
+
+    def read(self, job: str, result: str):
+        def read():
+            with self.lock:
+                self.running += 1
+                self.peak = max(self.peak, self.running)
+            self.gate.wait(DRIP_SECONDS)
+            with self.lock:
+                self.running -= 1
+                self.done.append(job)
+            return result
+        return read
+
+
 def test_scrapes_run_in_their_own_bounded_pool_and_never_hold_the_caller():
     """More jobs than SCRAPE_WORKERS whose chiefs stall: `latest` returns at once every time,
     at most SCRAPE_WORKERS scrapes run together, and every job's scrape still runs in its turn."""
-    release = threading.Event()
-    lock = threading.Lock()
-    running, peak, done = [0], [0], []
+    reads = StalledReads()
 
     def stalled(job):
-        def read():
-            with lock:
-                running[0] += 1
-                peak[0] = max(peak[0], running[0])
-            release.wait(DRIP_SECONDS)
-            with lock:
-                running[0] -= 1
-                done.append(job)
-            return f"progress of {job}"
-        return read
+        return reads.read(job, f"progress of {job}")
 
     changed = []
     pool = scrapes.Scrapes(on_change=changed.append, min_interval=0.0)
@@ -229,17 +241,17 @@ def test_scrapes_run_in_their_own_bounded_pool_and_never_hold_the_caller():
     try:
         for job in jobs:
             assert pool.latest(job, stalled(job)) is PROGRESS_UNKNOWN  # no result yet, and no wait for one
-        wait_for("SCRAPE_WORKERS stalled scrapes", lambda: running[0] == scrapes.SCRAPE_WORKERS, timeout=30)
+        wait_for("SCRAPE_WORKERS stalled scrapes", lambda: reads.running == scrapes.SCRAPE_WORKERS, timeout=30)
         for job in jobs:  # asked again while theirs is queued or running: no second scrape
             assert pool.latest(job, stalled(job)) is PROGRESS_UNKNOWN
-        assert peak[0] == scrapes.SCRAPE_WORKERS and not done
-        release.set()
-        wait_for("every job's scrape", lambda: sorted(done) == sorted(jobs), timeout=30)
-        assert peak[0] == scrapes.SCRAPE_WORKERS
+        assert reads.peak == scrapes.SCRAPE_WORKERS and not reads.done
+        reads.gate.set()
+        wait_for("every job's scrape", lambda: sorted(reads.done) == sorted(jobs), timeout=30)
+        assert reads.peak == scrapes.SCRAPE_WORKERS
         wait_for("every job queued again for its new progress", lambda: sorted(changed) == sorted(jobs), timeout=30)
         assert pool.latest("job-0", stalled("job-0")) == "progress of job-0"
     finally:
-        release.set()
+        reads.gate.set()
         pool.close()
 
 
@@ -326,26 +338,12 @@ def test_jobs_whose_reads_were_slow_hold_only_the_slow_lanes_workers():
     """More slow jobs than the slow lane has workers read at once, stalled: at most SLOW_SCRAPE_WORKERS
     of them run, and a quick job's read runs all the while in the main lane."""
     now = [100.0]
-    lock = threading.Lock()
-    gate = threading.Event()
-    running, peak, done = [0], [0], []
+    reads = StalledReads()
 
     def slow_first(job):
         def read():  # took SLOW_READ_SECONDS by the pool's clock
-            with lock:
+            with reads.lock:
                 now[0] += scrapes.SLOW_READ_SECONDS
-            return "stalled"
-        return read
-
-    def stalled(job):
-        def read():
-            with lock:
-                running[0] += 1
-                peak[0] = max(peak[0], running[0])
-            gate.wait(DRIP_SECONDS)
-            with lock:
-                running[0] -= 1
-                done.append(job)
             return "stalled"
         return read
 
@@ -358,17 +356,17 @@ def test_jobs_whose_reads_were_slow_hold_only_the_slow_lanes_workers():
             pool._entries[j].result == "stalled" and not pool._entries[j].running for j in jobs), timeout=30)
         assert all(pool._entries[j].slow_until is not None for j in jobs)
         for job in jobs:
-            pool.latest(job, stalled(job))
-        wait_for("the slow lane full", lambda: running[0] == scrapes.SLOW_SCRAPE_WORKERS, timeout=30)
+            pool.latest(job, reads.read(job, "stalled"))
+        wait_for("the slow lane full", lambda: reads.running == scrapes.SLOW_SCRAPE_WORKERS, timeout=30)
         pool.latest("quick", lambda: "progress")
         wait_for("the quick job read while the slow lane is full",
                  lambda: pool._entries["quick"].result == "progress", timeout=30)
-        assert running[0] == peak[0] == scrapes.SLOW_SCRAPE_WORKERS and not done
-        gate.set()
-        wait_for("every slow job's read, in its turn", lambda: sorted(done) == sorted(jobs), timeout=30)
-        assert peak[0] == scrapes.SLOW_SCRAPE_WORKERS
+        assert reads.running == reads.peak == scrapes.SLOW_SCRAPE_WORKERS and not reads.done
+        reads.gate.set()
+        wait_for("every slow job's read, in its turn", lambda: sorted(reads.done) == sorted(jobs), timeout=30)
+        assert reads.peak == scrapes.SLOW_SCRAPE_WORKERS
     finally:
-        gate.set()
+        reads.gate.set()
         pool.close()
 
 

@@ -9,6 +9,7 @@ raised in every round of its job with nothing on its status.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -43,6 +44,25 @@ def shared_claim(op) -> dict:
     op.wait("the shared claim bound", lambda: (op.get("persistentvolumeclaim", "shared") or {}).get(
         "status", {}).get("phase") == "Bound")
     return {"storage": {"existingClaim": "shared", "accessMode": "ReadWriteMany"}}
+
+
+@contextlib.contextmanager
+def own_operator_with_a_victim(cluster, operator, spawn_operator, prefix: str):
+    """An operator of its own watching a new namespace, and a Single job `victim` running there, whose
+    reconcile the test's hostile jobs must not hold up: (the operator's handle, its process, a claim for
+    many jobs' checkpoints). The namespace goes at the end."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        proc = spawn_operator(namespace)
+        op = type(operator)(cluster, namespace, proc.log, proc.metrics_port)
+        storage = shared_claim(op)
+        op.apply(manifest(mode="Single", name="victim", checkpoint=storage))
+        running_pods(op, "victim", 1)
+        op.wait("the victim Running", lambda: op.job_status("victim").get("state") == "Running")
+        yield op, proc, storage
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 @pytest.fixture(scope="module")
@@ -124,43 +144,34 @@ one for as long as it dripped), and some that say nothing at all."""
 
 
 def test_chiefs_that_stall_their_metrics_never_stall_another_jobs_reconcile(cluster, operator, spawn_operator):
-    namespace = f"scr-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    proc = spawn_operator(namespace)
-    op = type(operator)(cluster, namespace, proc.log, proc.metrics_port)
-    servers = {kind: Stalling(kind) for kind in HOSTILE}
-    try:
-        storage = shared_claim(op)
-        victim = manifest(mode="Single", name="victim", checkpoint=storage)
-        op.apply(victim)
-        running_pods(op, "victim", 1)
-        op.wait("the victim Running", lambda: op.job_status("victim").get("state") == "Running")
-        hostile = []
-        for kind, count in HOSTILE.items():
-            for i in range(count):
-                doc = manifest(mode="Single", name=f"{kind}-{i}", metrics={"port": servers[kind].port},
-                               checkpoint=storage)
-                op.apply(doc)
-                hostile.append(doc["metadata"]["name"])
-        for name in hostile:
-            running_pods(op, name, 1)
-            op.set_pod_status(f"{name}-single-0", "Running", pod_ip="127.0.0.1")
-        for kind in ("headers", "status"):
-            op.wait(f"the operator scraping the {kind} chiefs", lambda: servers[kind].seen >= 1, timeout=60)
-        # Another job's replica fails: its round must come, and restart it, while the chiefs stall.
-        old = op.get("pod", "victim-single-0")["metadata"]["uid"]
-        op.set_pod_status("victim-single-0", "Failed", exit_code=1)
-        op.wait("the victim's failure handled (a restart counted)",
-                lambda: op.job_status("victim").get("restarts") == 1, timeout=90)
-        op.wait("the victim's replacement pod",
-                lambda: (p := op.get("pod", "victim-single-0")) and p["metadata"]["uid"] != old, timeout=90)
-        # Every kind of stall was cut at the scrape's deadline, not held for as long as the chief chose.
-        for kind, server in servers.items():
-            op.wait(f"a {kind} chief's scrape cut off by the operator", lambda: server.cut >= 1, timeout=60)
-    finally:
-        for server in servers.values():
-            server.close()
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+    with own_operator_with_a_victim(cluster, operator, spawn_operator, "scr") as (op, _, storage):
+        servers = {kind: Stalling(kind) for kind in HOSTILE}
+        try:
+            hostile = []
+            for kind, count in HOSTILE.items():
+                for i in range(count):
+                    doc = manifest(mode="Single", name=f"{kind}-{i}", metrics={"port": servers[kind].port},
+                                   checkpoint=storage)
+                    op.apply(doc)
+                    hostile.append(doc["metadata"]["name"])
+            for name in hostile:
+                running_pods(op, name, 1)
+                op.set_pod_status(f"{name}-single-0", "Running", pod_ip="127.0.0.1")
+            for kind in ("headers", "status"):
+                op.wait(f"the operator scraping the {kind} chiefs", lambda: servers[kind].seen >= 1, timeout=60)
+            # Another job's replica fails: its round must come, and restart it, while the chiefs stall.
+            old = op.get("pod", "victim-single-0")["metadata"]["uid"]
+            op.set_pod_status("victim-single-0", "Failed", exit_code=1)
+            op.wait("the victim's failure handled (a restart counted)",
+                    lambda: op.job_status("victim").get("restarts") == 1, timeout=90)
+            op.wait("the victim's replacement pod",
+                    lambda: (p := op.get("pod", "victim-single-0")) and p["metadata"]["uid"] != old, timeout=90)
+            # Every kind of stall was cut at the scrape's deadline, not held for as long as the chief chose.
+            for kind, server in servers.items():
+                op.wait(f"a {kind} chief's scrape cut off by the operator", lambda: server.cut >= 1, timeout=60)
+        finally:
+            for server in servers.values():
+                server.close()
 
 
 # --- the template: nulls, kubetrain's labels, another job's pods ----------------------------------
