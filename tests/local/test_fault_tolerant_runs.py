@@ -158,10 +158,18 @@ def final_models(run: Path, groups: tuple[str, ...]) -> dict[str, dict[str, torc
 def assert_every_sample_once(run: Path, groups: tuple[str, ...], epochs: int, ranks: int | None = None) -> None:
     """Every epoch's committed steps averaged the gradients of each sample of its cut exactly once (counted by the
     groups from what they averaged, FT_COUNT_VAR): none twice, and only fewer than the ranks left out (as plain
-    DDP leaves out, a different few each epoch). Every group that saw an epoch end counted the same."""
+    DDP leaves out, a different few each epoch). Every group that saw an epoch end counted the same.
+
+    A group that resumes from a checkpoint takes the job back to that step: what any group counted after it,
+    before the resume, is a history the job lost and trains again (perhaps with fewer groups, so another few
+    left out), and is not counted."""
+    events = {group: read_events(run / "metrics" / f"{group}.jsonl") for group in groups}
+    rollbacks = [(e["time"], e["step"]) for group in groups for e in events[group] if e["event"] == "resume"]
     counts: dict[int, set[tuple[int, int, int]]] = {}
     for group in groups:
-        for e in read_events(run / "metrics" / f"{group}.jsonl", "epoch_samples"):
+        for e in events[group]:
+            if e["event"] != "epoch_samples" or any(e["time"] < t and e["step"] > s for t, s in rollbacks):
+                continue
             counts.setdefault(e["epoch"], set()).add((e["never"], e["once"], e["more"]))
     assert sorted(counts) == list(range(epochs)), sorted(counts)
     for epoch, seen in counts.items():
