@@ -83,6 +83,9 @@ SLOWDOWN_VAR = "KUBETRAIN_BENCH_SLOWDOWN"
 # step STEP until GROUPS groups take part in its quorum (trainer/ddp/ft.py reads it; tests that kill a
 # group set it, so that the survivors train on until the replacement has joined whatever the machine's load).
 FT_HOLD_VAR = "KUBETRAIN_TEST_FT_HOLD"
+FT_JOIN_DELAY_VAR = "KUBETRAIN_TEST_FT_JOIN_DELAY"
+"""A test knob: `GROUP:SECONDS,...` (`ddp-1:3,ddp-2:20`) makes those replica groups wait that long before they
+make their torchft Manager: groups that come up seconds apart, as pods do on a loaded cluster."""
 FT_COUNT_VAR = "KUBETRAIN_TEST_FT_COUNT"
 """A test knob of fault-tolerant DDP's built-in loop: when set, every rank adds the samples it trained to the
 step's average (a count per sample of the training split), and each group writes, as each epoch ends, how

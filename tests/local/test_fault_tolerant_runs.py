@@ -46,7 +46,7 @@ import yaml
 from helpers.jsonl import read_events
 from helpers.wait import wait_for
 from kubetrain_operator.api import load_one
-from kubetrain_contract.launch import FT_COUNT_VAR, FT_HOLD_VAR, SLOWDOWN_VAR
+from kubetrain_contract.launch import FT_COUNT_VAR, FT_HOLD_VAR, FT_JOIN_DELAY_VAR, SLOWDOWN_VAR
 from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
 from support import EXAMPLES, job_doc, kubetrain
 
@@ -63,6 +63,7 @@ EPOCHS_OF_STEPS = STEPS // STEPS_PER_EPOCH
 SCRIPT_STEPS = 200  # the script kills itself at KILL_AT (no polling to land mid-run): 50 steps after it suffice
 SLOWDOWN = ",".join(f"{g}:40" for g in GROUPS)
 RUN_TIMEOUT_SECONDS = 600
+JOIN_LAG, LATE_JOIN = 3, 25  # seconds: ddp-1 inside ddp-0's joinTimeoutSeconds (5 s), ddp-2 long after
 ACCURACY_BAND = 0.005  # the issue's half point: a kill costs time, not the model (the fault-free run ends near 0.97)
 
 
@@ -87,12 +88,12 @@ def manifest(tmp_path: Path, name: str, steps: int = STEPS, **ddp: Any) -> Path:
 class Run:
     """`kubetrain run` of a manifest in the background, and what its replicas wrote."""
 
-    def __init__(self, path: Path, run: Path, *args: str, steps: int = STEPS):
+    def __init__(self, path: Path, run: Path, *args: str, steps: int = STEPS, env: dict[str, str] | None = None):
         self.path, self.dir, self.steps = path, run, steps
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run), "--quiet", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, SLOWDOWN_VAR: SLOWDOWN, FT_COUNT_VAR: "1", **hold(steps)})
+            env={**os.environ, SLOWDOWN_VAR: SLOWDOWN, FT_COUNT_VAR: "1", **hold(steps), **(env or {})})
 
     def events(self, replica: str, event: str | None = None) -> list[dict[str, Any]]:
         return read_events(self.dir / "metrics" / f"{replica}.jsonl", event)
@@ -160,11 +161,17 @@ def assert_every_sample_once(run: Path, groups: tuple[str, ...], epochs: int, ra
     groups from what they averaged, FT_COUNT_VAR): none twice, and only fewer than the ranks left out (as plain
     DDP leaves out, a different few each epoch). Every group that saw an epoch end counted the same.
 
-    A group that resumes from a checkpoint takes the job back to that step: what any group counted after it,
-    before the resume, is a history the job lost and trains again (perhaps with fewer groups, so another few
-    left out), and is not counted."""
+    A restarted group goes on from the step before its attempt's first commit (its first `quorum` event): when
+    every group was lost, that is a checkpoint's, and what any group counted after that step, before then, is
+    a history the job lost and trains again (perhaps with fewer groups, so another few left out): not counted."""
     events = {group: read_events(run / "metrics" / f"{group}.jsonl") for group in groups}
-    rollbacks = [(e["time"], e["step"]) for group in groups for e in events[group] if e["event"] == "resume"]
+    rollbacks = []
+    for group in groups:
+        starts = [i for i, e in enumerate(events[group]) if e["event"] == "start"]
+        for begin in starts[1:]:
+            first = next((e for e in events[group][begin:] if e["event"] == "quorum"), None)
+            if first is not None:
+                rollbacks.append((first["time"], first["step"] - 1))
     counts: dict[int, set[tuple[int, int, int]]] = {}
     for group in groups:
         for e in events[group]:
@@ -182,8 +189,8 @@ def assert_every_sample_once(run: Path, groups: tuple[str, ...], epochs: int, ra
 def runs(tmp_path):
     started: list[Run] = []
 
-    def start(name: str, *args: str, steps: int = STEPS, **ddp: Any) -> Run:
-        run = Run(manifest(tmp_path, name, steps, **ddp), tmp_path / name, *args, steps=steps)
+    def start(name: str, *args: str, steps: int = STEPS, env: dict[str, str] | None = None, **ddp: Any) -> Run:
+        run = Run(manifest(tmp_path, name, steps, **ddp), tmp_path / name, *args, steps=steps, env=env)
         started.append(run)
         return run
 
@@ -297,6 +304,26 @@ def test_losing_every_group_falls_back_to_the_checkpoints(runs):
     assert summary["state"] == "Succeeded" and summary["restarts"] == 3 and summary["steps"] >= STEPS
     assert_equal_weights(run)
     assert_every_sample_once(run.dir, GROUPS, EPOCHS_OF_STEPS)  # the checkpoints hold the cursor: nothing twice
+
+
+def test_groups_that_come_up_seconds_apart_leave_the_first_quorum_together(runs):
+    """ddp-1 makes its Manager JOIN_LAG s after ddp-0, inside ddp-0's joinTimeoutSeconds (5 s), and ddp-2 long
+    after both: the first quorum of two is left by both groups at once, when the first of them has waited its
+    joinTimeoutSeconds (not each at its own, which left ddp-0 training while ddp-1 asked again: a 60 s
+    timeout, discarded steps and, in the soak, a restart). ddp-2 then heals from them."""
+    run = runs("apart", env={FT_JOIN_DELAY_VAR: f"ddp-1:{JOIN_LAG},ddp-2:{LATE_JOIN}"})
+    summary, _ = run.finish()
+    assert summary["state"] == "Succeeded" and summary["restarts"] == 0, summary
+    for group in GROUPS:
+        assert run.events(group, "discard") == [], group
+        assert len(run.attempts(group)) == 1, group
+    for group in ("ddp-0", "ddp-1"):
+        first = run.events(group, "quorum")[0]
+        assert first["step"] == 1 and first["participants"] == 2, first  # the two trained the first step together
+    [heal] = run.events("ddp-2", "heal")
+    assert heal["step"] > 1 and heal["source"] in ("ddp-0", "ddp-1"), heal
+    assert_equal_weights(run)
+    assert_every_sample_once(run.dir, GROUPS, EPOCHS_OF_STEPS)
 
 
 def test_a_lost_lighthouse_is_replaced_and_no_group_restarts(runs):

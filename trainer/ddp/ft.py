@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from kubetrain_contract.launch import (FT_COUNT_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_HOLD_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR,
-                                       rank_replica)
+from kubetrain_contract.launch import (FT_COUNT_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_HOLD_VAR, FT_JOIN_DELAY_VAR,
+                                       FT_LIGHTHOUSE_VAR, FT_STORE_VAR, rank_replica)
 
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
@@ -155,6 +155,24 @@ class Hold:
             raise ConfigError(f"{FT_HOLD_VAR}: expected STEP:GROUPS (two positive integers) such as '600:3', "
                               f"got {raw!r}")
         return cls(int(step), int(groups))
+
+
+def join_delay(env: Mapping[str, str], group: int) -> float:
+    """KUBETRAIN_TEST_FT_JOIN_DELAY (contract/launch.py), a test knob: the seconds this replica group waits
+    before it makes its Manager (0 when the variable does not name it)."""
+    raw = env.get(FT_JOIN_DELAY_VAR, "")
+    for item in filter(None, raw.split(",")):
+        name, _, seconds = item.partition(":")
+        try:
+            delay = float(seconds)
+        except ValueError:
+            delay = -1.0
+        if not name.startswith("ddp-") or not 0 <= delay < math.inf:
+            raise ConfigError(f"{FT_JOIN_DELAY_VAR}: expected GROUP:SECONDS,... such as 'ddp-1:3,ddp-2:20', "
+                              f"got {raw!r}")
+        if name == f"ddp-{group}":
+            return delay
+    return 0.0
 
 
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
@@ -290,6 +308,7 @@ class ReplicaGroup:
         torchft = load_torchft()
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        time.sleep(join_delay(os.environ, self.place.group))
         ft = self.spec
         timeout = timedelta(seconds=ft.timeout_seconds)
         quorum_timeout = timedelta(seconds=ft.quorum_timeout_seconds)
@@ -322,7 +341,9 @@ class ReplicaGroup:
         self._gather()
         if self.manager.current_step() == 0:
             # Every group of this quorum is at step 0: each restores its own newest checkpoint, if any,
-            # and they ask again at the steps they hold, so that those behind heal from the newest.
+            # and, when any of them did, they all ask again at the steps they hold, so that those behind
+            # heal from the newest. When none did, the first step is trained under the quorum they left
+            # together: a group that came up meanwhile joins at the next step's quorum, and heals.
             found = self._restore_checkpoint()
             if found is not None:
                 step, state = found
@@ -330,35 +351,63 @@ class ReplicaGroup:
                 self.manager.load_state_dict(state["torchft"])
                 self.held_step = step
                 log.info("%s: restored step %d from this group's checkpoint", self.ctx.replica, step)
-            self._start_quorum()
+            restored = self._any_group(found is not None)
+            if restored is not False:  # True, or None: the vote failed (a peer went away): ask again anyway
+                self._start_quorum()
         self._quorum_pending = True
         return self.manager.current_step()
 
     def _gather(self) -> None:
         """The first quorums, until one holds a group ahead of this one (it heals from it at its first
         step) or, while every group is at step 0, until all the job's groups (ddp.nodes and the spare groups
-        when this process started) take part or joinTimeoutSeconds passed: at the start the groups come up seconds apart
-        (the interpreter, torch, the data), and the first would otherwise train alone on its shard
-        while the others start. Every group of such a quorum asks again; none has trained yet."""
+        when this process started) take part or one of the quorum's groups has waited joinTimeoutSeconds: at
+        the start the groups come up seconds apart (the interpreter, torch, the data, a pod's start), and the
+        first would otherwise train alone on its shard while the others start. Every group of such a quorum
+        asks again; none has trained yet.
+
+        The groups of a quorum leave it together: whether any of them waited long enough is voted on in the
+        quorum (`_any_group`). Each by its own clock, a group that came up later asked again while the first
+        trained the first step, and that step waited for it until timeoutSeconds (a discarded step, and in
+        the soak a group that found no quorum and restarted)."""
         wanted = self.ctx.spec.ddp.groups
         started = time.monotonic()
         deadline = started + self.spec.join_timeout_seconds
         while True:
             self._start_quorum()
             self._wait_quorum()
-            if self.manager.errored() is not None:
-                # Its process group could not be set up (a peer of it went away meanwhile): ask again,
-                # as long as a quorum may take.
-                if time.monotonic() - started > self.spec.quorum_timeout_seconds:
-                    raise TransientError(f"{self.ctx.replica}: no working quorum within quorumTimeoutSeconds "
-                                         f"({self.spec.quorum_timeout_seconds:g} s): {self._error()}")
-                log.warning("%s: a first quorum failed (%s); asking again", self.ctx.replica, self._error())
-                time.sleep(GATHER_POLL_SECONDS)
-                continue
-            if self.manager.current_step() > 0 or self.manager.num_participants() >= wanted \
-                    or time.monotonic() >= deadline:
-                return
+            if self.manager.errored() is None:
+                if self.manager.current_step() > 0 or self.manager.num_participants() >= wanted:
+                    return  # the same for every group of the quorum: its steps and its size are theirs
+                leave = self._any_group(time.monotonic() >= deadline)
+                if leave:
+                    return
+                if leave is not None:
+                    time.sleep(GATHER_POLL_SECONDS)
+                    continue
+            # Its process group could not be set up, or the vote failed (a peer of it went away
+            # meanwhile): ask again, as long as a quorum may take.
+            if time.monotonic() - started > self.spec.quorum_timeout_seconds:
+                raise TransientError(f"{self.ctx.replica}: no working quorum within quorumTimeoutSeconds "
+                                     f"({self.spec.quorum_timeout_seconds:g} s): {self._error()}")
+            log.warning("%s: a first quorum failed (%s); asking again", self.ctx.replica, self._error())
             time.sleep(GATHER_POLL_SECONDS)
+
+    def _any_group(self, flag: bool) -> bool | None:
+        """Whether any rank of any group of this quorum says so (a vote at step 0, before any group trained):
+        the same answer for all of them, or None when the vote failed (a peer went away in it)."""
+        box = torch.tensor([1.0 if self.agree(flag) else 0.0], device=self.device)
+        work = self.manager.allreduce(box, reduce_op=dist.ReduceOp.MAX)
+        failed = not work.wait() or self.manager.errored() is not None
+        if failed:
+            self.pg.abort()  # as `average` does: peers still in the vote fail now, not at timeoutSeconds
+        if not self.agree(failed):
+            return bool(box.item() > 0)
+        # Every rank of the group votes no on step 1, as for a discarded step: the Lighthouse then gives the
+        # next quorum a new id, and every group sets up a new process group for it.
+        if not failed:
+            self.manager.report_error(RuntimeError("a peer rank's vote failed"))
+        self.manager.should_commit()
+        return None
 
     def _restore_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
         fresh = self.checkpoint_state()
