@@ -273,7 +273,7 @@ def add_bench_command(sub: Subparsers) -> None:
 
 def add_bench_soak(bsub: Subparsers) -> None:
     b = bsub.add_parser("soak", help="jobs of every mode on the e2e test cluster under every fault class at once, "
-                        "from a seeded schedule, with the invariants checked at the end (docs/benchmarks.md#soak)")
+                        "from a seeded schedule, with the invariants checked at the end (docs/benchmarks.md#soak-every-mode-under-every-fault-at-once)")
     b.add_argument("--minutes", type=float, default=20.0, help="how long faults fall (the jobs then get time to end)")
     b.add_argument("--seed", type=int, help="the schedule's seed (default: a random one, printed); give a failed "
                    "soak's seed to replay it")

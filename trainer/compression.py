@@ -23,7 +23,7 @@ momentum of gradients that waited tens of steps is stale. With the momentum
 on the shard instead, a coordinate's gradients wait in the residual and then
 enter the shard's momentum as one lump, which it goes on applying for tens of
 steps: TopK 1% on the quickstart, seeds 0 to 7, averaged 2.6 points under
-None; corrected and masked, 1.0 (docs/benchmarks.md).
+None; corrected and masked, 1.0 (docs/benchmarks-history.md).
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ def _send(method: str, path: str, body: Any = None, content_type: str = "applica
     The generated client's methods check every argument (pydantic's validate_call) and walk the body
     again (sanitize_for_serialization) before sending it: 0.38-0.41 ms of CPU per pod create on the
     2-core development machine, against 0.035 ms here, JSON included (hack/bench-client); about 2 CPU
-    seconds of the operator's 46 while 1,000 jobs start (docs/benchmarks.md). The request is the one those methods send (the same
+    seconds of the operator's 46 while 1,000 jobs start (docs/benchmarks-history.md). The request is the one those methods send (the same
     headers, authentication and timeout, counted by CountingApiClient); a non-2xx answer raises
     ApiException as theirs do."""
     api = _api()

@@ -34,7 +34,7 @@ WORKERS = 32
 a worker waits through them, so the workers bound how many rounds are under way. At 1,000 jobs starting
 at once, 8 were enough to create as fast as the machine's cores allowed, but the burst's status rounds
 still queued when replicas failed right after it (a replacement's p50 0.31 s, p95 0.63 s); 32 finished
-them sooner (p50 0.16 s, p95 0.21 s) for about 10 MB more (docs/benchmarks.md). Their creates share
+them sooner (p50 0.16 s, p95 0.21 s) for about 10 MB more (docs/benchmarks-history.md). Their creates share
 CREATE_THREADS, so the rounds have at most WORKERS + URGENT_WORKERS + CREATE_THREADS requests under way."""
 MAX_WORKERS = 64
 """The most `--workers` takes: the rounds share one interpreter (the GIL), and each worker holds an

@@ -259,7 +259,7 @@ def ps_services(job: TrainingJob, uid: str) -> list[dict[str, Any]]:
     every cache on the way (the cluster DNS's, 5 s with CoreDNS's defaults and
     30 s as kubeadm configures it) kept handing the workers the dead pod's
     address: 5.4-5.6 s of a shard's recovery went to the workers finding the
-    new one (docs/benchmarks.md, Recovery). publishNotReadyAddresses: a shard
+    new one (docs/benchmarks-history.md, Recovery). publishNotReadyAddresses: a shard
     is reachable as soon as it listens (it has no readiness probe to wait for).
     """
     assert job.spec.parameter_server is not None

@@ -2,7 +2,7 @@
 
 Why: gRPC Python turns every received slice into a bytes object and the
 transport then copies it into place; its receive path cost 51-58 ms of CPU per
-64 MiB against the raw socket's 15 (docs/benchmarks.md), and the wire reached
+64 MiB against the raw socket's 15 (docs/benchmarks-history.md), and the wire reached
 0.56-0.59 of the socket. Here a frame's header is read first, the Assembler
 (transport.py) names where each piece goes (a parameter, or a scratch buffer
 reused across steps), and the piece is read with `recv_into` straight there:
@@ -110,7 +110,7 @@ HELLO then get the call's own timeout. The kernel answers a SYN on a listening p
 however loaded the node; one unanswered for a second went to an address nobody holds (a dead shard's
 pod IP, still in kube-proxy's rules for a moment after the pod went: the connect would hang for the
 3 s of MIN_CONNECT_TIMEOUT_MS, then for ARP's own timeout, while the new pod already listened), and a
-new dial, to the address kube-proxy holds now, is better than waiting (docs/benchmarks.md, Recovery)."""
+new dial, to the address kube-proxy holds now, is better than waiting (docs/benchmarks-history.md, Recovery)."""
 POOL_SIZE = 2
 """Idle connections a worker keeps per shard: it makes one call per shard at a time."""
 IOV_MAX = 512

@@ -82,7 +82,7 @@ GRPC_OPTIONS = [
     # dial costs little: a refused TCP connection, twice a second per shard. At
     # 500 ms rather than 1 s, with the worker's retries capped alike
     # (Backoff.cap), a restarted shard was answered 1.6-2.6 s after it
-    # listened in real pods before, and 0.4-0.7 s after (docs/benchmarks.md, Recovery).
+    # listened in real pods before, and 0.4-0.7 s after (docs/benchmarks-history.md, Recovery).
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_INITIAL_MS),
     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     # gRPC core reads its minimum connect timeout from this (misleadingly named) argument.
