@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -180,6 +181,13 @@ class Soak:
     def _inject(self, fault: Fault) -> None:
         record = Injected(at=round(self._now(), 1), kind=fault.kind)
         self.injected.append(record)
+        self._inject_into(fault, record)
+        # Progress on a run of many minutes (`kubetrain bench soak` runs the driver with pytest -s).
+        what = f"skipped ({record.skipped})" if record.skipped else f"{record.target or record.job}"
+        print(f"soak {record.at:7.1f} s: {record.kind}: {what}; {len(self.jobs)} jobs started", file=sys.stderr,
+              flush=True)
+
+    def _inject_into(self, fault: Fault, record: Injected) -> None:
         try:
             if fault.kind in ("operator", "apiserver"):
                 # The control plane is quiet between its faults as a job is: faults that fell due while an
