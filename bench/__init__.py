@@ -34,14 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kubetrain_operator.api import API_VERSION, KIND
-
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
-def manifest(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """The TrainingJob manifest of a benchmark's job (a dict, as its YAML file would hold it)."""
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
 
 
 def parse_bytes(text: str) -> int:

@@ -45,7 +45,7 @@ def build(model_mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-class _Loop:
+class Loop:
     """The training loop under measure: the model, its optimizer, one fixed batch, and the step count."""
 
     def __init__(self, model_mb: int):
@@ -64,7 +64,7 @@ class _Loop:
                 "rng": capture_rng_state(), "samples": self.step * BATCH, "loss": 0.0}
 
 
-def _sync_saves(loop: _Loop, root: Path, rounds: int) -> tuple[list[float], int]:
+def _sync_saves(loop: Loop, root: Path, rounds: int) -> tuple[list[float], int]:
     """Seconds of each synchronous save, and the checkpoint file's bytes."""
     store = CheckpointStore(root, keep_last=2, spec_hash="bench", background=False)
     times = []
@@ -75,7 +75,7 @@ def _sync_saves(loop: _Loop, root: Path, rounds: int) -> tuple[list[float], int]
     return times, store.list()[-1].bytes
 
 
-def _background_saves(loop: _Loop, root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
+def _background_saves(loop: Loop, root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
     """Rounds of `steps` steps without checkpoints and with one every `every` steps, alternated (ABAB):
     the loop's seconds per step of each ("loop"), and the stalls, waits and final waits of its saves."""
     store = CheckpointStore(root, keep_last=2, spec_hash="bench", background=True)
@@ -106,7 +106,7 @@ def bench_checkpoint(model_mb: int, steps: int, every: int, rounds: int, directo
     if directory is not None and not Path(directory).is_dir():
         raise ValueError(f"--dir {directory}: not a directory")
     threads = make_deterministic()
-    loop = _Loop(model_mb)
+    loop = Loop(model_mb)
     for _ in range(3):  # momentum buffers exist after the first step: the state is whole from here on
         loop.train_one()
     parameter_bytes = sum(p.numel() * p.element_size() for p in loop.model.parameters())

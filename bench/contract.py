@@ -27,7 +27,7 @@ from kubetrain_operator.api import from_object
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 
-from . import manifest
+from .jobs import manifest
 
 # The script `bench contract` times (script.py): a plain DDP loop.
 SCRIPT_MODULE = "kubetrain_bench.script"

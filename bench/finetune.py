@@ -66,8 +66,8 @@ from typing import Any
 
 import yaml
 
-from . import manifest
-from .sharded import SAMPLE_SECONDS, PeakRSS, _rss
+from .jobs import manifest
+from .sharded import SAMPLE_SECONDS, PeakRSS, current_rss
 
 RANKS = 2
 THREADS = 1
@@ -413,7 +413,7 @@ class PeakMemory(PeakRSS):
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, current_rss())
             self.anon_peak = max(self.anon_peak, _anon())
 
     @property
@@ -507,11 +507,13 @@ def export_worker(run_dir: str, out_dir: str, max_shard_bytes: str, out: str) ->
     import torch.distributed.checkpoint  # noqa: F401
 
     import kubetrain_trainer.hf_export  # noqa: F401
-    from kubetrain_cli import main
+    from kubetrain_trainer.export import main_export
 
     with PeakMemory() as peak:
         started = time.perf_counter()
-        code = main(export_argv(Path(run_dir), Path(out_dir), int(max_shard_bytes)))
+        # What `kubetrain checkpoints export RUN --format huggingface --max-shard-size N --out DIR` runs.
+        code = main_export([run_dir], out_dir, fmt="huggingface",
+                           hf_options={"merge_lora": False, "max_shard_bytes": int(max_shard_bytes)})
         seconds = time.perf_counter() - started
     if code != 0:
         raise SystemExit(f"the export failed ({code})")

@@ -37,7 +37,7 @@ import yaml
 from kubetrain_contract.launch import SLOWDOWN_VAR
 from kubetrain_operator.local.progress import JsonlTail
 
-from . import manifest
+from .jobs import manifest
 
 POLL_SECONDS = 0.1
 """How often the benchmark reads the run directory while a variant runs (the kill clock's resolution)."""

@@ -25,7 +25,7 @@ from kubetrain_operator.api import from_object
 from kubetrain_operator.local.backend import LocalBackend
 from kubetrain_operator.local.rundir import RunDir
 
-from . import manifest
+from .jobs import manifest
 
 MODE_LABELS = ("Single", "PS-Sync", "PS-Async", "DDP")
 CASES = ("small", "cnn", "straggler")

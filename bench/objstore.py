@@ -34,7 +34,7 @@ import torch
 from kubetrain_trainer.objstore import ObjectStore, ObjectURI, parse_uri
 from kubetrain_trainer.object_checkpoints import ObjectCheckpointStore
 
-from .checkpoint import _Loop
+from .checkpoint import Loop
 
 
 def _prefix(uri: str, leaf: str) -> ObjectURI:
@@ -47,7 +47,7 @@ def bench_checkpoint_to(uri: str, model_mb: int, rounds: int) -> dict[str, Any]:
         raise ValueError("--model-mb must be at least 100, --rounds at least 1")
     store = ObjectStore()
     store.check_bucket(parse_uri(uri, "--to"))
-    loop = _Loop(model_mb)
+    loop = Loop(model_mb)
     for _ in range(3):
         loop.train_one()
     prefix = _prefix(uri, "bench-checkpoint")

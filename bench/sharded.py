@@ -45,30 +45,30 @@ class PeakRSS:
     """The highest resident set size seen while the block runs, sampled from /proc, minus the size before."""
 
     def __init__(self) -> None:
-        self.before = self.peak = _rss()
+        self.before = self.peak = current_rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def __enter__(self) -> "PeakRSS":
-        self.before = self.peak = _rss()
+        self.before = self.peak = current_rss()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, current_rss())
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, current_rss())
 
     @property
     def extra(self) -> int:
         return self.peak - self.before
 
 
-def _rss() -> int:
+def current_rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

@@ -17,7 +17,7 @@ import sys
 from kubetrain_operator.api import InvalidSpec
 from kubetrain_operator.client.api import ClientError
 
-from .commands import EXIT_USAGE, UsageError, _print_invalid
+from .commands import EXIT_USAGE, UsageError, print_invalid
 from .parser import build_parser
 
 __all__ = ["build_parser", "main"]
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except InvalidSpec as err:
-        _print_invalid(err)
+        print_invalid(err)
         return EXIT_USAGE
     except UsageError as err:
         print(f"kubetrain: {err}", file=sys.stderr)

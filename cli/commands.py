@@ -29,7 +29,7 @@ class UsageError(Exception):
     """A bad command line or input file; the message says which."""
 
 
-def _print_invalid(err: InvalidSpec) -> None:
+def print_invalid(err: InvalidSpec) -> None:
     source = f"{err.source}: " if err.source else ""
     for line in err.shown():
         print(f"{source}{line}", file=sys.stderr)
@@ -69,21 +69,21 @@ def _module_found(name: str, code_dir: Path) -> bool:
     return False
 
 
-def _allowances(value: str) -> frozenset[str]:
+def allowances_arg(value: str) -> frozenset[str]:
     try:
         return parse_allowances([value])
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _secret_names(value: str) -> frozenset[str]:
+def secret_names_arg(value: str) -> frozenset[str]:
     try:
         return parse_secret_names(value, "--object-store-secrets")
     except UsageError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--object-store-secrets: ")) from None
 
 
-def _queue_names(value: str) -> frozenset[str]:
+def queue_names_arg(value: str) -> frozenset[str]:
     try:
         return parse_secret_names(value, "--volcano-queues", "a Volcano queue name")
     except UsageError as err:
@@ -96,7 +96,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         try:
             jobs = load_file(path)
         except InvalidSpec as err:
-            _print_invalid(err)
+            print_invalid(err)
             failed = True
             continue
         # Entry points' modules must be importable by the trainers: locally from the

@@ -8,9 +8,9 @@ from kubetrain_operator import __version__
 from kubetrain_operator.api.podtemplate import ALLOWANCES
 
 from .commands import (
-    _allowances,
-    _queue_names,
-    _secret_names,
+    allowances_arg,
+    queue_names_arg,
+    secret_names_arg,
     cmd_bench,
     cmd_checkpoints,
     cmd_compare,
@@ -57,13 +57,13 @@ def add_local_commands(sub: Subparsers) -> None:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--no-code-check", action="store_true",
                    help="do not look for the entry points' modules (code that exists only in the job's image)")
-    p.add_argument("--allow", type=_allowances, default=frozenset(), metavar="NAME,...",
+    p.add_argument("--allow", type=allowances_arg, default=frozenset(), metavar="NAME,...",
                    help="check for a cluster whose kubetrain installation allows these in spec.podTemplate "
                         f"(its chart's podSecurity.allow): {', '.join(ALLOWANCES)}")
-    p.add_argument("--object-store-secrets", type=_secret_names, default=frozenset(), metavar="NAME,...",
+    p.add_argument("--object-store-secrets", type=secret_names_arg, default=frozenset(), metavar="NAME,...",
                    help="check for a cluster whose kubetrain installation lets jobs name these Secrets as "
                         "object-storage credentials (its chart's objectStorage.secrets)")
-    p.add_argument("--volcano-queues", type=_queue_names, default=frozenset(), metavar="NAME,...",
+    p.add_argument("--volcano-queues", type=queue_names_arg, default=frozenset(), metavar="NAME,...",
                    help="check for a cluster whose kubetrain installation lets jobs name these Volcano queues "
                         "(its chart's gangScheduling.volcano.queues)")
     p.set_defaults(func=cmd_validate)

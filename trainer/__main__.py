@@ -30,7 +30,7 @@ ROLES = {
     "ps": "kubetrain_trainer.ps.serve:run_ps",
     "worker": "kubetrain_trainer.ps.worker:run_worker",
     "standby": "kubetrain_trainer.ps.worker:run_standby",  # a standby worker (ps/standby.py)
-    "ddp": "kubetrain_trainer.ddp.runtime:run_ddp",
+    "ddp": "kubetrain_trainer.ddp.entry:run_ddp",
     "script": "kubetrain_trainer.script:run_script",  # the user's own command (spec.script)
     "lighthouse": "kubetrain_trainer.ddp.lighthouse:run_lighthouse",  # a fault-tolerant DDP job's quorum
     "initializer": "kubetrain_trainer.pretrained:run_initializer",  # spec.model.pretrained, before training

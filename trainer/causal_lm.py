@@ -373,10 +373,10 @@ def build(spec: Spec, model_dir: Path, meta: bool = False) -> CausalLM:
 
 
 def model_and_data(spec: Spec, meta: bool = False) -> tuple[CausalLM, Any]:
-    from .pretrained import _read_json, model_dir
+    from .pretrained import read_json, model_dir
 
     assert spec.dataset is not None and spec.model is not None
     where = model_dir(spec.model.pretrained)
-    config = _read_json(where / "config.json", spec.model.pretrained or str(where))
+    config = read_json(where / "config.json", spec.model.pretrained or str(where))
     data = load_text(spec.dataset, where, config)
     return build(spec, where, meta), data

@@ -20,7 +20,7 @@ from .objectives import CROSS_ENTROPY, Objective, build_objective
 from .objstore import parse_uri, shared_store
 from .plugins import call_with_args, load_entrypoint
 from .shards import (BadShard, Columns, DirectoryStorage, LazyRows, ObjectStorage, ShardCache, ShardedRows,
-                     ShardOrder, ShardStorage, _decode, build_index, cache_root, check_shapes, eval_shards,
+                     ShardOrder, ShardStorage, decode_shard, build_index, cache_root, check_shapes, eval_shards,
                      parse_quantity)
 
 
@@ -244,7 +244,7 @@ def _load_shards(spec: Dataset, seed: int, objective: Objective,
     if len(metas) == 1:
         path, _ = cache.get(storage, metas[0])
         try:
-            x, y = _decode(path, columns, storage.describe(metas[0].name))
+            x, y = decode_shard(path, columns, storage.describe(metas[0].name))
         except BadShard as err:
             raise LoadError(f"{storage.describe(metas[0].name)}: a corrupt or unusable shard: {err}") from None
         return x, y, storage.describe(metas[0].name)

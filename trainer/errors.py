@@ -6,7 +6,7 @@ from kubetrain_contract.exitcodes import (EXIT_CONFIG, EXIT_LOAD, EXIT_OK, EXIT_
                                          EXIT_TRANSIENT)
 
 __all__ = ["EXIT_CONFIG", "EXIT_LOAD", "EXIT_OK", "EXIT_RELEASED", "EXIT_TERMINATED", "EXIT_TRANSIENT", "TrainerError",
-           "ConfigError", "LoadError", "TransientError"]
+           "ConfigError", "LoadError", "TransientError", "first_line"]
 
 
 class TrainerError(Exception):
@@ -31,3 +31,9 @@ class TransientError(TrainerError):
     """A failure that may pass (a peer not up yet, a port still taken); the supervisor retries."""
 
     exit_code = EXIT_TRANSIENT
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (a one-line report of what a long one says)."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""

@@ -39,7 +39,7 @@ from kubetrain_contract.launch import pretrained_in_place
 
 from . import sharded
 from .causal_lm import hf_name, is_adapter
-from .export import EXIT_NO_DATA, EXIT_USAGE, MODEL, Exported, ExportError, _Reader, locate, newest
+from .export_source import EXIT_NO_DATA, EXIT_USAGE, MODEL, Exported, ExportError, Reader, locate, newest
 from .pretrained import CONFIG, INDEX, READY_FILE, SINGLE_WEIGHTS, SUMS, Checked, fetch
 
 DEFAULT_SHARD_BYTES = 5 << 30
@@ -71,7 +71,7 @@ def export_huggingface(sources: list[str | Path], out: str | Path, job_file: str
     if merge_lora and lora is None:
         raise ExportError(f"{job.name}: --merge-lora: the job trains no LoRA adapters (spec.training.lora)",
                           EXIT_USAGE)
-    reader = _Reader(source, on_skip or (lambda path, reason: None))
+    reader = Reader(source, on_skip or (lambda path, reason: None))
     _, info, weights = _newest_weights(reader, list(source.replicas))
     pretrained = _pretrained(spec.model.pretrained, pretrained_cache or _run_cache(source.job_file,
                                                                                    spec.model.pretrained))
@@ -155,7 +155,7 @@ class _Weights:
             return {name: self.plain[name] for name in names}
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-        with sharded._alone_is_meant():
+        with sharded.alone_is_meant():
             loaded = _load_state_dict_from_keys(keys={f"model.{name}" for name in names},
                                                 checkpoint_id=str(self.path))
         return {name: loaded["model"][name] for name in names}
@@ -172,7 +172,7 @@ def _numel_bytes(meta: Any) -> int:
     return count * torch.tensor([], dtype=props.dtype).element_size()
 
 
-def _newest_weights(reader: _Reader, replicas: list[str]) -> tuple[str, Any, _Weights]:
+def _newest_weights(reader: Reader, replicas: list[str]) -> tuple[str, Any, _Weights]:
     """The newest usable checkpoint's model state, a sharded one not loaded yet."""
     replica, info, state = newest(reader, replicas)
     if state is None:

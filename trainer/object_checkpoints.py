@@ -45,7 +45,7 @@ from kubetrain_contract.timestamps import iso
 from .checkpoint import CheckpointInfo, CheckpointStore, CorruptCheckpoint, another_spec
 from .errors import LoadError, TransientError
 from .objstore import CorruptObject, ObjectStore, ObjectURI, RangeReader, file_digest, shared_store
-from .sharded import (METADATA, CorruptSharded, ShardedCheckpointError, ShardedStore, _alone_is_meant, _cause,
+from .sharded import (METADATA, CorruptSharded, ShardedCheckpointError, ShardedStore, alone_is_meant, cause_of,
                       rank_files)
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class ObjectShardedStore(ShardedStore):
             stage.mkdir(parents=True, exist_ok=True)
             # No fsync: the local files are only staged for the upload, whose objects are checked.
             writer = dcp.FileSystemWriter(stage, single_file_per_rank=True, sync_files=False, thread_count=1)
-            with _alone_is_meant():
+            with alone_is_meant():
                 dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
             mine = {}
             midway = (lambda: self.mid_save(step)) if self.mid_save is not None else None
@@ -442,7 +442,7 @@ class ObjectShardedStore(ShardedStore):
         commit: ObjectCommit = path.commit
         reader = ObjectReader(self.remote, commit)
         try:
-            with _alone_is_meant():
+            with alone_is_meant():
                 dcp.load(template, storage_reader=reader, process_group=self.group(), no_dist=not self.distributed)
         except (LoadError, TransientError):
             raise
@@ -452,7 +452,7 @@ class ObjectShardedStore(ShardedStore):
                 raise transient from None
             raise ShardedCheckpointError(
                 f"kubetrain.restore: the checkpoint {self.remote.uri(commit.folder)} does not fit the template "
-                f"given: {_cause(err)}. Pass a template of the same structure as the state saved (for a model "
+                f"given: {cause_of(err)}. Pass a template of the same structure as the state saved (for a model "
                 "and optimizer: get_state_dict(model, optimizer) after building and sharding them)"
             ) from None
 

@@ -74,7 +74,7 @@ class Checked:
     config: dict[str, Any]
 
 
-def _read_json(path: Path, uri: str) -> Any:
+def read_json(path: Path, uri: str) -> Any:
     if path.stat().st_size > MAX_SMALL_FILE_BYTES:
         raise LoadError(f"{uri}: {path.name} is larger than {MAX_SMALL_FILE_BYTES} bytes")
     try:
@@ -142,11 +142,11 @@ def check(path: Path, uri: str, digests: dict[str, str] | None = None) -> Checke
         raise LoadError(f"{uri}: no such directory")
     if not (path / CONFIG).is_file():
         raise LoadError(f"{uri}: no {CONFIG}: not a Hugging Face model directory")
-    config = _read_json(path / CONFIG, uri)
+    config = read_json(path / CONFIG, uri)
     if not isinstance(config, dict) or "model_type" not in config:
         raise LoadError(f"{uri}: {CONFIG} has no model_type: not a Hugging Face model config")
     if (path / INDEX).is_file():
-        index = _read_json(path / INDEX, uri)
+        index = read_json(path / INDEX, uri)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise LoadError(f"{uri}: {INDEX} has no weight_map")
@@ -224,9 +224,9 @@ def _ready(cache: Path, uri: str) -> Checked | None:
         file = cache / name
         if not file.is_file() or file.stat().st_size != size:
             return None
-    config = _read_json(cache / CONFIG, uri)
+    config = read_json(cache / CONFIG, uri)
     weights = ([SINGLE_WEIGHTS] if (cache / SINGLE_WEIGHTS).is_file() else
-               sorted(set(_read_json(cache / INDEX, uri)["weight_map"].values())))
+               sorted(set(read_json(cache / INDEX, uri)["weight_map"].values())))
     return Checked(cache, weights, config)
 
 

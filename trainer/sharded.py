@@ -324,7 +324,7 @@ class ShardedStore(Store):
         mine: dict[str, tuple[int, str]] | str
         try:
             writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-            with _alone_is_meant():
+            with alone_is_meant():
                 dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
             mine = {name: hash_file(tmp / name) for name in rank_files(tmp, self.rank)}
             if self.mid_save is not None:
@@ -461,13 +461,13 @@ class ShardedStore(Store):
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
-            with _alone_is_meant():
+            with alone_is_meant():
                 dcp.load(template, storage_reader=dcp.FileSystemReader(path), process_group=self.group(),
                          no_dist=not self.distributed)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
             raise ShardedCheckpointError(
                 f"kubetrain.restore: the checkpoint {path} does not fit the template given: "
-                f"{_cause(err)}. Pass a template of the same structure as the state saved (for a model "
+                f"{cause_of(err)}. Pass a template of the same structure as the state saved (for a model "
                 "and optimizer: get_state_dict(model, optimizer) after building and sharding them)"
             ) from None
 
@@ -552,7 +552,7 @@ def _mismatch(path: str, expected: str, got: Any) -> ShardedCheckpointError:
                                   f"{type(got).__name__} in the checkpoint")
 
 
-def _cause(err: BaseException) -> str:
+def cause_of(err: BaseException) -> str:
     """The message of what failed: DCP's CheckpointException wraps each rank's exception with its traceback."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -599,12 +599,12 @@ def load_whole(path: Path) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    with _alone_is_meant():
+    with alone_is_meant():
         return _load_state_dict_from_keys(checkpoint_id=str(path))
 
 
 @contextlib.contextmanager
-def _alone_is_meant() -> Iterator[None]:
+def alone_is_meant() -> Iterator[None]:
     """DCP warns that it assumes one process when there is no process group: here that is meant."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*(unavailable|uninitialized)")

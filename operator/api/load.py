@@ -10,7 +10,7 @@ import yaml
 
 from . import podtemplate, schema
 from .names import annotations_problems, labels_problems, namespace_problems
-from .schema import INT64_MAX, INT64_MIN, InvalidSpec, Problem, _short
+from .schema import INT64_MAX, INT64_MIN, InvalidSpec, Problem, short_repr
 from .spec import API_VERSION, KIND, Metadata, Spec, TrainingJob
 
 # Child objects are named <job>-<role>-<index> (e.g. "<job>-worker-1023") and
@@ -131,7 +131,7 @@ def huge_integers(value: Any, path: str) -> list[Problem]:
         elif isinstance(node, list):
             stack += [(v, f"{where}[{i}]") for i, v in enumerate(node)]
         elif isinstance(node, int) and not isinstance(node, bool) and not INT64_MIN <= node <= INT64_MAX:
-            found.append(Problem(where, f"must be a 64-bit integer (at most {INT64_MAX}), got {_short(node)}"))
+            found.append(Problem(where, f"must be a 64-bit integer (at most {INT64_MAX}), got {short_repr(node)}"))
     return found
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .schema import Problem, _type_name
+from .schema import Problem, type_name
 
 DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS1123_LABEL_MAX = 63
@@ -33,7 +33,7 @@ def _show(text: str) -> str:
 def namespace_problems(namespace: Any, path: str = "metadata.namespace") -> list[Problem]:
     """A namespace name: a DNS-1123 label of at most 63 characters."""
     if not isinstance(namespace, str):
-        return [Problem(path, f"must be a string, got {_type_name(namespace)}")]
+        return [Problem(path, f"must be a string, got {type_name(namespace)}")]
     if len(namespace) > DNS1123_LABEL_MAX:
         return [Problem(path, f"must be at most {DNS1123_LABEL_MAX} characters, got {len(namespace)}")]
     if not DNS1123_LABEL.fullmatch(namespace):
@@ -46,7 +46,7 @@ def qualified_key_problem(key: Any) -> str | None:
     """Why `key` is no label or annotation key (an optional DNS-1123 subdomain prefix and '/', then a
     name of at most 63 characters), or None."""
     if not isinstance(key, str):
-        return f"keys must be strings, got {_type_name(key)} {key!r}"
+        return f"keys must be strings, got {type_name(key)} {key!r}"
     prefix, slash, name = key.rpartition("/")
     if slash and (not prefix or len(prefix) > DNS1123_SUBDOMAIN_MAX or not DNS1123_SUBDOMAIN.fullmatch(prefix)):
         return (f"key {_show(key)}: its prefix must be a DNS-1123 subdomain of at most {DNS1123_SUBDOMAIN_MAX} "
@@ -63,7 +63,7 @@ def labels_problems(labels: Any, path: str) -> list[Problem]:
     if labels is None:
         return []
     if not isinstance(labels, dict):
-        return [Problem(path, f"must be a map of strings to strings, got {_type_name(labels)}")]
+        return [Problem(path, f"must be a map of strings to strings, got {type_name(labels)}")]
     problems = []
     for key, value in labels.items():
         where = f"{path}.{key}"
@@ -71,7 +71,7 @@ def labels_problems(labels: Any, path: str) -> list[Problem]:
         if why is not None:
             problems.append(Problem(path, why))
         elif not isinstance(value, str):
-            problems.append(Problem(where, f"must be a string, got {_type_name(value)}"))
+            problems.append(Problem(where, f"must be a string, got {type_name(value)}"))
         elif len(value) > LABEL_VALUE_MAX or (value and not QUALIFIED_NAME.fullmatch(value)):
             problems.append(Problem(where, f"{_show(value)} is not a valid label value (at most {LABEL_VALUE_MAX} "
                                            "characters of letters, digits, '-', '_' and '.', starting and ending "
@@ -84,7 +84,7 @@ def annotations_problems(annotations: Any, path: str) -> list[Problem]:
     if annotations is None:
         return []
     if not isinstance(annotations, dict):
-        return [Problem(path, f"must be a map of strings to strings, got {_type_name(annotations)}")]
+        return [Problem(path, f"must be a map of strings to strings, got {type_name(annotations)}")]
     problems = []
     size = 0
     for key, value in annotations.items():
@@ -93,7 +93,7 @@ def annotations_problems(annotations: Any, path: str) -> list[Problem]:
             problems.append(Problem(path, why))
             continue
         if not isinstance(value, str):
-            problems.append(Problem(f"{path}.{key}", f"must be a string, got {_type_name(value)}"))
+            problems.append(Problem(f"{path}.{key}", f"must be a string, got {type_name(value)}"))
             continue
         size += len(key.encode()) + len(value.encode())
     if size > ANNOTATIONS_MAX_BYTES:

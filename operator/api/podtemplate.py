@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from . import quantity
 from .names import annotations_problems, labels_problems
-from .schema import _type_name
+from .schema import type_name
 
 CONTAINER = "trainer"  # the container kubetrain runs the trainer in
 
@@ -144,7 +144,7 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
     if spec is None:
         return problems
     if not isinstance(spec, dict):
-        return problems + [("podTemplate.spec", f"must be an object, got {_type_name(spec)}")]
+        return problems + [("podTemplate.spec", f"must be an object, got {type_name(spec)}")]
     path = "podTemplate.spec"
     problems += [(where, NULL_MESSAGE) for where in null_paths(spec, path)]
     for i, volume in _items(spec, "volumes", MAX_VOLUMES, path, problems):
@@ -175,11 +175,11 @@ def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
     for key, kind in POD_SHAPES:
         value = spec.get(key)
         if value is not None and not isinstance(value, kind):
-            problems.append((f"{path}.{key}", f"must be {_kind_name(kind)}, got {_type_name(value)}"))
+            problems.append((f"{path}.{key}", f"must be {_kind_name(kind)}, got {type_name(value)}"))
     tolerations = spec.get("tolerations")
     for i, item in enumerate(tolerations if isinstance(tolerations, list) else []):
         if not isinstance(item, dict):
-            problems.append((f"{path}.tolerations[{i}]", f"must be an object, got {_type_name(item)}"))
+            problems.append((f"{path}.tolerations[{i}]", f"must be an object, got {type_name(item)}"))
     for key in ("containers", "initContainers"):
         items = spec.get(key)
         if key == "initContainers":
@@ -196,7 +196,7 @@ def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
                     value = value.get(step) if isinstance(value, dict) else None
                 if value is not None and not isinstance(value, kind):
                     problems.append((f"{path}.{key}[{i}].{'.'.join(fields)}",
-                                     f"must be {_kind_name(kind)}, got {_type_name(value)}"))
+                                     f"must be {_kind_name(kind)}, got {type_name(value)}"))
     return problems
 
 
@@ -210,7 +210,7 @@ def _resource_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]
             resources = container.get("resources") if isinstance(container, dict) else None
             where = f"{path}.{key}[{i}].resources"
             if resources is not None and not isinstance(resources, dict):
-                problems.append((where, f"must be an object, got {_type_name(resources)}"))
+                problems.append((where, f"must be an object, got {type_name(resources)}"))
             elif resources is not None:
                 for kind in ("limits", "requests"):
                     problems += quantity.map_problems(resources.get(kind), f"{where}.{kind}")
@@ -264,7 +264,7 @@ def _metadata_problems(meta: Any) -> list[tuple[str, str]]:
     if meta is None:
         return []
     if not isinstance(meta, dict):
-        return [("podTemplate.metadata", f"must be an object, got {_type_name(meta)}")]
+        return [("podTemplate.metadata", f"must be an object, got {type_name(meta)}")]
     problems = []
     for key, check in (("labels", labels_problems), ("annotations", annotations_problems)):
         path = f"podTemplate.metadata.{key}"
@@ -332,7 +332,7 @@ def _items(parent: dict[str, Any], key: str, bound: int, path: str, problems: li
     if value is None:
         return []
     if not isinstance(value, list):
-        problems.append((f"{path}.{key}", f"must be a list, got {_type_name(value)}"))
+        problems.append((f"{path}.{key}", f"must be a list, got {type_name(value)}"))
         return []
     if len(value) > bound:
         problems.append((f"{path}.{key}", f"must have at most {bound} items, got {len(value)}"))
@@ -342,7 +342,7 @@ def _items(parent: dict[str, Any], key: str, bound: int, path: str, problems: li
         if isinstance(item, dict):
             out.append((i, item))
         else:
-            problems.append((f"{path}.{key}[{i}]", f"must be an object, got {_type_name(item)}"))
+            problems.append((f"{path}.{key}[{i}]", f"must be an object, got {type_name(item)}"))
     return out
 
 
@@ -356,7 +356,7 @@ def _string(item: dict[str, Any], key: str, path: str, problems: list[tuple[str,
     if value is None:
         return None
     if not isinstance(value, str):
-        problems.append((f"{path}.{key}", f"must be a string, got {_type_name(value)} {value!r}"))
+        problems.append((f"{path}.{key}", f"must be a string, got {type_name(value)} {value!r}"))
         return None
     if max_length is not None and len(value) > max_length:
         problems.append((f"{path}.{key}", f"must be at most {max_length} characters, got {len(value)}"))

@@ -21,7 +21,7 @@ import re
 from decimal import Context, Decimal, localcontext
 from typing import Any
 
-from .schema import _type_name
+from .schema import type_name
 
 MAX_MILLI = 2**63 - 1
 """Kubernetes' bound: a quantity's milli-units are an int64 (resource.MaxMilliValue * 1000)."""
@@ -95,7 +95,7 @@ def map_problems(values: Any, path: str) -> list[tuple[str, str]]:
     if values is None:
         return []
     if not isinstance(values, dict):
-        return [(path, f"must be an object, got {_type_name(values)}")]
+        return [(path, f"must be an object, got {type_name(values)}")]
     if len(values) > MAX_NAMES:
         return [(path, f"must have at most {MAX_NAMES} resources, got {len(values)}")]
     return [(f"{path}.{name}", message) for name, value in values.items()

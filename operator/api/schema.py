@@ -237,7 +237,7 @@ JSON_TYPE_NAMES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (f
 """The names errors give a value's type, tested in this order (a bool is an int too)."""
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     return next((name for tp, name in JSON_TYPE_NAMES if isinstance(value, tp)), type(value).__name__)
 
 
@@ -249,7 +249,7 @@ def _check_scalar(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[P
     kind = info.kind
     if kind == "bool":
         if not isinstance(value, bool):
-            out.append(Problem(path, f"must be true or false, got {_type_name(value)} {_show(value)}"))
+            out.append(Problem(path, f"must be true or false, got {type_name(value)} {_show(value)}"))
             return MISSING
         return value
     if kind == "int":
@@ -257,26 +257,26 @@ def _check_scalar(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[P
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                out.append(Problem(path, f"must be an integer, got {_type_name(value)} {_show(value)}"))
+                out.append(Problem(path, f"must be an integer, got {type_name(value)} {_show(value)}"))
                 return MISSING
         if not INT64_MIN <= value <= INT64_MAX:
             # The API server stores int64; a seed past it also overflows torch's generators.
-            out.append(Problem(path, f"must be a 64-bit integer (at most {INT64_MAX}), got {_short(value)}"))
+            out.append(Problem(path, f"must be a 64-bit integer (at most {INT64_MAX}), got {short_repr(value)}"))
             return MISSING
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            out.append(Problem(path, f"must be a number, got {_type_name(value)} {_show(value)}"))
+            out.append(Problem(path, f"must be a number, got {type_name(value)} {_show(value)}"))
             return MISSING
         try:
             value = float(value)
         except OverflowError:
             value = math.inf
         if not math.isfinite(value):
-            out.append(Problem(path, f"must be a finite number, got {_short(value)}"))
+            out.append(Problem(path, f"must be a finite number, got {short_repr(value)}"))
             return MISSING
     elif kind == "str":
         if not isinstance(value, str):
-            out.append(Problem(path, f"must be a string, got {_type_name(value)} {_show(value)}"))
+            out.append(Problem(path, f"must be a string, got {type_name(value)} {_show(value)}"))
             return MISSING
         if meta.max_length is not None and len(value) > meta.max_length:
             out.append(Problem(path, f"must be at most {meta.max_length} characters, got {len(value)}"))
@@ -319,7 +319,7 @@ def _check_scalar(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[P
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """A value for a message: a number of hundreds of digits is shown by its size, not in full."""
     text = str(value)
     return text if len(text) <= 40 else f"a number of {len(text)} digits"
@@ -342,7 +342,7 @@ def parse_value(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Pro
         return parse(info.cls, value, path, out)
     if info.kind == "map":
         if not isinstance(value, dict):
-            out.append(Problem(path, f"must be an object, got {_type_name(value)}"))
+            out.append(Problem(path, f"must be an object, got {type_name(value)}"))
             return MISSING
         if info.value is not None and info.value.kind == "any":
             return value
@@ -362,7 +362,7 @@ def parse_value(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Pro
 def _parse_list(value: Any, info: TypeInfo, meta: Meta, path: str, out: list[Problem]) -> Any:
     """A list of scalars: its length within min_items..max_items, each item checked (pattern, length)."""
     if not isinstance(value, list):
-        out.append(Problem(path, f"must be a list, got {_type_name(value)}"))
+        out.append(Problem(path, f"must be a list, got {type_name(value)}"))
         return MISSING
     if meta.min_items is not None and len(value) < meta.min_items:
         out.append(Problem(path, f"must have at least {meta.min_items} item{'s' if meta.min_items > 1 else ''}, "
@@ -384,7 +384,7 @@ def parse(cls: type, data: Any, path: str, out: list[Problem]) -> Any:
     ``out``). Absent fields take the dataclass defaults.
     """
     if not isinstance(data, dict):
-        out.append(Problem(path, f"must be an object, got {_type_name(data)}"))
+        out.append(Problem(path, f"must be an object, got {type_name(data)}"))
         return MISSING
     specs = fields_of(cls)
     by_yaml = {yaml_name(f): (f, info) for f, info in specs}

@@ -59,7 +59,7 @@ from kubetrain_contract.launch import (FT_COUNT_VAR, FT_GROUPS_VAR, FT_GROUP_VAR
 from ..context import ReplicaContext
 from ..contract import JobCheckpoints
 from ..data import Block, QuorumCursor
-from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
+from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError, first_line
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..preload import optimizer_step
@@ -67,7 +67,7 @@ from ..models import build_optimizer
 from ..training import compute_gradients, planned_steps
 from ..sharded import has_dtensors
 from . import fsdp
-from .runtime import DDPTrainer, Topology, _first_line
+from .runtime import DDPTrainer, Topology
 
 log = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ class ReplicaGroup:
             # past its retries): this group cannot go on; restarted, it heals from a peer or restores.
             raise TransientError(f"{self.ctx.replica}: no quorum of replica groups within "
                                  f"{self.spec.quorum_timeout_seconds:g} s (ddp.faultTolerance.quorumTimeoutSeconds): "
-                                 f"{_first_line(err)}") from None
+                                 f"{first_line(err)}") from None
 
     def deal(self) -> tuple[int, int, int]:
         """Wait for the step's quorum: (this rank's lane among the ranks that train the step, -1 when it trains
@@ -614,7 +614,7 @@ class ReplicaGroup:
         if error is None:
             return ""
         original = getattr(error, "original_exception", error)
-        return f"{type(original).__name__}: {_first_line(original)}"[:ERROR_CHARS]
+        return f"{type(original).__name__}: {first_line(original)}"[:ERROR_CHARS]
 
     def close(self) -> None:
         if self.manager is not None:
@@ -925,7 +925,7 @@ def run_replica_group(ctx: ReplicaContext) -> int:
         raise
     except Exception as err:  # noqa: BLE001 - logged in full, reported as one line
         log.error("%s: training failed:\n%s", trainer.ctx.replica, "".join(traceback.format_exception(err)))
-        failure = f"{type(err).__name__}: {_first_line(err)}"
+        failure = f"{type(err).__name__}: {first_line(err)}"
     finally:
         trainer.close()
     raise TrainerError(f"{trainer.ctx.replica}: training failed: {failure}")

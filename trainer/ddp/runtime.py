@@ -39,7 +39,7 @@ from ..context import ReplicaContext
 from ..contract import JobCheckpoints, ProgressReporter
 from ..data import resume_group_cursor
 from ..device import make_deterministic, select_device
-from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError
+from ..errors import EXIT_OK, EXIT_TERMINATED, ConfigError, TrainerError, TransientError, first_line
 from ..events import EventLog, startup, write_result
 from ..metrics import TrainerMetrics
 from ..models import build_optimizer, evaluate, model_and_data
@@ -416,8 +416,9 @@ class DDPTrainer(TrainState):
         self.events.close()
 
 
-def run_ddp(ctx: ReplicaContext) -> int:
-    """Train as one rank of the torchrun group; resumes from the newest checkpoint; returns the exit code.
+def run_group_rank(ctx: ReplicaContext) -> int:
+    """Train as one rank of the torchrun group (plain DDP: `entry.run_ddp` chose it); resumes from the
+    newest checkpoint; returns the exit code.
 
     0 when the job is done, 143 after a SIGTERM (checkpoint written), 2 for a
     configuration that cannot work (nccl without a GPU), 75 when a collective
@@ -425,10 +426,6 @@ def run_ddp(ctx: ReplicaContext) -> int:
     failure (gloo reports a dead peer as a plain RuntimeError). torchrun
     restarts the group whatever the code; the codes matter once it gives up.
     """
-    if ctx.spec.fault_tolerant:
-        from .ft import run_replica_group  # one rank of a replica group of its own (torchft)
-
-        return run_replica_group(ctx)
     topo = Topology.from_env(os.environ)
     trainer = DDPTrainer(ctx, topo)
     failure, error_type = "", TrainerError
@@ -443,12 +440,7 @@ def run_ddp(ctx: ReplicaContext) -> int:
         # holds the failed backward's frames, and with them gloo work that
         # made the interpreter hang at exit until torchrun's SIGKILL (30 s).
         log.error("%s: training failed:\n%s", trainer.ctx.replica, "".join(traceback.format_exception(err)))
-        failure = f"{type(err).__name__}: {_first_line(err)}"
+        failure = f"{type(err).__name__}: {first_line(err)}"
     finally:
         trainer.close()
     raise error_type(f"{trainer.ctx.replica}: training failed: {failure}")
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else ""
