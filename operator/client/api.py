@@ -108,7 +108,7 @@ class Event:
 
 
 class Backend(abc.ABC):
-    """One way of running jobs: a cluster (backends.cluster) or this machine (backends.local)."""
+    """One way of running jobs: a cluster (client/cluster.py) or this machine (client/local.py)."""
 
     where: str  # "namespace NS" or "runs directory DIR", for messages
 
