@@ -274,8 +274,11 @@ class ProgressReporter:
         self.metrics.total_steps.set(total_steps)
 
     def start_window(self, step: int) -> None:
-        """Rates are measured from here (a resumed process: from its first step)."""
+        """Rates are measured from here (a resumed process: from its first step), and the process's step is the
+        one it resumed from: its gauge never reads 0 between a restart and the first step (a dashboard's dip,
+        a report's curve going back past the checkpoint)."""
         self.step = step
+        self.metrics.training_step.set(step)
         self._window_step, self._window_samples, self._window_start = step, 0, time.perf_counter()
 
     def report(self, step: int, total_steps: int | None = None, samples: int = 0,

@@ -70,8 +70,9 @@ class SingleTrainer(TrainState):
 
     def run(self) -> int:
         self.metrics.process_starts_total.inc()
-        self.metrics.serve(self.ctx.metrics_port, self.ctx.listen_address)
         resumed = self.restore()
+        self.reporter.start_window(self.step)  # before /metrics is served: a restarted replica never reads step 0
+        self.metrics.serve(self.ctx.metrics_port, self.ctx.listen_address)
         startup("restored", step=self.step, resumed=resumed)
         if self.evaluates_baseline():
             self.evaluate()

@@ -481,6 +481,10 @@ class DataServer:
                 except ssl.SSLError as err:  # no certificate, another CA's, plaintext: never gets further
                     self._unserved("handshake", f"TLS handshake failed: {err.reason or err}")
                     return
+                except TimeoutError:  # a handshake dripped, or never sent: the same deadline as the HELLO's
+                    self._unserved("deadline", f"closed a connection from {peer} that did not finish its handshake "
+                                               f"and HELLO within {self.hello_seconds:g} s (hello_seconds)")
+                    return
                 with self._lock:
                     self._conns.discard(raw)
                     self._conns.add(conn)
