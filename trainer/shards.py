@@ -233,13 +233,21 @@ def _member_start(read: Callable[[int, int], bytes], offset: int) -> tuple[int, 
     return start, head[30 + name_len + extra_len:]
 
 
+NPY_HEADER_LOCK = threading.Lock()
+"""numpy reads an .npy header with ast.literal_eval, and CPython 3.11's AST compiler keeps its recursion depth
+in state the threads share: headers read at once by the index's threads failed now and then with "SystemError:
+AST constructor recursion depth mismatch" (tests/trainer/test_shards.py, 2026-12-06). One header at a time:
+microseconds each."""
+
+
 def _npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
     """(shape, dtype, header length) of an .npy file's first bytes."""
     f = io.BytesIO(data)
     try:
         version = np.lib.format.read_magic(f)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read(f)
+        with NPY_HEADER_LOCK:
+            shape, fortran, dtype = read(f)
     except (ValueError, OSError) as err:
         raise BadShard(f"not an .npy array: {err}") from None
     if fortran:
