@@ -117,8 +117,7 @@ class Session:
         if found is None:
             return None, 0
         step, state, _ = found
-        self.reporter.start_window(step)
-        self.metrics.training_step.set(step)
+        self.reporter.start_window(step)  # the step gauge too
         return state, step
 
     def save(self, state: Any, step: int, wait: bool = False) -> None:
