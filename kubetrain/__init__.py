@@ -66,7 +66,7 @@ def restore(template: dict[str, Any] | None = None) -> tuple[Any, int]:
     too. Restoring a sharded checkpoint without a template is an error that
     says so. With a template every rank must call it (it is collective).
     """
-    from kubetrain_trainer.userapi import session
+    from kubetrain.trainer.userapi import session
 
     return session().restore(template)
 
@@ -98,7 +98,7 @@ def save(state: dict[str, Any], step: int, wait: bool = False) -> None:
     the same directory: in a cluster a DDP job of several nodes needs
     `checkpoint.storage.accessMode: ReadWriteMany`.
     """
-    from kubetrain_trainer.userapi import session
+    from kubetrain.trainer.userapi import session
 
     session().save(state, step, wait)
 
@@ -112,7 +112,7 @@ def report(step: int, total_steps: int | None = None, **metrics: float) -> None:
     `kubetrain_reported_metric{name=...}` for the others) and the final results.
     Values are numbers or one-element tensors. Cheap enough to call every step.
     """
-    from kubetrain_trainer.userapi import session
+    from kubetrain.trainer.userapi import session
 
     session().report(step, total_steps, metrics)
 
@@ -123,7 +123,7 @@ def checkpoint_dir() -> Path:
     For files of your own beside kubetrain's checkpoints; the environment
     variable KUBETRAIN_CHECKPOINT_DIR holds the same path.
     """
-    from kubetrain_trainer.userapi import checkpoint_dir as _checkpoint_dir
+    from kubetrain.trainer.userapi import checkpoint_dir as _checkpoint_dir
 
     return _checkpoint_dir()
 
@@ -172,7 +172,7 @@ def fault_tolerant(model: Any, optimizer: Any, state: Any = None, load_state: An
 
     See docs/custom-code.md#fault-tolerant-scripts.
     """
-    from kubetrain_trainer.ddp.ft import FaultTolerance
+    from kubetrain.trainer.ddp.ft import FaultTolerance
 
     return FaultTolerance(model, optimizer, state, load_state, samples=samples, batch_size=batch_size,
                           epochs=epochs, max_steps=max_steps, seed=seed)

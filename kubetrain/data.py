@@ -30,7 +30,7 @@ def shards(source: str, batch_size: int, *, seed: int = 0, rank: int | None = No
     """A loader of `source` (s3://BUCKET/PREFIX/ or a directory of .npz or Parquet shards) for this rank:
     `next_batch()` -> (x, y, indices), iteration over the rest of an epoch, `state_dict()` and
     `load_state_dict()` to save and restore its position with the model, `epoch`, `steps_per_epoch`."""
-    from kubetrain_trainer.loader import ShardedLoader
+    from kubetrain.trainer.loader import ShardedLoader
 
     return ShardedLoader(source, batch_size, seed=seed, rank=rank, world_size=world_size, label_column=label_column,
                          feature_columns=feature_columns, cache_size=cache_size)

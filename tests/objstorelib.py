@@ -44,7 +44,7 @@ class S3:
 
     def store(self, **overrides: str):
         """An ObjectStore of this server (overrides: AWS_* values to change, e.g. a wrong secret)."""
-        from kubetrain_trainer.objstore import Credentials, ObjectStore
+        from kubetrain.trainer.objstore import Credentials, ObjectStore
 
         env = {**self.env, **overrides}
         return ObjectStore(credentials=Credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], "",
@@ -52,7 +52,7 @@ class S3:
 
     def bucket(self, prefix: str = "t") -> str:
         """A new, empty bucket's name."""
-        from kubetrain_trainer.objstore import ObjectURI
+        from kubetrain.trainer.objstore import ObjectURI
 
         name = f"{prefix}-{secrets.token_hex(6)}"
         self.store().ensure_bucket(ObjectURI(name))
@@ -118,8 +118,8 @@ def put_digits(store, bucket: str, prefix: str = "digits/") -> str:
 
     import numpy as np
 
-    from kubetrain_trainer.data import digits
-    from kubetrain_trainer.objstore import ObjectURI
+    from kubetrain.trainer.data import digits
+    from kubetrain.trainer.objstore import ObjectURI
 
     x, y = digits()
     for i, (xs, ys) in enumerate(zip(np.array_split(x, DIGITS_SHARDS), np.array_split(y, DIGITS_SHARDS))):

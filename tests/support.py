@@ -22,6 +22,6 @@ def kubetrain(*args: str, timeout: float = 600, **kw) -> subprocess.CompletedPro
     """The real `kubetrain` command, as a user runs it."""
     env = {**os.environ, **kw.pop("env", {})}
     return subprocess.run(
-        [sys.executable, "-m", "kubetrain_cli", *args],
+        [sys.executable, "-m", "kubetrain.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=env, **kw,
     )

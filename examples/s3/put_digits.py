@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 
-from kubetrain_trainer.data import digits
-from kubetrain_trainer.objstore import ObjectStore, ObjectURI, parse_uri
+from kubetrain.trainer.data import digits
+from kubetrain.trainer.objstore import ObjectStore, ObjectURI, parse_uri
 
 SHARDS = 8
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The DDP runtime's NCCL path on one GPU: a world of size 1 under the real
-# torchrun agent (kubetrain_trainer.ddp.agent), digits MLP, once per comm hook.
+# torchrun agent (kubetrain.trainer.ddp.agent), digits MLP, once per comm hook.
 #
 #   hack/gpu/ddp_nccl_check.sh [WORK_DIR]      (PYTHON overrides the interpreter)
 #
@@ -33,8 +33,8 @@ spec:
 EOF
   mapfile -t argv < <("$python" - "$dir/job.yaml" "$port" <<'EOF'
 import sys
-from kubetrain_operator.api import load_one
-from kubetrain_contract.launch import torchrun_command
+from kubetrain.api import load_one
+from kubetrain.shared.launch import torchrun_command
 spec = load_one(sys.argv[1]).spec
 print("\n".join(torchrun_command(spec, 0, f"127.0.0.1:{sys.argv[2]}", "nccl-check",
                                  python=sys.executable, local_addr="127.0.0.1")))

@@ -3,15 +3,15 @@
 import json
 from pathlib import Path
 
-from kubetrain_operator.api import crd, schema
-from kubetrain_operator.api.spec import Spec
+from kubetrain.api import crd, schema
+from kubetrain.api.spec import Spec
 
 ROOT = Path(__file__).parents[2]
 
 
 def test_deploy_crd_is_generated_from_the_api_model():
     committed = (ROOT / "deploy/crd/trainingjobs.yaml").read_text()
-    assert committed == crd.render(), "run: python -m kubetrain_operator.api.crd > deploy/crd/trainingjobs.yaml"
+    assert committed == crd.render(), "run: python -m kubetrain.api.crd > deploy/crd/trainingjobs.yaml"
 
 
 def _walk(cls, props, path):
@@ -43,10 +43,10 @@ def test_cross_field_rules_become_cel_with_the_validator_messages():
 
 
 def test_reference_docs_are_generated_from_the_api_model():
-    from kubetrain_operator.api import docs
+    from kubetrain.api import docs
 
     committed = (ROOT / "docs/reference.md").read_text()
-    assert committed == docs.render(), "run: python -m kubetrain_operator.api.docs > docs/reference.md"
+    assert committed == docs.render(), "run: python -m kubetrain.api.docs > docs/reference.md"
     assert "`spec.parameterServer.compression.algorithm`" in committed
 
 
@@ -80,7 +80,7 @@ def test_pod_template_keeps_every_unknown_field_and_bounds_every_list():
 
 
 def test_pod_template_cel_rules_speak_the_validator_messages():
-    from kubetrain_operator.api import podtemplate
+    from kubetrain.api import podtemplate
 
     pt = _pod_template_schema()["properties"]["spec"]["properties"]
     volume_rules = pt["volumes"]["items"]["properties"]["name"]["x-kubernetes-validations"]

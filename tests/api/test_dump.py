@@ -9,7 +9,7 @@ import yaml
 
 from support import ROOT
 
-from kubetrain_operator.api import dump_manifest, from_object, load_file, to_manifest
+from kubetrain.api import dump_manifest, from_object, load_file, to_manifest
 
 EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.yaml") if "kind: TrainingJob" in p.read_text())
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubetrain_operator.api import InvalidSpec, TrainingJob, from_object, load_file, to_manifest
-from kubetrain_operator.api.load import MAX_MANIFEST_BYTES
+from kubetrain.api import InvalidSpec, TrainingJob, from_object, load_file, to_manifest
+from kubetrain.api.load import MAX_MANIFEST_BYTES
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -228,11 +228,11 @@ def restricted(pod: dict) -> list[str]:
 def test_the_operators_path_ends_in_a_job_or_invalid_spec(spec, template, levels):
     import sys
 
-    from kubetrain_operator.api import from_spec_dict
-    from kubetrain_operator.core import podsecurity
-    from kubetrain_operator.core.children import Settings, children
-    from kubetrain_operator.api.status import JobStatus, to_dict
-    from kubetrain_operator.core.reconcile import reconcile
+    from kubetrain.api import from_spec_dict
+    from kubetrain.engine import podsecurity
+    from kubetrain.engine.children import Settings, children
+    from kubetrain.api.status import JobStatus, to_dict
+    from kubetrain.engine.reconcile import reconcile
 
     spec = {"mode": "Single", **spec, "podTemplate": template}
     if levels:

@@ -6,7 +6,7 @@ import pytest
 from test_validate import Case
 from test_validate import test_invalid_manifest_is_rejected_with_its_field_path as refused_naming_its_path
 
-from kubetrain_operator.api import from_object
+from kubetrain.api import from_object
 
 SP = "spec.runPolicy.schedulingPolicy"
 
@@ -71,8 +71,8 @@ def test_no_policy_means_no_gang():
 def test_the_crd_does_not_default_the_policy_into_every_job():
     """An object field's schema gets `default: {}`; this one must not, or the API server would give
     every job an (empty) schedulingPolicy, and with it a PodGroup."""
-    from kubetrain_operator.api import crd
-    from kubetrain_operator.api.spec import Spec
+    from kubetrain.api import crd
+    from kubetrain.api.spec import Spec
 
     run_policy = crd.object_schema(Spec)["properties"]["runPolicy"]
     assert run_policy["default"] == {}  # the block around it is still defaulted
@@ -89,13 +89,13 @@ def test_the_operator_refuses_a_gang_scheduler_it_does_not_know_at_start(flag, s
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "kubetrain_cli", "operator", "--gang-scheduler", flag],
+    done = subprocess.run([sys.executable, "-m", "kubetrain.cli", "operator", "--gang-scheduler", flag],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_gang_scheduler_flags_keep_their_order_and_default_scheduler_names():
-    from kubetrain_cli.commands import UsageError, parse_gang_schedulers
+    from kubetrain.cli.commands import UsageError, parse_gang_schedulers
 
     assert parse_gang_schedulers(["scheduler-plugins", "volcano=vc"]) == (
         ("scheduler-plugins", "scheduler-plugins-scheduler"), ("volcano", "vc"))
@@ -179,7 +179,7 @@ QUEUE_WORDS = "not a Volcano queue this kubetrain installation lets jobs name"
 def validate(tmp_path, capsys, manifest: dict, *flags: str) -> tuple[int, str]:
     import yaml
 
-    from kubetrain_cli import main
+    from kubetrain.cli import main
 
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
@@ -217,7 +217,7 @@ def test_a_volcano_queue_must_be_one_the_installation_lists(tmp_path, capsys):
 def test_a_template_may_not_file_its_pods_under_another_podgroup_or_queue(where, key, tmp_path, capsys):
     """A job's pods labelled or annotated with another job's PodGroup joined that gang (counted in its
     minMember, scheduled with it); a queue annotation put a job without a PodGroup into any queue."""
-    from kubetrain_operator.api.podtemplate import reserved_key_message
+    from kubetrain.api.podtemplate import reserved_key_message
 
     job = doc({}, mode="Single", podTemplate={"metadata": {where: {key: "victim"}}})
     code, err = validate(tmp_path, capsys, job)

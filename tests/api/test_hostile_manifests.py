@@ -7,9 +7,9 @@ is tested just past its edge; the edge itself still passes.
 import pytest
 import yaml
 
-from kubetrain_operator.api.load import MAX_MANIFEST_BYTES, MAX_NESTING
-from kubetrain_operator.api.schema import MAX_SHOWN_PROBLEMS
-from kubetrain_cli import main
+from kubetrain.api.load import MAX_MANIFEST_BYTES, MAX_NESTING
+from kubetrain.api.schema import MAX_SHOWN_PROBLEMS
+from kubetrain.cli import main
 
 HEAD = b"apiVersion: kubetrain.dev/v1alpha1\nkind: TrainingJob\nmetadata: {name: t}\nspec:\n  mode: Single\n"
 
@@ -120,7 +120,7 @@ def test_a_manifest_is_parsed_once_by_libyaml(tmp_path, monkeypatch, capsys):
 def test_a_spec_as_the_api_server_delivers_it_is_bounded_at_the_same_depth():
     """The operator's path (a dict, not YAML): 64 levels in all pass, 65 are refused naming where,
     without recursion (a thousand levels once raised RecursionError in every round)."""
-    from kubetrain_operator.api import InvalidSpec, from_spec_dict
+    from kubetrain.api import InvalidSpec, from_spec_dict
 
     def spec(levels: int) -> dict:
         value: object = "x"

@@ -17,9 +17,7 @@ LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; s
 def test_lint_imports_keeps_every_contract(tmp_path):
     if importlib.util.find_spec("importlinter") is None:
         pytest.fail("import-linter is not installed: run hack/setup (requirements/dev.lock pins it)", pytrace=False)
-    # From a folder of its own: lint-imports puts its working directory first on sys.path, and in the
-    # repository root the folder operator/ would shadow the standard library's operator. --no-cache:
-    # its cache would be written there too.
+    # From a folder of its own, with --no-cache: lint-imports would write its cache into the repository.
     done = subprocess.run(
         [sys.executable, "-c", LINT_IMPORTS, "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
@@ -28,8 +26,7 @@ def test_lint_imports_keeps_every_contract(tmp_path):
     assert "0 broken" in done.stdout, done.stdout
 
 
-PACKAGES = ("kubetrain_contract", "kubetrain_operator", "kubetrain_trainer", "kubetrain", "kubetrain_cli",
-            "kubetrain_bench")
+PACKAGES = ("kubetrain",)  # the one package: its folders are its subpackages
 
 
 def import_cycles(graph) -> list[list[str]]:
@@ -87,7 +84,7 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
     assert import_cycles(grimp.build_graph("cyclic", cache_dir=None)) == [["cyclic.a", "cyclic.b"]]
 
 
-FOLDERS = ("contract", "operator", "trainer", "kubetrain", "cli", "bench")
+FOLDERS = ("kubetrain",)
 
 
 def private_imports(source: str) -> list[str]:
@@ -112,5 +109,5 @@ def test_no_module_imports_another_modules_private_name():
 
 def test_a_private_import_is_found():
     assert private_imports("from .schema import Problem, _short\nfrom torch import _C\nfrom .. import __version__\n"
-                           "from kubetrain_trainer.data import _x as y\n") == [
-        "line 1: from .schema import _short", "line 4: from kubetrain_trainer.data import _x"]
+                           "from kubetrain.trainer.data import _x as y\n") == [
+        "line 1: from .schema import _short", "line 4: from kubetrain.trainer.data import _x"]

@@ -4,11 +4,11 @@ The layers themselves (which package may import which) are pyproject.toml's
 import-linter contracts, checked by test_import_contracts.py. import-linter
 sees every import, wherever it is in a module; these rules are about where:
 
-- The command line (kubetrain_cli) loads the trainer, torch and the
+- The command line (kubetrain.cli) loads the trainer, torch and the
   benchmarks inside the commands that need them (checkpoints, export,
   bench), never at module level: `kubetrain operator` runs in an image
   without torch, and every command starts without loading it.
-- The benchmarks' package (kubetrain_bench) loads the benchmarks that need
+- The benchmarks' package (kubetrain.bench) loads the benchmarks that need
   torch inside `run_bench`, so that the others run without it.
 - The public API (kubetrain) loads kubetrain.Client's facade (kubetrain.client,
   and the client behind it) only when a user asks for it: a training script's
@@ -25,13 +25,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-PACKAGES = {"cli": "kubetrain_cli", "bench": "kubetrain_bench", "kubetrain": "kubetrain"}
+PACKAGES = {"kubetrain": "kubetrain"}  # folder -> package: the one package, its folders its subpackages
 # module (or package, with its modules) -> what it may import only inside a function
 LAZY = {
-    "kubetrain_cli": ("kubetrain_trainer", "kubetrain_bench", "torch"),
-    "kubetrain_bench.__init__": ("kubetrain_trainer", "torch", "kubetrain_bench.transport", "kubetrain_bench.contract",
-                                 "kubetrain_bench.checkpoint", "kubetrain_bench.sharded", "kubetrain_bench.finetune"),
-    "kubetrain.__init__": ("kubetrain.client", "kubetrain_operator"),
+    "kubetrain.cli": ("kubetrain.trainer", "kubetrain.bench", "torch"),
+    "kubetrain.bench.__init__": ("kubetrain.trainer", "torch", "kubetrain.bench.transport", "kubetrain.bench.script_calls",
+                                 "kubetrain.bench.checkpoint", "kubetrain.bench.sharded", "kubetrain.bench.finetune"),
+    "kubetrain.__init__": ("kubetrain.client", "kubetrain.api", "kubetrain.engine", "kubetrain.drivers",
+                           "kubetrain.report", "kubetrain.trainer"),
 }
 
 
@@ -90,24 +91,24 @@ def test_each_module_loads_what_it_may_only_when_needed(name, path):
 def test_every_rule_names_modules_that_exist():
     names = {name for name, _ in modules()}
     assert all(any(within(n, [owner]) for n in names) for owner in LAZY), sorted(LAZY)
-    assert {n for n, _ in ALL} >= {"kubetrain_cli.__init__", "kubetrain_cli.commands", "kubetrain_cli.parser",
-                                    "kubetrain_bench.__init__", "kubetrain.__init__"}
+    assert {n for n, _ in ALL} >= {"kubetrain.cli.__init__", "kubetrain.cli.commands", "kubetrain.cli.parser",
+                                    "kubetrain.bench.__init__", "kubetrain.__init__"}
 
 
 def test_the_check_sees_an_import_at_module_level(tmp_path):
     bad = tmp_path / "commands.py"
-    bad.write_text("import os\nfrom kubetrain_trainer.ddp import run_ddp\nfrom . import parser\n"
-                   "def f():\n    from kubetrain_bench import run_bench\n")
-    found = imports("kubetrain_cli.commands", bad)
-    assert ("kubetrain_trainer.ddp", True) in found and ("kubetrain_bench", False) in found
-    assert ("kubetrain_cli.parser", True) in found
+    bad.write_text("import os\nfrom kubetrain.trainer.ddp import run_ddp\nfrom . import parser\n"
+                   "def f():\n    from kubetrain.bench import run_bench\n")
+    found = imports("kubetrain.cli.commands", bad)
+    assert ("kubetrain.trainer.ddp", True) in found and ("kubetrain.bench", False) in found
+    assert ("kubetrain.cli.parser", True) in found
 
 
 def test_the_command_line_starts_without_torch():
-    """What the rules above are for, as it runs: `kubetrain --help` and every module of kubetrain_cli load no torch."""
-    code = ("import sys, kubetrain_cli, kubetrain_cli.commands, kubetrain_cli.parser, kubetrain_bench\n"
-            "kubetrain_cli.build_parser().format_help()\n"
-            "assert 'torch' not in sys.modules and 'kubetrain_trainer' not in sys.modules, sorted(sys.modules)\n"
+    """What the rules above are for, as it runs: `kubetrain --help` and every module of kubetrain.cli load no torch."""
+    code = ("import sys, kubetrain.cli, kubetrain.cli.commands, kubetrain.cli.parser, kubetrain.bench\n"
+            "kubetrain.cli.build_parser().format_help()\n"
+            "assert 'torch' not in sys.modules and 'kubetrain.trainer' not in sys.modules, sorted(sys.modules)\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

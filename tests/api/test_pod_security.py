@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetrain_operator.api import crd, from_object, podtemplate
-from kubetrain_operator.api.podtemplate import ALLOWANCES, SECURITY_CHECKS, pod_security_problems
-from kubetrain_cli import main
+from kubetrain.api import crd, from_object, podtemplate
+from kubetrain.api.podtemplate import ALLOWANCES, SECURITY_CHECKS, pod_security_problems
+from kubetrain.cli import main
 
 from helpers.kube import wait_established
 
@@ -279,7 +279,7 @@ def test_every_example_stays_within_bounds(example, capsys):
 
 def test_an_unknown_allowance_is_a_usage_error_listing_the_known_ones(tmp_path):
     path = write(tmp_path, manifest({}))
-    proc = subprocess.run([sys.executable, "-m", "kubetrain_cli", "validate", "--allow", "privileged,sudo",
+    proc = subprocess.run([sys.executable, "-m", "kubetrain.cli", "validate", "--allow", "privileged,sudo",
                            str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown pod-security allowance 'sudo'" in proc.stderr
@@ -289,7 +289,7 @@ def test_an_unknown_allowance_is_a_usage_error_listing_the_known_ones(tmp_path):
 
 def test_validate_exits_2_without_traceback_as_a_command(tmp_path):
     path = write(tmp_path, manifest({"hostNetwork": True, "serviceAccountName": "admin"}))
-    proc = subprocess.run([sys.executable, "-m", "kubetrain_cli", "validate", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "kubetrain.cli", "validate", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"{PT}.hostNetwork: " in proc.stderr and f"{PT}.serviceAccountName: " in proc.stderr
@@ -328,7 +328,7 @@ def test_malformed_shapes_refuse_nothing_here():
 def test_the_charts_policy_rules_are_generated_from_the_table():
     committed = (ROOT / crd.POD_SECURITY_FILE).read_text()
     assert committed == crd.render_pod_security(), \
-        f"run: python -m kubetrain_operator.api.crd --pod-security > {crd.POD_SECURITY_FILE}"
+        f"run: python -m kubetrain.api.crd --pod-security > {crd.POD_SECURITY_FILE}"
     rules = yaml.safe_load(committed)["validations"]
     assert {r["allow"] for r in rules} == set(ALLOWANCES) | {None}  # None: the Volcano queue rule, no allowance's
     # Every message is a check's message, after the path the API server prints; the object-storage
@@ -504,7 +504,7 @@ def create_dry_run(cluster, ns: str, obj: dict) -> subprocess.CompletedProcess:
          "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}}},
 ], ids=["single", "parameter-server", "ddp", "restricted-sidecar"])
 def test_the_pods_kubetrain_renders_are_admitted_under_pod_security_restricted(cluster, restricted_ns, spec):
-    from kubetrain_operator.core.children import children
+    from kubetrain.engine.children import children
 
     job = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
                        "metadata": {"name": "rj", "namespace": restricted_ns}, "spec": spec})
@@ -541,7 +541,7 @@ def test_the_restricted_namespace_does_refuse_what_the_policy_refuses(cluster, r
 def rendered(pod_spec: dict, mode: str = "Single", validate: bool = True) -> list[dict]:
     """The pods (or the StatefulSet's template) the job would create; `validate` False renders a
     template the validator would refuse, as a caller that skipped it would."""
-    from kubetrain_operator.core.children import children
+    from kubetrain.engine.children import children
 
     doc = manifest(pod_spec if validate else {})
     doc["spec"]["mode"] = mode
@@ -595,8 +595,8 @@ def test_validate_refuses_a_null_that_would_remove_kubetrains_value(tmp_path, ca
 def test_the_check_judges_the_rendered_pod():
     """What the rendered pod lacks is refused, whatever the template said: the checks marked
     rendered_only see a pod whose merge lost kubetrain's values (a null, before nulls were refused)."""
-    from kubetrain_operator.core import podsecurity
-    from kubetrain_operator.core.children import Settings
+    from kubetrain.engine import podsecurity
+    from kubetrain.engine.children import Settings
 
     (own,) = rendered({})
     assert podtemplate.rendered_pod_problems(own, own) == []
@@ -627,8 +627,8 @@ def test_the_check_judges_the_rendered_pod():
 def test_the_template_and_the_rendered_pods_are_refused_alike(case):
     """The API server's view (the template) and the operator's (the rendered pods) give the same refusal,
     and the case's allowance alone lifts both."""
-    from kubetrain_operator.core import podsecurity
-    from kubetrain_operator.core.children import Settings
+    from kubetrain.engine import podsecurity
+    from kubetrain.engine.children import Settings
 
     template = case.manifest()["spec"]["podTemplate"]
     assert case.problem in pod_security_problems(template)
@@ -651,7 +651,7 @@ def test_every_allowance_is_documented_where_an_operator_looks():
 
 
 def test_a_flood_of_refusals_prints_a_bounded_number_of_lines(tmp_path, capsys):
-    from kubetrain_operator.api.schema import MAX_SHOWN_PROBLEMS
+    from kubetrain.api.schema import MAX_SHOWN_PROBLEMS
 
     volumes = [{"name": f"v{i}", "hostPath": {"path": f"/{i}"}} for i in range(MAX_SHOWN_PROBLEMS + 30)]
     path = write(tmp_path, manifest({"volumes": volumes}))

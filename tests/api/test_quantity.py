@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 
-from kubetrain_operator.api import crd, quantity
+from kubetrain.api import crd, quantity
 
 
 @pytest.mark.parametrize("text, value", [

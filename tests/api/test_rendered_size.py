@@ -16,15 +16,15 @@ import tracemalloc
 import pytest
 import yaml
 
-from kubetrain_cli import main
-from kubetrain_operator.api.load import from_spec_dict
-from kubetrain_operator.api.spec import MAX_RENDERED_TEMPLATE_BYTES
-from kubetrain_operator.api.status import JobStatus
-from kubetrain_operator.core import children as children_module
-from kubetrain_operator.core import podsecurity
-from kubetrain_operator.core.children import Settings
-from kubetrain_operator.core.engine import ReplicaObservation
-from kubetrain_operator.core.reconcile import reconcile
+from kubetrain.cli import main
+from kubetrain.api.load import from_spec_dict
+from kubetrain.api.spec import MAX_RENDERED_TEMPLATE_BYTES
+from kubetrain.api.status import JobStatus
+from kubetrain.engine import children as children_module
+from kubetrain.engine import podsecurity
+from kubetrain.engine.children import Settings
+from kubetrain.engine.engine import ReplicaObservation
+from kubetrain.engine.reconcile import reconcile
 
 WORKERS, SHARDS, STANDBYS = 1024, 64, 8
 PODS = WORKERS + SHARDS + STANDBYS
@@ -77,7 +77,7 @@ def test_validate_of_the_largest_job_within_the_bound_stays_small(tmp_path):
     file = manifest(tmp_path, sized_spec(MAX_RENDERED_TEMPLATE_BYTES // PODS))
     # VmHWM, the peak of this process's own memory: getrusage's ru_maxrss keeps the forking parent's
     # (pytest's, hundreds of MiB late in a run) across exec.
-    code = ("import re, sys; from kubetrain_cli import main; rc = main(['validate', sys.argv[1]]); "
+    code = ("import re, sys; from kubetrain.cli import main; rc = main(['validate', sys.argv[1]]); "
             "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)); sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code, str(file)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -6,7 +6,7 @@ import pytest
 from test_validate import Case
 from test_validate import test_invalid_manifest_is_rejected_with_its_field_path as refused_naming_its_path
 
-from kubetrain_operator.api import from_object
+from kubetrain.api import from_object
 
 FIELD = "spec.runPolicy.schedulingTimeoutSeconds"
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetrain_operator.api import dump_manifest, from_object, load_one
-from kubetrain_cli import main
+from kubetrain.api import dump_manifest, from_object, load_one
+from kubetrain.cli import main
 
 CUSTOM = sorted((Path(__file__).parents[2] / "examples" / "custom").glob("*.yaml"))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetrain_cli import main
+from kubetrain.cli import main
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 
@@ -283,7 +283,7 @@ def test_validate_command_exits_2_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(with_spec(training={"batchSize": 0})))
     proc = subprocess.run(
-        [sys.executable, "-m", "kubetrain_cli", "validate", str(bad), str(tmp_path / "missing.yaml")],
+        [sys.executable, "-m", "kubetrain.cli", "validate", str(bad), str(tmp_path / "missing.yaml")],
         capture_output=True,
         text=True,
     )
@@ -294,7 +294,7 @@ def test_validate_command_exits_2_without_traceback(tmp_path):
 
 
 def test_defaults_are_filled():
-    from kubetrain_operator.api import from_object
+    from kubetrain.api import from_object
 
     job = from_object(with_spec(mode="ParameterServer"))
     assert job.spec.parameter_server.workers == 2
@@ -339,7 +339,7 @@ def test_a_null_where_the_reference_has_an_optional_field_means_unset():
     """The one null kubetrain reads: an optional field's (the CRD marks it nullable; the API server keeps it).
     Everywhere else a null is refused (CASES above), as the API server drops or refuses one in a field its
     schema declares (tests/cluster/test_api.py)."""
-    from kubetrain_operator.api import from_object
+    from kubetrain.api import from_object
 
     job = from_object(with_spec("DDP", ddp={"nodes": 2, "minNodes": None},
                                 runPolicy={"activeDeadlineSeconds": None, "schedulingPolicy": {"minAvailable": None,

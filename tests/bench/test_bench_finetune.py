@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from kubetrain_bench.finetune import RANKS, TOKENS_DECIMALS
-from kubetrain_cli import main
+from kubetrain.bench.finetune import RANKS, TOKENS_DECIMALS
+from kubetrain.cli import main
 
 TINY = ["--steps", "4", "--rounds", "1", "--seq", "32", "--batch", "2", "--hidden", "32", "--layers", "1",
         "--load-hidden", "64", "--load-layers", "1"]

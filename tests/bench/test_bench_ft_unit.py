@@ -1,4 +1,4 @@
-"""`kubetrain bench ft`'s reading of a run (bench/ft.py), on a run directory written by hand: the
+"""`kubetrain bench ft`'s reading of a run (kubetrain/bench/ft.py), on a run directory written by hand: the
 survivors' stall and the replacement's time to take part per kill, where that time went, and the plain
 group's lost steps; and the arguments it refuses. The benchmark itself runs real jobs for minutes: it is
 a command (docs/benchmarks.md), not a test."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kubetrain_bench.ft import Variant, bench_ft, job_doc
+from kubetrain.bench.ft import Variant, bench_ft, job_doc
 from support import kubetrain
 
 KILL = 1_000.0

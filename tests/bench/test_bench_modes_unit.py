@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetrain_operator.api import from_object
-from kubetrain_contract.launch import SLOWDOWN_VAR
-from kubetrain_bench.modes import (
+from kubetrain.api import from_object
+from kubetrain.shared.launch import SLOWDOWN_VAR
+from kubetrain.bench.modes import (
     CNN_ARGS,
     KEEP_ALL,
     MAX_EPOCHS,
@@ -24,8 +24,8 @@ from kubetrain_bench.modes import (
     time_to_accuracy,
     training_span,
 )
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.slowdown import MAX_FACTOR, Slowdown, parse_slowdown
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.testhooks import MAX_FACTOR, Slowdown, parse_slowdown
 
 from support import kubetrain
 
@@ -105,7 +105,7 @@ def test_a_replica_started_with_a_bad_slowdown_exits_2_with_one_line(tmp_path):
          "spec": {"mode": "Single", "training": {"maxSteps": 1}}}))
     env = {"KUBETRAIN_JOB_FILE": str(job), "KUBETRAIN_RUN_DIR": str(tmp_path / "run"), "KUBETRAIN_METRICS_PORT": "0",
            SLOWDOWN_VAR: "single-0:fast", "PYTHONSAFEPATH": "1"}
-    done = subprocess.run([sys.executable, "-m", "kubetrain_trainer", "single"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kubetrain.trainer", "single"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert f"{SLOWDOWN_VAR}: expected REPLICA:FACTOR" in done.stderr

@@ -1,11 +1,11 @@
-"""bench/soak.py's pure half: the seeded schedule (replayable, every class tried, bounded) and the
+"""kubetrain/bench/soak.py's pure half: the seeded schedule (replayable, every class tried, bounded) and the
 invariants computed from what the driver recorded, each broken one named."""
 
 from __future__ import annotations
 
 import pytest
 
-from kubetrain_bench.soak import (
+from kubetrain.bench.soak import (
     FAULTS, MAX_FAULTS, Injected, JobRecord, schedule, summarize,
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from helpers.jsonl import read_events
-from kubetrain_contract.launch import SLOWDOWN_VAR
+from kubetrain.shared.launch import SLOWDOWN_VAR
 
 from support import job_doc, kubetrain
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.client.exportpod import EXPORT_ROOT, LABEL_EXPORT, checkpoint_claims, export_pod
-from kubetrain_operator.core.children import LABEL_JOB, claims
+from kubetrain.api import from_object
+from kubetrain.client.exportpod import EXPORT_ROOT, LABEL_EXPORT, checkpoint_claims, export_pod
+from kubetrain.engine.children import LABEL_JOB, claims
 
 
 def job(mode: str, **spec):
@@ -68,7 +68,7 @@ def test_a_fine_tune_s_export_pod_reads_its_pretrained_claim_and_the_client_unpa
     import io
     import tarfile
 
-    from kubetrain_operator.client.cluster import unpack
+    from kubetrain.client.cluster_backend import unpack
 
     spec = job("Single", model={"name": "causal-lm", "pretrained": "pvc://models/base"},
                dataset={"path": "/data/t.jsonl", "format": "text"})

@@ -14,7 +14,7 @@ import yaml
 
 import kubetrain
 from helpers.wait import wait_for
-from kubetrain_operator.client import (
+from kubetrain.client import (
     ClientError, InvalidManifest, JobEnded, JobExists, JobNotFound, WaitTimeout,
 )
 from support import EXAMPLES, kubetrain as kubetrain_cli

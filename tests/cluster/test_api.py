@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from helpers.kube import install_crd
-from kubetrain_operator.api import podtemplate
+from kubetrain.api import podtemplate
 from support import EXAMPLES, ROOT
 
 pytestmark = pytest.mark.cluster
@@ -229,7 +229,7 @@ QUANTITIES = [
 
 @pytest.mark.parametrize("name, doc, path", QUANTITIES, ids=[c[0] for c in QUANTITIES])
 def test_a_quantity_past_kubernetes_bounds_is_refused_with_the_validators_message(cluster, ns, name, doc, path):
-    from kubetrain_operator.api import quantity
+    from kubetrain.api import quantity
 
     done = apply(cluster, ns, doc, dry_run=True)
     assert done.returncode != 0, f"{name}: accepted"
@@ -279,7 +279,7 @@ def policed(cluster, ns):
 @pytest.mark.parametrize("field, value", [("queue", "team-b"), ("priorityClass", "system-cluster-critical")])
 def test_the_chart_policy_refuses_another_teams_queue_or_a_podgroup_priority_with_the_validators_message(
         cluster, policed, field, value, tmp_path, capsys):
-    from kubetrain_cli import main
+    from kubetrain.cli import main
 
     doc = base(runPolicy={"schedulingPolicy": {"gangScheduler": "volcano", field: value}})
     done = apply(cluster, policed, doc, dry_run=True)

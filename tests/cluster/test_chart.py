@@ -11,7 +11,7 @@ import yaml
 
 from support import ROOT
 
-from kubetrain_cli.commands import parse_gang_schedulers, parse_metrics_from
+from kubetrain.cli.commands import parse_gang_schedulers, parse_metrics_from
 
 pytestmark = pytest.mark.cluster
 CHART = ROOT / "charts" / "kubetrain"
@@ -111,7 +111,7 @@ def test_the_lease_role_lets_the_operator_elect_a_leader_and_nothing_more(cluste
     from kubernetes import config
     from kubernetes.client.rest import ApiException
 
-    from kubetrain_operator.controller.leader import Decision, LeaderElector
+    from kubetrain.drivers.cluster.leader import Decision, LeaderElector
 
     ns = f"kt-lease-{uuid.uuid4().hex[:5]}"
     cluster.kubectl("create", "namespace", ns)
@@ -362,7 +362,7 @@ def test_the_security_page_counts_the_grants_as_the_chart_renders_them(cluster, 
 
 
 def test_the_workers_value_reaches_the_operator_within_its_bounds(cluster):
-    from kubetrain_operator.controller.state import MAX_WORKERS, WORKERS
+    from kubetrain.drivers.cluster.state import MAX_WORKERS, WORKERS
 
     assert f"--workers={WORKERS}" in operator_args(rendered(cluster)), "the chart's default is the operator's"
     assert f"--workers={MAX_WORKERS}" in operator_args(rendered(cluster, f"operator.workers={MAX_WORKERS}"))

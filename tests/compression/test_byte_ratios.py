@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer.compression import GradientCompressor
+from kubetrain.api.spec import Compression
+from kubetrain.trainer.compression import GradientCompressor
 
 # An MLP's gradients (weights and biases); the biases fall under minTensorBytes and travel raw.
 SHAPES = {"w0": (512, 256), "b0": (512,), "w1": (256, 512), "b1": (256,), "w2": (10, 256), "b2": (10,)}

@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer import compression
-from kubetrain_trainer.compression import ALGORITHMS, CompressionError
+from kubetrain.api.spec import Compression
+from kubetrain.trainer import compression
+from kubetrain.trainer.compression import ALGORITHMS, CompressionError
 
 SHAPE = (64, 48)
 

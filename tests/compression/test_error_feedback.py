@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer import compression
+from kubetrain.api.spec import Compression
+from kubetrain.trainer import compression
 
 LOSSY = [
     Compression(algorithm="FP16", min_tensor_bytes=0),

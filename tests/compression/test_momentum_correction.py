@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Compression, Optimizer
-from kubetrain_trainer import compression
-from kubetrain_trainer.models import build_optimizer
-from kubetrain_trainer.ps.job import shard_optimizer
+from kubetrain.api.spec import Compression, Optimizer
+from kubetrain.trainer import compression
+from kubetrain.trainer.models import build_optimizer
+from kubetrain.trainer.ps.job import shard_optimizer
 
 TOPK = Compression(algorithm="TopK", ratio=0.05, min_tensor_bytes=0)
 SGD = Optimizer(name="sgd", learning_rate=0.1, momentum=0.9)

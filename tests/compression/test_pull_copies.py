@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer.compression import (
+from kubetrain.api.spec import Compression
+from kubetrain.trainer.compression import (
     ALGORITHMS,
     MAX_WORKER_COPY_BYTES,
     PULL_CODECS,

@@ -1,11 +1,11 @@
-"""kubetrain_contract.files.atomic_write: the one atomic write of every file another process reads."""
+"""kubetrain.shared.files.atomic_write: the one atomic write of every file another process reads."""
 
 import os
 import stat
 
 import pytest
 
-from kubetrain_contract.files import atomic_write, read_regular, unreadable
+from kubetrain.shared.files import atomic_write, read_regular, unreadable
 
 
 @pytest.mark.parametrize("content,expected", [

@@ -1,13 +1,13 @@
-"""kubetrain_contract.checkpoints: the layout the trainer writes is the one the supervisor reads."""
+"""kubetrain.shared.checkpoints: the layout the trainer writes is the one the supervisor reads."""
 
 import os
 
 import pytest
 import torch
 
-from kubetrain_contract.checkpoints import (LATEST, RUN_CHECKPOINTS, file_name, latest_step, read_latest,
+from kubetrain.shared.checkpoints import (LATEST, RUN_CHECKPOINTS, file_name, latest_step, read_latest,
                                             replica_dir, replica_dirs, sharded_name, sharded_tmp_name, step_of)
-from kubetrain_trainer.checkpoint import CheckpointStore
+from kubetrain.trainer.checkpoint import CheckpointStore
 
 
 @pytest.mark.parametrize("name,step", [

@@ -1,4 +1,4 @@
-"""kubetrain_contract.exitcodes and .timestamps: one table, one signal rule, one time format."""
+"""kubetrain.shared.exitcodes and .timestamps: one table, one signal rule, one time format."""
 
 import signal
 import subprocess
@@ -7,9 +7,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from kubetrain_contract.exitcodes import (EXIT_CONFIG, EXIT_LOAD, EXIT_TERMINATED, PERMANENT_CODES, PERMANENT_REASONS,
+from kubetrain.shared.exitcodes import (EXIT_CONFIG, EXIT_LOAD, EXIT_TERMINATED, PERMANENT_CODES, PERMANENT_REASONS,
                                           killed_by, shell_code, signal_name, signaled)
-from kubetrain_contract.timestamps import iso, parse_iso
+from kubetrain.shared.timestamps import iso, parse_iso
 
 
 def test_the_permanent_codes_and_their_reasons_map_both_ways():

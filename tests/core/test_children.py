@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_operator.api import from_object, load_one, podtemplate
-from kubetrain_operator.core.children import ClusterEndpoints, Settings, children, merge_pod_template
-from kubetrain_operator.core.plan import plan_replicas
-from kubetrain_operator.local.backend import local_endpoints
-from kubetrain_operator.local.rundir import RunDir
+from kubetrain.api import from_object, load_one, podtemplate
+from kubetrain.engine.children import ClusterEndpoints, Settings, children, merge_pod_template
+from kubetrain.engine.plan import plan_replicas
+from kubetrain.drivers.local.runner import local_endpoints
+from kubetrain.drivers.local.rundir import RunDir
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 

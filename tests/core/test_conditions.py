@@ -2,7 +2,7 @@
 
 import pytest
 
-from kubetrain_operator.core.conditions import Observed, conditions, state_of
+from kubetrain.engine.conditions import Observed, conditions, state_of
 
 
 def by_type(conds):

@@ -1,7 +1,7 @@
 """The two drivers of the job engine agree: the same scripted story, told to the local backend as
 processes and to the operator as pods (the API's JSON), gets the same decisions round by round.
 
-The local side is `LocalBackend.decide` over its process table (`Proc`: phase, exit code as
+The local side is `LocalRunner.decide` over its process table (`Proc`: phase, exit code as
 `Popen.returncode` gives it, attempt), the cluster side `observe.pod_observation` over pod JSON
 and `reconcile` (pods to create and delete). What is compared per round: replicas started
 (processes started / pods created), replicas stopped (processes stopped / pods deleted), the
@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.api import from_object
-from kubetrain_operator.api.status import JobStatus, to_dict
-from kubetrain_operator.core import engine
-from kubetrain_operator.controller.observe import pod_observation
-from kubetrain_operator.core.plan import Replica
-from kubetrain_operator.core.engine import ProgressReading
-from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.local.backend import LocalBackend, Proc
-from kubetrain_operator.local.rundir import RunDir
+from kubetrain.shared.timestamps import iso
+from kubetrain.api import from_object
+from kubetrain.api.status import JobStatus, to_dict
+from kubetrain.engine import engine
+from kubetrain.drivers.cluster.observe import pod_observation
+from kubetrain.engine.plan import Replica
+from kubetrain.engine.engine import ProgressReading
+from kubetrain.engine.reconcile import reconcile
+from kubetrain.drivers.local.runner import LocalRunner, Proc
+from kubetrain.drivers.local.rundir import RunDir
 
 T0 = 1_800_000_000.0
 
@@ -98,7 +98,7 @@ class Cluster:
 
 class Local:
     def __init__(self, j, tmp_path) -> None:
-        self.backend = LocalBackend(j, RunDir(tmp_path / "run"), echo_logs=False)
+        self.backend = LocalRunner(j, RunDir(tmp_path / "run"), echo_logs=False)
         self.attempts: dict[str, int] = {}
 
     def round(self, j, beat: Beat, names: list[str], refusal: engine.Refusal | None = None) -> dict:

@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.core import eta
-from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.engine import ProgressReading
-from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.api.status import to_dict
+from kubetrain.shared.timestamps import iso
+from kubetrain.engine import eta
+from kubetrain.engine.reconcile import PodObservation as Pod
+from kubetrain.engine.engine import ProgressReading
+from kubetrain.engine.reconcile import reconcile
+from kubetrain.api.status import to_dict
 from test_reconcile import T0, job
 
 

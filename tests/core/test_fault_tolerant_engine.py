@@ -6,17 +6,17 @@ shows the quorum. The same rules on both drivers: tests/core/test_drivers_agree.
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.api import from_object
-from kubetrain_contract.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, LIGHTHOUSE
-from kubetrain_operator.api.load import InvalidSpec
-from kubetrain_operator.api.spec import FT_PORT
-from kubetrain_operator.core.children import ClusterEndpoints, children
-from kubetrain_operator.core import engine
-from kubetrain_operator.core.plan import plan_replicas, replica_names
-from kubetrain_operator.core.engine import ProgressReading
-from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.api.status import to_dict
+from kubetrain.shared.timestamps import iso
+from kubetrain.api import from_object
+from kubetrain.shared.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, LIGHTHOUSE
+from kubetrain.api.load import InvalidSpec
+from kubetrain.api.spec import FT_PORT
+from kubetrain.engine.children import ClusterEndpoints, children
+from kubetrain.engine import engine
+from kubetrain.engine.plan import plan_replicas, replica_names
+from kubetrain.engine.engine import ProgressReading
+from kubetrain.engine.reconcile import reconcile
+from kubetrain.api.status import to_dict
 
 from core.test_reconcile import T0, Pod, created_pods
 

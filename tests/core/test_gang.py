@@ -7,10 +7,10 @@ from decimal import Decimal
 
 import pytest
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.core import gang
-from kubetrain_operator.core.children import Settings, children
-from kubetrain_operator.core.reconcile import reconcile
+from kubetrain.api import from_object
+from kubetrain.engine import gang
+from kubetrain.engine.children import Settings, children
+from kubetrain.engine.reconcile import reconcile
 
 BOTH = Settings(gang_schedulers=(("volcano", "volcano"), ("scheduler-plugins", "scheduler-plugins-scheduler")))
 PLUGINS_FIRST = Settings(gang_schedulers=(("scheduler-plugins", "default-scheduler"), ("volcano", "volcano")))

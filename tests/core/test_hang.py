@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.api import from_object
-from kubetrain_operator.api.status import to_dict
-from kubetrain_operator.core.engine import PROGRESS_UNKNOWN, ProgressReading
-from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.reconcile import reconcile
+from kubetrain.shared.timestamps import iso
+from kubetrain.api import from_object
+from kubetrain.api.status import to_dict
+from kubetrain.engine.engine import PROGRESS_UNKNOWN, ProgressReading
+from kubetrain.engine.reconcile import PodObservation as Pod
+from kubetrain.engine.reconcile import reconcile
 
 T0 = 1_800_000_000.0
 DEADLINE = 60

@@ -12,13 +12,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, FILES, KEY_FILE, TLS_DIR_VAR
-from kubetrain_operator.api import from_object
-from kubetrain_operator.api import podtemplate
-from kubetrain_operator.core import certificates as tls
-from kubetrain_operator.core.children import TLS_MOUNT as MOUNT, children, token_name
-from kubetrain_operator.local.backend import write_certificates
-from kubetrain_operator.local.rundir import RunDir
+from kubetrain.shared.tls_files import CA_FILE, CERT_FILE, FILES, KEY_FILE, TLS_DIR_VAR
+from kubetrain.api import from_object
+from kubetrain.api import podtemplate
+from kubetrain.engine import certificates as tls
+from kubetrain.engine.children import TLS_MOUNT as MOUNT, children, token_name
+from kubetrain.drivers.local.runner import write_certificates
+from kubetrain.drivers.local.rundir import RunDir
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 

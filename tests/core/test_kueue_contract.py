@@ -1,13 +1,13 @@
 """Kueue admission, pure: the Workload a queued job gets, what a Workload's status means for the
 job's round, and the status writes Kueue expects of an external framework's controller."""
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.api import from_object
-from kubetrain_operator.core import kueue
-from kubetrain_operator.core.children import NODE_LOST_TAINTS, Settings
-from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.api.status import to_dict
+from kubetrain.shared.timestamps import iso
+from kubetrain.api import from_object
+from kubetrain.engine import kueue
+from kubetrain.engine.children import NODE_LOST_TAINTS, Settings
+from kubetrain.engine.reconcile import PodObservation as Pod
+from kubetrain.engine.reconcile import reconcile
+from kubetrain.api.status import to_dict
 
 T0 = 1_800_000_000.0
 NOW = "2027-01-15T08:00:00Z"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kubetrain_cli import main
-from kubetrain_operator.api import from_object
-from kubetrain_operator.core import podsecurity
-from kubetrain_operator.core.children import CREDENTIAL_KEYS, Settings, children
-from kubetrain_operator.core.plan import checkpoint_uri
+from kubetrain.cli import main
+from kubetrain.api import from_object
+from kubetrain.engine import podsecurity
+from kubetrain.engine.children import CREDENTIAL_KEYS, Settings, children
+from kubetrain.engine.plan import checkpoint_uri
 
 STORE = {"uri": "s3://ckpt/jobs/j/", "secretRef": "s3-creds"}
 DATA = {"uri": "s3://data/digits/", "secretRef": "s3-creds"}

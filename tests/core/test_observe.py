@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kubetrain_operator.controller import observe
-from kubetrain_operator.api.status import to_dict
-from kubetrain_operator.controller.observe import (owned_by, owner_of, parse_metrics, pod_observation, progress_from,
+from kubetrain.drivers.cluster import observe
+from kubetrain.api.status import to_dict
+from kubetrain.drivers.cluster.observe import (owned_by, owner_of, parse_metrics, pod_observation, progress_from,
                                                    termination_results)
 
 
@@ -62,7 +62,7 @@ def test_unmeasured_gauges_are_nan_and_are_left_out_of_the_progress():
 
 
 def test_a_scripts_reported_values_come_by_name_and_stay_bounded():
-    from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
+    from kubetrain.api.spec import MAX_REPORTED_METRICS
 
     lines = ['kubetrain_training_step{job="j"} 12.0', 'kubetrain_loss{job="j"} +Inf']
     lines += [f'kubetrain_reported_metric{{job="j",name="m{i}",replica="single-0"}} {i}.5'
@@ -117,8 +117,8 @@ def test_a_termination_message_keeps_only_what_a_status_can_hold():
 def test_a_huge_number_in_the_final_results_costs_the_round_nothing():
     """A 400-digit step in the chief's termination message once raised OverflowError in every round of
     its job (math.isfinite of an int too large for a float): the job ends as if it had not been there."""
-    from kubetrain_operator.api import from_object
-    from kubetrain_operator.core.reconcile import reconcile
+    from kubetrain.api import from_object
+    from kubetrain.engine.reconcile import reconcile
 
     job = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
                        "metadata": {"name": "j", "namespace": "ns"}, "spec": {"mode": "Single"}})
@@ -149,7 +149,7 @@ def test_a_pod_belongs_to_the_job_that_owns_it_not_to_the_one_its_labels_name():
 
 
 def test_the_operators_index_files_a_pod_under_its_owner():
-    from kubetrain_operator.controller.index import Index, observed_pod
+    from kubetrain.drivers.cluster.index import Index, observed_pod
 
     index = Index()
     key = ("ns", "victim")
@@ -175,7 +175,7 @@ def test_the_operators_index_files_a_pod_under_the_statefulset_it_knows_by_uid()
     """A DDP job's ranks are the pods of its StatefulSet, by uid: a pod that names `<job>-ddp` as its
     owner with another uid (a tenant who may create pods) is not rank 0, and until the API server has
     said which uid the job's StatefulSet has, the index asks for it (statefulset_unknown) and counts none."""
-    from kubetrain_operator.controller.index import Index, observed_pod
+    from kubetrain.drivers.cluster.index import Index, observed_pod
 
     index = Index()
     key = ("ns", "victim")
@@ -226,9 +226,9 @@ def test_a_failed_model_check_fails_the_pod_with_the_initializers_error_line():
     """spec.model.pretrained: the model-init container exits 3 naming the URI before the trainer starts; in a
     StatefulSet's pod (restartPolicy Always) the kubelet would run it again, so the pod counts as failed with
     that code and that line, which the job's failure message carries."""
-    from kubetrain_operator.core import policy
+    from kubetrain.engine import policy
 
-    line = "python -m kubetrain_trainer initializer: error: s3://m/base/: model-00002.safetensors: checksum mismatch"
+    line = "python -m kubetrain.trainer initializer: error: s3://m/base/: model-00002.safetensors: checksum mismatch"
     waiting = pod({"state": {"waiting": {"reason": "PodInitializing"}}}, phase="Pending")
     waiting["status"]["initContainerStatuses"] = [{"name": "model-init", "restartCount": 1,
                                                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.core.policy import Counters, Failure, backoff, decide, job_outcome, workers_done
+from kubetrain.api import from_object
+from kubetrain.engine.policy import Counters, Failure, backoff, decide, job_outcome, workers_done
 
 
 def spec(**restart):

@@ -5,10 +5,10 @@ claims; and kubetrain's own init container and volumes kept from a template."""
 
 from __future__ import annotations
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.api.podtemplate import pod_template_problems
-from kubetrain_operator.core import podsecurity
-from kubetrain_operator.core.children import Settings, children
+from kubetrain.api import from_object
+from kubetrain.api.podtemplate import pod_template_problems
+from kubetrain.engine import podsecurity
+from kubetrain.engine.children import Settings, children
 
 TEXT = {"uri": "s3://data/text/", "format": "text", "secretRef": "s3-creds"}
 
@@ -37,7 +37,7 @@ def test_an_object_storage_model_is_fetched_by_an_init_container_onto_the_pods_o
         [spec] = pod_specs(children(job(mode, "s3://models/base/", **extra), "uid", "tok"))
         [init] = spec["initContainers"]
         trainer = spec["containers"][0]
-        assert init["name"] == "model-init" and init["command"] == ["python", "-m", "kubetrain_trainer", "initializer"]
+        assert init["name"] == "model-init" and init["command"] == ["python", "-m", "kubetrain.trainer", "initializer"]
         assert init["image"] == trainer["image"]
         assert {"name": "model", "emptyDir": {}} in spec["volumes"]
         assert {"name": "model", "mountPath": "/kubetrain/model"} in init["volumeMounts"]

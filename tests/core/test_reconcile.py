@@ -2,12 +2,12 @@
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.api import from_object
-from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.core.engine import ProgressReading, Refusal, refuse
-from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.api.status import read_status, to_dict
+from kubetrain.shared.timestamps import iso
+from kubetrain.api import from_object
+from kubetrain.engine.reconcile import PodObservation as Pod
+from kubetrain.engine.engine import ProgressReading, Refusal, refuse
+from kubetrain.engine.reconcile import reconcile
+from kubetrain.api.status import read_status, to_dict
 
 T0 = 1_800_000_000.0
 
@@ -411,17 +411,17 @@ def test_a_scripts_reported_values_become_status_progress_metrics():
 
 
 def test_a_script_job_runs_the_script_role_in_every_replica():
-    from kubetrain_operator.core.children import children
+    from kubetrain.engine.children import children
 
     single = children(job("Single", script={"command": ["python", "train.py"], "workingDir": "/workspace"}), "u", "t")
     [pod] = [o for o in single if o["kind"] == "Pod"]
     container = pod["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "kubetrain_trainer", "script"]
+    assert container["command"] == ["python", "-m", "kubetrain.trainer", "script"]
     assert container["workingDir"] == "/workspace"
     ddp = children(job("DDP", script={"command": ["python", "train.py"]}), "u", "t")
     [sts] = [o for o in ddp if o["kind"] == "StatefulSet"]
     command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[-3:] == ["-m", "kubetrain_trainer", "script"]
+    assert command[-3:] == ["-m", "kubetrain.trainer", "script"]
     assert "workingDir" not in sts["spec"]["template"]["spec"]["containers"][0]  # the image's own
 
 
@@ -438,10 +438,10 @@ def test_a_scripts_last_reported_values_reach_the_status_from_its_termination_me
 
 
 def test_a_pod_listens_on_every_interface_and_a_local_replica_on_loopback_only(tmp_path):
-    from kubetrain_operator.core.children import children
-    from kubetrain_operator.core.plan import plan_replicas
-    from kubetrain_operator.local.backend import local_endpoints
-    from kubetrain_operator.local.rundir import RunDir
+    from kubetrain.engine.children import children
+    from kubetrain.engine.plan import plan_replicas
+    from kubetrain.drivers.local.runner import local_endpoints
+    from kubetrain.drivers.local.rundir import RunDir
 
     j = job()
     pods = [o for o in children(j, "u", "t") if o["kind"] == "Pod"]

@@ -7,16 +7,16 @@ starts the new set."""
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.core.engine import MAX_REQUEUE_SECONDS
+from kubetrain.shared.timestamps import iso
+from kubetrain.engine.engine import MAX_REQUEUE_SECONDS
 import yaml
 
-from kubetrain_operator.api import from_object
-from kubetrain_contract.exitcodes import EXIT_RELEASED
-from kubetrain_operator.api.load import InvalidSpec
-from kubetrain_operator.core.engine import RELEASE_GRACE_SECONDS
-from kubetrain_operator.core.reconcile import reconcile
-from kubetrain_operator.api.status import to_dict
+from kubetrain.api import from_object
+from kubetrain.shared.exitcodes import EXIT_RELEASED
+from kubetrain.api.load import InvalidSpec
+from kubetrain.engine.engine import RELEASE_GRACE_SECONDS
+from kubetrain.engine.reconcile import reconcile
+from kubetrain.api.status import to_dict
 
 from core.test_reconcile import PS_PODS, T0, Pod, created_pods, job, running
 

@@ -2,14 +2,14 @@
 
 import pytest
 
-from kubetrain_contract.timestamps import iso
-from kubetrain_operator.core.engine import MAX_REQUEUE_SECONDS
+from kubetrain.shared.timestamps import iso
+from kubetrain.engine.engine import MAX_REQUEUE_SECONDS
 
-from kubetrain_operator.controller.observe import pod_observation
-from kubetrain_operator.core.children import NODE_LOST_TAINTS, NODE_LOST_TOLERATION_SECONDS, children
-from kubetrain_operator.core.reconcile import FORCE_DELETE_AFTER_SECONDS, reconcile
-from kubetrain_operator.core.reconcile import PodObservation as Pod
-from kubetrain_operator.api.status import to_dict
+from kubetrain.drivers.cluster.observe import pod_observation
+from kubetrain.engine.children import NODE_LOST_TAINTS, NODE_LOST_TOLERATION_SECONDS, children
+from kubetrain.engine.reconcile import FORCE_DELETE_AFTER_SECONDS, reconcile
+from kubetrain.engine.reconcile import PodObservation as Pod
+from kubetrain.api.status import to_dict
 
 from core.test_reconcile import PS_PODS, T0, created_pods, job, running
 

@@ -14,8 +14,8 @@ import yaml
 
 from helpers.jsonl import read_events
 from helpers.net import free_port
-from kubetrain_operator.api import load_one
-from kubetrain_contract.launch import torchrun_command
+from kubetrain.api import load_one
+from kubetrain.shared.launch import torchrun_command
 
 # Seconds; a healthy group of these tests ends within a minute on an idle
 # 2-core machine, a few times that on a shared one.

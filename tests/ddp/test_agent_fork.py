@@ -1,4 +1,4 @@
-"""Which jobs' ranks the DDP agent forks (trainer/ddp/agent.py): the built-in loop's on CPUs only."""
+"""Which jobs' ranks the DDP agent forks (kubetrain/trainer/ddp/agent.py): the built-in loop's on CPUs only."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddp_group import write_job
-from kubetrain_trainer.ddp.agent import ranks_on_cpu
+from kubetrain.trainer.ddp.agent import ranks_on_cpu
 
 CASES = [
     ("gloo on cpu", {"ddp": {"backend": "gloo"}, "training": {"device": "cpu"}}, True),

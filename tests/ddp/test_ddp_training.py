@@ -59,7 +59,7 @@ def test_two_ranks_of_batch_b_follow_single_of_batch_2b(baseline: Group, tmp_pat
                                "metadata": {"name": "single-ref"}, "spec": spec}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
     env.update(KUBETRAIN_JOB_FILE=str(job), KUBETRAIN_RUN_DIR=str(tmp_path / "run"), KUBETRAIN_METRICS_PORT="0")
-    done = subprocess.run([sys.executable, "-m", "kubetrain_trainer", "single"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kubetrain.trainer", "single"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     single = {e["step"]: e["loss"] for e in read_events(tmp_path / "run" / "metrics" / "single-0.jsonl", "train")}

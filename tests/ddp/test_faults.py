@@ -86,10 +86,10 @@ def test_sigterm_on_one_rank_checkpoints_the_group_which_resumes_there(tmp_path)
                   metrics_ports=ports).start()
     run_dir = nodes.run_dir
     pid = wait_for_event(run_dir, 1, "start", 0)["pid"]
-    # The built-in loop's rank was forked from its node's agent (trainer/ddp/agent.py), not started as
+    # The built-in loop's rank was forked from its node's agent (kubetrain/trainer/ddp/agent.py), not started as
     # an interpreter of its own: its command line is the agent's, and the agent is its parent.
     agent = nodes.procs[1].pid
-    assert b"kubetrain_trainer.ddp.agent" in open(f"/proc/{pid}/cmdline", "rb").read()
+    assert b"kubetrain.trainer.ddp.agent" in open(f"/proc/{pid}/cmdline", "rb").read()
     assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == agent
     wait_for_event(run_dir, 1, "train", 30)
     # Every rank serves the shared metric names, labelled with its own replica.

@@ -1,5 +1,5 @@
 """KUBETRAIN_TEST_FT_HOLD, the test knob that holds a fault-tolerant step until enough replica groups
-take part (trainer/ddp/ft.py's `Hold`), and KUBETRAIN_TEST_FT_JOIN_DELAY, which makes groups come up seconds
+take part (kubetrain/trainer/testhooks.py's `Hold`), and KUBETRAIN_TEST_FT_JOIN_DELAY, which makes groups come up seconds
 apart (`join_delay`): their values, and a clear error naming the variable for a bad one. Their effect on a
 run: tests/local/test_fault_tolerant_runs.py."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kubetrain_contract.launch import FT_HOLD_VAR, FT_JOIN_DELAY_VAR
-from kubetrain_trainer.ddp.ft import Hold, join_delay
-from kubetrain_trainer.errors import ConfigError
+from kubetrain.shared.launch import FT_HOLD_VAR, FT_JOIN_DELAY_VAR
+from kubetrain.trainer.testhooks import Hold, join_delay
+from kubetrain.trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -24,14 +24,14 @@ def no_gpu_env(**extra: str) -> dict[str, str]:
     "torchrun_env, expected",
     [
         ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, MESSAGE),
-        ({}, "python -m kubetrain_trainer ddp runs under torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK"),
+        ({}, "python -m kubetrain.trainer ddp runs under torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK"),
     ],
     ids=["nccl without a GPU", "outside torchrun"],
 )
 def test_rank_refuses_with_exit_2_and_names_the_cause(torchrun_env, expected, tmp_path):
     job = write_job(tmp_path, ddp={"nodes": 1, "backend": "nccl"})
     env = no_gpu_env(KUBETRAIN_JOB_FILE=str(job), KUBETRAIN_RUN_DIR=str(tmp_path / "run"), **torchrun_env)
-    done = subprocess.run([sys.executable, "-m", "kubetrain_trainer", "ddp"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kubetrain.trainer", "ddp"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert expected in done.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-from kubetrain_trainer.ddp import agent
+from kubetrain.trainer.ddp import agent
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from kubetrain_operator.api import from_spec_dict
-from kubetrain_contract.launch import torchrun_command
+from kubetrain.api import from_spec_dict
+from kubetrain.shared.launch import torchrun_command
 
 
 def spec(**ddp):
@@ -16,11 +16,11 @@ def spec(**ddp):
 def test_node_0_hosts_the_rendezvous_and_every_flag_comes_from_the_spec():
     argv = torchrun_command(spec(nodes=3, procsPerNode=2, maxRestarts=5), 0, "job-ddp-0.job-ddp:29400", "uid-1")
     assert argv == [
-        "python", "-m", "kubetrain_trainer.ddp.agent",
+        "python", "-m", "kubetrain.trainer.ddp.agent",
         "--nnodes", "3", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "job-ddp-0.job-ddp:29400", "--rdzv-id", "uid-1",
         "--rdzv-conf", "is_host=true", "--max-restarts", "5",
-        "-m", "kubetrain_trainer", "ddp",
+        "-m", "kubetrain.trainer", "ddp",
     ]
 
 
@@ -30,7 +30,7 @@ def test_other_nodes_join_as_clients_and_can_pin_their_address():
     assert argv[0] == "/venv/bin/python"
     assert argv[argv.index("--rdzv-conf") + 1] == "is_host=false"
     assert argv[argv.index("--local-addr") + 1] == "127.0.0.1"
-    assert argv[-3:] == ["-m", "kubetrain_trainer", "ddp"]
+    assert argv[-3:] == ["-m", "kubetrain.trainer", "ddp"]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_bad_arguments_are_refused_with_their_values(node_rank, endpoint, mode, 
 
 def test_the_control_plane_builds_the_command_without_importing_torch():
     code = (
-        "import sys; from kubetrain_contract.launch import torchrun_command, rank_replica; "
+        "import sys; from kubetrain.shared.launch import torchrun_command, rank_replica; "
         "assert 'torch' not in sys.modules, 'torch imported'; print(rank_replica(3))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -21,9 +21,9 @@ from helpers.recovery import (
     Breakdown, breakdown, handover_marks, json_stream, kind_of, operator_marks, trainer_marks, watch_marks,
     workers_back,
 )
-from kubetrain_operator.core.children import LABEL_JOB
+from kubetrain.engine.children import LABEL_JOB
 from helpers.wait import wait_for
-from kubetrain_operator.controller.observe import parse_metrics
+from kubetrain.drivers.cluster.observe import parse_metrics
 
 E2E_CLUSTER = os.environ.get("KUBETRAIN_E2E_CLUSTER", "kt-e2e")
 KEEP = os.environ.get("KUBETRAIN_E2E_KEEP") == "1"  # leave the cluster up, reuse it next time

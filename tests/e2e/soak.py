@@ -1,4 +1,4 @@
-"""The soak's driver (bench/soak.py holds the schedule and the figures): jobs of every kind on the e2e
+"""The soak's driver (kubetrain/bench/soak.py holds the schedule and the figures): jobs of every kind on the e2e
 cluster's real node, the seeded schedule's faults injected as they fall due, the jobs' statuses read
 every POLL_SECONDS, and at the end what summarize() needs."""
 
@@ -18,7 +18,7 @@ import yaml
 from e2elib import CACHE, E2E_CLUSTER, EXAMPLES, NAMESPACE, apply, example, on_real_node, processes
 from test_e2e_faults import sigkill
 
-from kubetrain_bench.soak import (
+from kubetrain.bench.soak import (
     QUIET_SECONDS, REPLICA_FAULTS, SMALL_VOLUME_MIB, STALL_SECONDS, VOLUME_FULL_SECONDS, Fault, Injected, JobRecord,
     schedule,
 )
@@ -82,7 +82,7 @@ class Soak:
     # -- the run -----------------------------------------------------------------------------------
 
     def run(self) -> None:
-        from kubetrain_bench.soak import JOB_KINDS
+        from kubetrain.bench.soak import JOB_KINDS
 
         for kind in JOB_KINDS:
             self._start(kind)

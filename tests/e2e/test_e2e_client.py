@@ -19,7 +19,7 @@ from kubernetes import config
 from test_e2e_prometheus import prometheus  # noqa: F401  (the fixture: Prometheus scraping the e2e namespace)
 
 import kubetrain
-from kubetrain_operator.api.podtemplate import CONTAINER
+from kubetrain.api.podtemplate import CONTAINER
 from helpers.process import run
 from support import EXAMPLES, ROOT
 
@@ -66,7 +66,7 @@ def test_logs_follow_a_replica_across_its_restart_export_and_report(e2e, prometh
         lines.append(line)
         if killed_at is None and re.search(r"single-0: step \d+: eval accuracy", line) and \
                 (probe.get(name).last_checkpoint or None) is not None:
-            sigkill_process(e2e, f"{name}-single-0", "kubetrain_trainer")
+            sigkill_process(e2e, f"{name}-single-0", "kubetrain.trainer")
             killed_at = len(lines)
     follow_seconds = time.monotonic() - started
     t.join(900)

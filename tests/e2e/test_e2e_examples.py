@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from kubetrain_contract.timestamps import parse_iso
+from kubetrain.shared.timestamps import parse_iso
 from e2elib import (
     CHIEF, EPOCHS, FAULT_FREE, HOLDER, REAL_NODE, apply, example, figure, first_step, read_claim, succeeded,
 )

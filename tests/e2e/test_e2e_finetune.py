@@ -14,7 +14,7 @@ from e2elib import NAMESPACE, S3_SECRET, apply, figure, logs, on_real_node, succ
 
 import kubetrain
 
-from kubetrain_trainer.objstore import ObjectURI
+from kubetrain.trainer.objstore import ObjectURI
 
 pytestmark = pytest.mark.e2e
 
@@ -42,9 +42,9 @@ def pretrained_loss(pretrained) -> float:
     evalFraction), by kubetrain's own model and evaluation."""
     import torch
 
-    from kubetrain_operator.api.spec import Dataset
-    from kubetrain_trainer.causal_lm import CausalLM, load_text
-    from kubetrain_trainer.models import evaluate
+    from kubetrain.api.spec import Dataset
+    from kubetrain.trainer.causal_lm import CausalLM, load_text
+    from kubetrain.trainer.models import evaluate
 
     dataset = Dataset(path=str(pretrained.corpus), format="text", sequence_length=64, eval_fraction=0.1)
     data = load_text(dataset, pretrained.sharded, json.loads((pretrained.sharded / "config.json").read_text()))

@@ -23,8 +23,8 @@ from e2elib import (
 )
 from test_e2e_faults import sigkill
 
-from kubetrain_contract.launch import RDZV_PORT
-from kubetrain_operator.core.plan import DATA_PORT, GRPC_PORT
+from kubetrain.shared.launch import RDZV_PORT
+from kubetrain.engine.plan import DATA_PORT, GRPC_PORT
 
 pytestmark = pytest.mark.e2e
 

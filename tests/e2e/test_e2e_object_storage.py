@@ -21,7 +21,7 @@ from e2elib import EXAMPLES, S3_SECRET, apply, figure, first_checkpoint, first_s
 from objstorelib import put_digits, tree
 from test_e2e_faults import sigkill
 
-from kubetrain_trainer.objstore import ObjectURI
+from kubetrain.trainer.objstore import ObjectURI
 
 pytestmark = pytest.mark.e2e
 

@@ -138,7 +138,7 @@ def faulty_run(e2e, mode: str) -> dict:
     apply(e2e, doc)
     checkpoint = first_checkpoint(e2e, f"{job}-{CHIEF[mode]}")
     old_uid = e2e.get("pod", pod)["metadata"]["uid"]
-    # The user's python, the child of `python -m kubetrain_trainer script` (Single: the pod's one
+    # The user's python, the child of `python -m kubetrain.trainer script` (Single: the pod's one
     # process tree; DDP: rank 1's, under torchrun in its pod).
     sigkill_process(e2e, pod, "train.py")
     killed = time.monotonic()

@@ -1,4 +1,4 @@
-"""A short soak in the e2e lane (bench/soak.py; `kubetrain bench soak` runs it for as long as it is told):
+"""A short soak in the e2e lane (kubetrain/bench/soak.py; `kubetrain bench soak` runs it for as long as it is told):
 jobs of every kind on the real node, every fault class at least once from a seeded schedule, and the
 soak's invariants checked at the end. KUBETRAIN_SOAK_SECONDS and KUBETRAIN_SOAK_SEED set its length and
 seed (a failed seed is replayed by giving it again); KUBETRAIN_SOAK_OUT, where its JSON goes."""
@@ -12,7 +12,7 @@ import pytest
 from e2elib import figure
 from soak import OPERATOR_LIMIT_MIB, Soak
 
-from kubetrain_bench.soak import summarize
+from kubetrain.bench.soak import summarize
 
 pytestmark = pytest.mark.e2e
 

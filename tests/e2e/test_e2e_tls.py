@@ -19,7 +19,7 @@ from e2elib import (
     REAL_NODE_SELECTOR, RESTRICTED_CONTAINER, RESTRICTED_POD, apply, example, figure, logs, succeeded,
 )
 
-from kubetrain_operator.core.plan import DATA_PORT, GRPC_PORT
+from kubetrain.engine.plan import DATA_PORT, GRPC_PORT
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +33,11 @@ PROBE_SCRIPT = """
 import json, os, pathlib, sys, tempfile, time
 from datetime import datetime, timezone
 import grpc
-from kubetrain_operator.core.certificates import job_certificates
-from kubetrain_trainer.ps import ps_pb2 as pb, ps_pb2_grpc
-from kubetrain_trainer.ps.dataplane import DataClient
-from kubetrain_trainer.ps.credentials import TlsFiles
-from kubetrain_trainer.ps.transport import ByteCounter
+from kubetrain.engine.certificates import job_certificates
+from kubetrain.trainer.ps import ps_pb2 as pb, ps_pb2_grpc
+from kubetrain.trainer.ps.dataplane import DataClient
+from kubetrain.trainer.ps.credentials import TlsFiles
+from kubetrain.trainer.ps.transport import ByteCounter
 
 target, job, namespace, data_target = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 read = lambda name: open("/secret/" + name, "rb").read()

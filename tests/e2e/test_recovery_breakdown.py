@@ -27,7 +27,7 @@ def line(milestone: str, t: float, pid: int, **fields) -> str:
 
 WORKER_LOG = "\n".join([
     line("process", 2.00, 1), line("main", 2.10, 1, role="worker"),
-    "2026-11-30 20:00:00,000 INFO kubetrain_trainer.ps.worker: something else",
+    "2026-11-30 20:00:00,000 INFO kubetrain.trainer.ps.worker: something else",
     line("imports", 3.90, 1), line("model", 4.20, 1), line("registered", 4.30, 1, resumed=True),
     line("first_step", 4.50, 1, step=60, worker_step=30),
     "kubetrain-startup {broken json",
@@ -60,7 +60,7 @@ OPERATOR_LOG = "\n".join([
 
 def test_workers_back_is_when_the_last_worker_was_answered_again():
     def worker(*times: float) -> str:
-        return "\n".join(f"{utc(t)} INFO kubetrain_trainer.ps.transport: Pull to job-ps-0.e2e:2222: answered after "
+        return "\n".join(f"{utc(t)} INFO kubetrain.trainer.ps.transport: Pull to job-ps-0.e2e:2222: answered after "
                          f"3 retries, {t:.2f} s" for t in times)
 
     assert workers_back([worker(-20.0, 6.5, 9.0), worker(7.25)], after=T0) == pytest.approx(
@@ -150,9 +150,9 @@ STANDBY_LOG = "\n".join([
     line("registered", 0.031, 7, resumed=True), line("first_step", 0.040, 7, step=60, worker_step=41),
 ])
 PS0_LOG = "\n".join([
-    f"{utc(-20.0)} INFO kubetrain_trainer.ps.coordinator: worker 2's process ended before it finished: a standby "
+    f"{utc(-20.0)} INFO kubetrain.trainer.ps.coordinator: worker 2's process ended before it finished: a standby "
     "(incarnation 1f) takes its place",  # an earlier fault, of another worker
-    f"{utc(0.010)} INFO kubetrain_trainer.ps.coordinator: worker 1's process ended before it finished: a standby "
+    f"{utc(0.010)} INFO kubetrain.trainer.ps.coordinator: worker 1's process ended before it finished: a standby "
     "(incarnation 2a) takes its place",
 ])
 
@@ -180,8 +180,8 @@ def test_json_stream_splits_concatenated_documents_and_keeps_the_unfinished_one(
 
 
 def test_a_real_process_reports_its_start_and_each_milestone_once(tmp_path):
-    """The trainer's own `startup` (trainer/events.py) in a fresh interpreter, read back by the parser."""
-    script = ("from kubetrain_trainer.events import startup\n"
+    """The trainer's own `startup` (kubetrain/trainer/events.py) in a fresh interpreter, read back by the parser."""
+    script = ("from kubetrain.trainer.events import startup\n"
               "startup('main', role='worker'); startup('main'); startup('imports'); startup('imports')\n")
     before = time.time()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)

@@ -9,7 +9,7 @@ time on one clock, the test machine's, which the real node and its pods share:
   pod's container reported dead by the kubelet, the old pod gone, the
   replacement created, scheduled;
 - the operator's log: the restart decided (a line per restart, controller/rounds.py);
-- the replacement's own log: its start-up milestones (trainer/events.py
+- the replacement's own log: its start-up milestones (kubetrain/trainer/events.py
   `startup`), from its process's start (/proc) to its first step.
 
 Marks arrive from different observers, so only causal order is checked
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-STARTUP_TAG = "kubetrain-startup"  # trainer/events.py's; this module imports nothing of the trainer
+STARTUP_TAG = "kubetrain-startup"  # kubetrain/trainer/events.py's; this module imports nothing of the trainer
 
 # Each kind of fault: the marks in the order they happen, and what the part ending at each one is.
 # A trainer mark is `<role>.<milestone>`: role `agent` is a DDP pod's torchrun, `ddp` its rank.
@@ -78,7 +78,7 @@ KINDS: dict[str, list[tuple[str, str]]] = {
         ("ddp.restored", "checkpoint loaded and broadcast"),
         ("ddp.first_step", "first step"),
     ],
-    # A job with a standby worker (trainer/ps/standby.py): a killed worker's place goes to the standby,
+    # A job with a standby worker (kubetrain/trainer/ps/standby.py): a killed worker's place goes to the standby,
     # a process started long before, with torch imported; the killed pod's replacement is not waited for.
     "standby": [
         ("fault", "fault"),

@@ -14,7 +14,7 @@ import pytest
 from support import ROOT
 
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-DOCKERFILES = {"trainer": ROOT / "Dockerfile.trainer", "operator": ROOT / "Dockerfile.operator"}
+DOCKERFILES = {"trainer": ROOT / "trainer/Dockerfile", "operator": ROOT / "operator/Dockerfile"}
 
 
 def instructions(path) -> list[tuple[str, str]]:
@@ -44,7 +44,7 @@ def test_version_label_default_is_pyprojects_version(image):
 @pytest.mark.parametrize(
     ("image", "entrypoint", "cmd"),
     [
-        ("trainer", ["python", "-m", "kubetrain_trainer"], ["--help"]),
+        ("trainer", ["python", "-m", "kubetrain.trainer"], ["--help"]),
         ("operator", ["kubetrain"], ["operator"]),
     ],
 )

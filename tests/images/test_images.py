@@ -98,7 +98,7 @@ def test_operator_image_has_no_torch_and_imports_the_operator(images):
     with container(images["operator"]) as ctr:
         torch = run(ctr, "python", "-c", "import torch")
         operator = run(ctr, "python", "-c",
-                       "import sys, kopf, kubernetes, kubetrain_operator.controller.run, kubetrain_cli.commands; "
+                       "import sys, kopf, kubernetes, kubetrain.drivers.cluster.run, kubetrain.cli.commands; "
                        "print('torch' in sys.modules)")
     assert torch.returncode != 0
     assert "No module named 'torch'" in torch.stderr
@@ -107,11 +107,11 @@ def test_operator_image_has_no_torch_and_imports_the_operator(images):
 
 
 def test_images_leave_the_benchmarks_out_and_say_so(images):
-    """kubetrain_bench is a development tool: no image carries it, and `kubetrain bench` says where it runs."""
+    """kubetrain.bench is a development tool: no image carries it, and `kubetrain bench` says where it runs."""
     for image in ("operator", "trainer"):
         with container(images[image]) as ctr:
-            found = run(ctr, "python", "-c", "import importlib.util as u; print(u.find_spec('kubetrain_bench'))")
-            bench = run(ctr, "python", "-m", "kubetrain_cli", "bench", "transport")
+            found = run(ctr, "python", "-c", "import importlib.util as u; print(u.find_spec('kubetrain.bench'))")
+            bench = run(ctr, "python", "-m", "kubetrain.cli", "bench", "transport")
         assert found.returncode == 0 and found.stdout.strip() == "None", (image, found.stdout, found.stderr)
         assert bench.returncode == 2, (image, bench.stdout, bench.stderr)
         assert "kubetrain bench runs from a checkout" in bench.stderr and "Traceback" not in bench.stderr, bench.stderr
@@ -131,7 +131,7 @@ def test_image_runs_as_uid_1000_with_the_version_label(images, image):
 def test_trainer_python_is_the_venvs_with_the_locked_pins(images):
     probe = (
         "import json, shutil, sys, importlib.metadata as m; "
-        "import torch, grpc, kubetrain_trainer.ps, kubetrain_trainer.ddp; "
+        "import torch, grpc, kubetrain.trainer.ps, kubetrain.trainer.ddp; "
         f"print(json.dumps({{'python': shutil.which('python'), 'prefix': sys.prefix, "
         f"'versions': {{n: m.version(n) for n in {TRAINER_PINS!r}}}}}))"
     )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kubetrain_bench.compression import bench_compression, figures, variant
+from kubetrain.bench.compression import bench_compression, figures, variant
 
 QUICKSTART = "examples/quickstart.yaml"
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from helpers.jsonl import read_jsonl
-from kubetrain_contract.launch import SLOWDOWN_VAR
+from kubetrain.shared.launch import SLOWDOWN_VAR
 from support import job_doc, kubetrain
 
 RESIZE_TIMEOUT_SECONDS = 120  # a resize: the replicas stop (SIGTERM, a checkpoint) and the new set starts
@@ -58,7 +58,7 @@ def run_with_resizes(path: Path, run: Path, chief: str, sizes: list[int],
     """`kubetrain run` (`environ` added to its environment), and `kubetrain scale` to each size: the first
     once the chief passed FIRST_RESIZE_STEP, each next STEPS_BETWEEN_RESIZES steps after the previous
     resize was done (the run directory's status says the new size)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run),
+    proc = subprocess.Popen([sys.executable, "-m", "kubetrain.cli", "run", str(path), "--run-dir", str(run),
                              "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **environ})
     try:
@@ -100,7 +100,7 @@ def test_a_job_scaled_twice_finishes_within_two_points_of_a_fixed_size_run(tmp_p
     # steps a second and more (its tensors on the data plane) while ps-0 reads the new size and worker-2
     # starts (7 s and more under load), and end before the second resize; a DDP group of one rank has no
     # allreduce and ran its last 526 steps in 1.1 s, before the test's `kubetrain scale` to 2 (a CI run,
-    # 2026-12-03). Every replica sleeps instead (the straggler knob, trainer/slowdown.py: SLOWDOWN - 1 times
+    # 2026-12-03). Every replica sleeps instead (the straggler knob, kubetrain/trainer/testhooks.py: SLOWDOWN - 1 times
     # each step's compute, the same for all, no CPU): the same 25 epochs, at a pace that keeps the resizes
     # mid-run. The fixed-size run is not slowed: a sleep changes no update. FSDP's steps cost several times
     # DDP's: slowed FSDP_SLOWDOWN times (its run 16 s at full speed, 71 s slowed 20 times, alone).

@@ -11,7 +11,7 @@ torchft Managers, a real Lighthouse process) and the faults a node's death bring
 - Every group lost at once: each resumes from its own newest checkpoint.
 - The Lighthouse lost: it is replaced, the groups go on, none restarts.
 - `kubetrain scale` 3 -> 2 -> 3: a group leaves and a new one joins; the survivors are never restarted.
-- The data follows the quorum (trainer/data.py's QuorumCursor): whatever the kills, every sample of every
+- The data follows the quorum (kubetrain/trainer/data.py's QuorumCursor): whatever the kills, every sample of every
   epoch is trained exactly once, counted from what the groups averaged (KUBETRAIN_TEST_FT_COUNT), and the
   accuracy ends within half a point of the fault-free run; a fault-free run equals plain DDP's, bit for bit.
 - A spare group (`spareGroups: 1`) trains from the step after a group is lost, within the heartbeat timeout
@@ -19,9 +19,9 @@ torchft Managers, a real Lighthouse process) and the faults a node's death bring
 
 A replacement takes 5-17 s to start on the shared 2-core machine (an interpreter, torch, the Manager), 20-40 s
 under a load average of 20: the runs do not last for its slowest start. Every group holds the job's last step
-until all three groups take part in its quorum (the test knob KUBETRAIN_TEST_FT_HOLD, trainer/ddp/ft.py's
+until all three groups take part in its quorum (the test knob KUBETRAIN_TEST_FT_HOLD, kubetrain/trainer/ddp/ft.py's
 `Hold`): the survivors wait for the replacement, however late it comes, and a run is as short as its steps.
-Every group's step is slowed 40 times by the benchmarks' straggler knob (trainer/slowdown.py: a sleep of 39
+Every group's step is slowed 40 times by the benchmarks' straggler knob (kubetrain/trainer/testhooks.py: a sleep of 39
 times the step's compute, no CPU), so that a fault lands mid-run although the test polls the events: a step's
 CPU is mostly the Manager's quorum and the allreduce, not its compute, so a run's CPU is that of its steps
 and few steps are cheap.
@@ -45,9 +45,9 @@ import yaml
 
 from helpers.jsonl import read_events
 from helpers.wait import wait_for
-from kubetrain_operator.api import load_one
-from kubetrain_contract.launch import FT_COUNT_VAR, FT_HOLD_VAR, FT_JOIN_DELAY_VAR, SLOWDOWN_VAR
-from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
+from kubetrain.api import load_one
+from kubetrain.shared.launch import FT_COUNT_VAR, FT_HOLD_VAR, FT_JOIN_DELAY_VAR, SLOWDOWN_VAR
+from kubetrain.trainer.checkpoint import CheckpointStore, spec_hash
 from support import EXAMPLES, job_doc, kubetrain
 
 GROUPS = ("ddp-0", "ddp-1", "ddp-2")
@@ -91,7 +91,7 @@ class Run:
     def __init__(self, path: Path, run: Path, *args: str, steps: int = STEPS, env: dict[str, str] | None = None):
         self.path, self.dir, self.steps = path, run, steps
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run), "--quiet", *args],
+            [sys.executable, "-m", "kubetrain.cli", "run", str(path), "--run-dir", str(run), "--quiet", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, SLOWDOWN_VAR: SLOWDOWN, FT_COUNT_VAR: "1", **hold(steps), **(env or {})})
 
@@ -559,7 +559,7 @@ def hsdp_run(tmp_path: Path, kill: tuple[str, ...]) -> tuple[Path, dict[str, Any
     path.write_text(yaml.safe_dump(doc))
     run_dir = tmp_path / "hsdp"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run_dir), "--quiet"],
+        [sys.executable, "-m", "kubetrain.cli", "run", str(path), "--run-dir", str(run_dir), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, FT_COUNT_VAR: "1", FT_HOLD_VAR: f"{HSDP_STEPS}:2",
              SLOWDOWN_VAR: ",".join(f"{r}:40" for r in HSDP_RANKS)})

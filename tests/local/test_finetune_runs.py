@@ -57,7 +57,7 @@ def newest(run_dir: Path) -> Path:
 
 
 def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from kubetrain_trainer import sharded
+    from kubetrain.trainer import sharded
 
     return sharded.load_whole(checkpoint)["model"]
 
@@ -70,8 +70,8 @@ def assert_equal_states(a: dict, b: dict) -> None:
 
 def kubetrain_logits(model_dir: Path, state: dict, ids: torch.Tensor, lora: dict | None = None) -> torch.Tensor:
     """Logits of the trained model as kubetrain's own loop builds it: the pretrained model, the checkpoint over it."""
-    from kubetrain_operator.api.spec import Lora
-    from kubetrain_trainer.causal_lm import CausalLM
+    from kubetrain.api.spec import Lora
+    from kubetrain.trainer.causal_lm import CausalLM
 
     model = CausalLM(model_dir, Lora(**lora) if lora else None, seed=0)
     model.materialize(torch.device("cpu"))
@@ -139,7 +139,7 @@ def test_lora_finetune_from_object_storage_survives_a_kill_and_exports_adapter_a
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from kubetrain_trainer.objstore import ObjectURI
+    from kubetrain.trainer.objstore import ObjectURI
 
     store = s3.store()
     for file in pretrained.single.iterdir():
@@ -165,7 +165,7 @@ def test_lora_finetune_from_object_storage_survives_a_kill_and_exports_adapter_a
         assert figures["eval_loss"] < figures["baseline_eval_loss"] - 0.005, figures
         assert (run_dir / "cache" / "model" / "model.safetensors").is_file()
     # Only the adapters are checkpointed (DDP: rank 0's file), and the resumed run ends on the same ones.
-    from kubetrain_trainer.checkpoint import read_valid
+    from kubetrain.trainer.checkpoint import read_valid
 
     def adapters(run_dir: Path) -> dict:
         info, state = next(read_valid(run_dir / "checkpoints" / "ddp-0", lambda p, r: None))
@@ -269,7 +269,7 @@ def test_the_finetune_examples_are_valid_and_the_lora_one_runs_as_its_comment_sa
 
 def test_a_script_job_finds_its_pretrained_model_fetched_and_checked_at_kubetrain_model_dir(tmp_path, pretrained,
                                                                                           s3, bucket):
-    from kubetrain_trainer.objstore import ObjectURI
+    from kubetrain.trainer.objstore import ObjectURI
 
     store = s3.store()
     for file in pretrained.single.iterdir():

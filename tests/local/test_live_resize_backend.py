@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 
 from helpers.wait import wait_for
-from kubetrain_operator.api import from_object
-from kubetrain_cli import main as kubetrain_main
-from kubetrain_operator.local.backend import LocalBackend
-from kubetrain_operator.local.rundir import RunDir
+from kubetrain.api import from_object
+from kubetrain.cli import main as kubetrain_main
+from kubetrain.drivers.local.runner import LocalRunner
+from kubetrain.drivers.local.rundir import RunDir
 from support import job_doc
 
 # What a trainer of this test does: note its start (replica, pid, the size its job file says), then
@@ -62,7 +62,7 @@ def test_a_parameter_server_job_resized_live_keeps_its_processes_and_lets_the_re
                                                                                              monkeypatch):
     trainer = tmp_path / "trainer.py"
     trainer.write_text(STAND_IN)
-    python = tmp_path / "python"  # what the plan's `python -m kubetrain_trainer ROLE` runs
+    python = tmp_path / "python"  # what the plan's `python -m kubetrain.trainer ROLE` runs
     python.write_text(f"#!/bin/sh\nexec {sys.executable} {trainer}\n")
     python.chmod(0o755)
     log, done = tmp_path / "trainers.log", tmp_path / "done"
@@ -71,7 +71,7 @@ def test_a_parameter_server_job_resized_live_keeps_its_processes_and_lets_the_re
     job = from_object(job_doc("live", "ParameterServer", parameterServer={"workers": 2}))
     run = RunDir(tmp_path / "run")
     out = io.StringIO()
-    backend = LocalBackend(job, run, out=out, echo_logs=False, python=str(python))
+    backend = LocalRunner(job, run, out=out, echo_logs=False, python=str(python))
     seen: dict = {}
 
     def scale_and_finish():

@@ -13,11 +13,11 @@ import pytest
 from cryptography import x509
 
 from support import job_doc
-from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, FILES, KEY_FILE
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps import ps_pb2_grpc
-from kubetrain_trainer.ps.credentials import TlsFiles
-from kubetrain_trainer.ps.transport import open_channel
+from kubetrain.shared.tls_files import CA_FILE, CERT_FILE, FILES, KEY_FILE
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps import ps_pb2_grpc
+from kubetrain.trainer.ps.credentials import TlsFiles
+from kubetrain.trainer.ps.transport import open_channel
 
 STARTUP_SECONDS = 120  # the shards import torch and load the data first; a loaded 2-core machine is slow
 
@@ -50,7 +50,7 @@ def test_a_local_parameter_server_job_trains_over_mutual_tls(tmp_path, write_job
                   parameterServer={"replicas": 2, "workers": 2, "aggregation": "Sync"})
     run = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_cli", "run", str(write_job(doc)), "--run-dir", str(run), "--quiet"],
+        [sys.executable, "-m", "kubetrain.cli", "run", str(write_job(doc)), "--run-dir", str(run), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

@@ -19,11 +19,11 @@ import yaml
 from helpers.jsonl import read_events
 from objstorelib import DIGITS_SHARDS, put_digits, secret_free, tree
 from support import EXAMPLES, ROOT, job_doc, kubetrain
-from kubetrain_operator.api import load_one
-from kubetrain_trainer.checkpoint import spec_hash
-from kubetrain_trainer.object_checkpoints import ObjectCheckpointStore
-from kubetrain_trainer.objstore import ObjectURI
-from kubetrain_trainer.shards import eval_shards
+from kubetrain.api import load_one
+from kubetrain.trainer.checkpoint import spec_hash
+from kubetrain.trainer.object_checkpoints import ObjectCheckpointStore
+from kubetrain.trainer.objstore import ObjectURI
+from kubetrain.trainer.shards import eval_shards
 
 SHARDS = DIGITS_SHARDS
 

@@ -7,17 +7,17 @@ import socket
 
 import pytest
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.local.backend import (
+from kubetrain.api import from_object
+from kubetrain.drivers.local.runner import (
     MAX_PORT_TRIES,
-    LocalBackend,
+    LocalRunner,
     Proc,
     _can_bind,
     free_blocks,
     local_endpoints,
 )
-from kubetrain_operator.core.plan import plan_replicas
-from kubetrain_operator.local.rundir import RunDir
+from kubetrain.engine.plan import plan_replicas
+from kubetrain.drivers.local.rundir import RunDir
 
 
 def test_a_taken_metrics_port_is_replaced_before_the_start(tmp_path):
@@ -25,7 +25,7 @@ def test_a_taken_metrics_port_is_replaced_before_the_start(tmp_path):
                        "metadata": {"name": "ports"}, "spec": {"mode": "Single"}})
     run = RunDir(tmp_path / "run")
     run.prepare(job)
-    backend = LocalBackend(job, run, echo_logs=False)
+    backend = LocalRunner(job, run, echo_logs=False)
     (replica,) = plan_replicas(job, local_endpoints(job, run))
     backend.procs = {replica.name: Proc(replica)}
     taken = replica.ports["metrics"]
@@ -48,7 +48,7 @@ def ddp_job(procs: int):
 
 
 def test_a_ddp_nodes_ranks_get_a_block_of_free_ports_and_a_taken_rank_port_moves_the_block(tmp_path):
-    """A DDP node's ranks serve /metrics on its port + local rank (trainer/ddp/runtime.py): locally every
+    """A DDP node's ranks serve /metrics on its port + local rank (kubetrain/trainer/ddp/runtime.py): locally every
     node shares loopback, so the whole block is picked free, and a port of it taken before the start
     (CI saw rank 1's taken by another process for a whole run: four restarts, each exit 75) moves it."""
     job = ddp_job(3)
@@ -62,7 +62,7 @@ def test_a_ddp_nodes_ranks_get_a_block_of_free_ports_and_a_taken_rank_port_moves
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # each one free
 
-    backend = LocalBackend(job, run, echo_logs=False)
+    backend = LocalRunner(job, run, echo_logs=False)
     replicas = plan_replicas(job, endpoints)
     backend.procs = {r.name: Proc(r) for r in replicas}
     node = backend.procs["ddp-0"]

@@ -14,9 +14,9 @@ import yaml
 
 from helpers.jsonl import read_events
 from support import EXAMPLES, job_doc, kubetrain
-from kubetrain_operator.local.summary import SUMMARY_KEYS
-from kubetrain_operator.api import load_one
-from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
+from kubetrain.drivers.local.summary import SUMMARY_KEYS
+from kubetrain.api import load_one
+from kubetrain.trainer.checkpoint import CheckpointStore, spec_hash
 
 
 def final_parameters(run_dir, replica="single-0"):
@@ -78,7 +78,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path, write_job):
                   training={"maxSteps": 3000, "batchSize": 32}, checkpoint={"intervalSteps": 25})
     path = write_job(doc)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "kubetrain_cli", "run", str(path), "--run-dir", str(run), "--quiet"]
+    cmd = [sys.executable, "-m", "kubetrain.cli", "run", str(path), "--run-dir", str(run), "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = run / "checkpoints" / "single-0" / "latest"
     deadline = time.monotonic() + 120
@@ -159,6 +159,6 @@ def test_metrics_targets_are_written_for_prometheus(tmp_path, write_job):
     host, port = groups[0]["targets"][0].split(":")
     assert host == "127.0.0.1" and int(port) > 0
     (plan,) = json.loads((run / "plan.json").read_text())
-    assert plan["replica"] == "single-0" and plan["command"] == ["python", "-m", "kubetrain_trainer", "single"]
+    assert plan["replica"] == "single-0" and plan["command"] == ["python", "-m", "kubetrain.trainer", "single"]
     assert plan["env"]["KUBETRAIN_METRICS_PORT"] == port and plan["ports"] == {"metrics": int(port)}
     assert "KUBETRAIN_JOB_TOKEN" not in plan["env"]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import yaml
 
-from kubetrain_trainer.events import read_events
+from kubetrain.trainer.events import read_events
 from support import EXAMPLES, job_doc, kubetrain
 
 CUSTOM = EXAMPLES / "custom"
@@ -184,7 +184,7 @@ def test_sigterm_reaches_the_script_and_its_exit_code_comes_back(tmp_path, write
     path = write_job(job_doc("term", script={"command": ["python", "graceful.py"]}))
     env = {**os.environ, "KUBETRAIN_JOB_FILE": str(path), "KUBETRAIN_REPLICA": "single-0",
            "KUBETRAIN_RUN_DIR": str(tmp_path / "run"), "KUBETRAIN_CODE_DIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "kubetrain_trainer", "script"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "kubetrain.trainer", "script"], env=env)
     deadline = time.monotonic() + 30
     while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

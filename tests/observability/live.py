@@ -16,7 +16,7 @@ import yaml
 from catalogue import ALERTS
 from helpers.process import stop_process
 from helpers.prometheus import Prometheus
-from kubetrain_contract.launch import SLOWDOWN_VAR
+from kubetrain.shared.launch import SLOWDOWN_VAR
 from support import ROOT, job_doc
 
 SCRAPE_SECONDS = 1
@@ -27,7 +27,7 @@ SINGLE, PS, FT = "obs-single", "obs-ps", "obs-ft"
 UNTIL_STOPPED = 10**7  # maxSteps of the jobs: they train until the session stops them
 # The jobs train for the whole module (minutes of waiting for alerts), and at full speed each replica
 # takes every idle cycle of the machine (the module cost ~250 CPU seconds). The benchmarks' straggler
-# knob (trainer/slowdown.py) makes each training replica sleep 99 times its step's compute after each
+# knob (kubetrain/trainer/testhooks.py) makes each training replica sleep 99 times its step's compute after each
 # step: ~8 steps a second, still a moving step at every scrape (1 s), a Single checkpoint every ~6 s
 # (intervalSteps 50) against the stale alert's 60 s window here.
 SLOWDOWN_FACTOR = 100
@@ -156,7 +156,7 @@ def start_run(root: Path, name: str, doc: dict, replicas: list[str], extra: list
     run_dir = root / "runs" / name
     log = root / f"{name}.log"
     popen = subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
+        [sys.executable, "-m", "kubetrain.cli", "run", str(manifest), "--run-dir", str(run_dir), "--quiet",
          *extra],
         stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
         env={**os.environ, **(environ or {}), SLOWDOWN_VAR: ",".join(f"{r}:{SLOWDOWN_FACTOR}" for r in replicas)},

@@ -4,7 +4,7 @@ test_prometheus.py provokes each alert with real jobs, on a clock 30 times faste
 (charts/kubetrain/files/alerts.yaml, no duration scaled) meet the histories a live test cannot afford to wait
 for: a job that never checkpoints, one that checkpoints every 10 minutes, one whose replica restarted in
 place after its only checkpoint. The series follow the trainer's exposition: every replica exports its
-checkpoint count and checkpoint-step gauge from its start, at 0 (trainer/metrics.py).
+checkpoint count and checkpoint-step gauge from its start, at 0 (kubetrain/trainer/metrics.py).
 """
 
 from __future__ import annotations

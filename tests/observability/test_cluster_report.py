@@ -16,9 +16,9 @@ import kubetrain
 from helpers.process import require_program
 from helpers.prometheus import start_prometheus
 from helpers.wait import wait_for
-from kubetrain_operator.report import build_report
-from kubetrain_operator.report.cluster import cluster_run, counter_total
-from kubetrain_contract.launch import SLOWDOWN_VAR
+from kubetrain.report import build_report
+from kubetrain.report.from_cluster import cluster_run, counter_total
+from kubetrain.shared.launch import SLOWDOWN_VAR
 from live import run_scrape_config
 from support import EXAMPLES
 

@@ -8,12 +8,12 @@ import pytest
 import yaml
 from support import ROOT, job_doc
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.local.backend import LocalBackend
-from kubetrain_operator.local.rundir import RunDir
-from kubetrain_operator.report import ReportError, build_report, compare
-from kubetrain_operator.report.compare import variants
-from kubetrain_operator.report.report import FIGURES
+from kubetrain.api import from_object
+from kubetrain.drivers.local.runner import LocalRunner
+from kubetrain.drivers.local.rundir import RunDir
+from kubetrain.report import ReportError, build_report, compare
+from kubetrain.report.compare import variants
+from kubetrain.report.report import FIGURES
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -37,7 +37,7 @@ def compared(tmp_path_factory):
     report = compare(manifest, ["Single", "ParameterServer"], None, root / "out")
     faulted = root / "faulted"
     job = from_object(small_job("cmp-faulted"))
-    assert LocalBackend(job, RunDir(faulted), {"single-0": "kill@step=30"}, echo_logs=False).run_job() == 0
+    assert LocalRunner(job, RunDir(faulted), {"single-0": "kill@step=30"}, echo_logs=False).run_job() == 0
     runs = sorted((root / "out" / "runs").iterdir()) + [faulted]
     full = build_report(runs, root / "full")
     return report, full, runs
@@ -185,8 +185,8 @@ def test_report_on_bad_run_directories_names_the_problem(tmp_path, setup, messag
 
 
 def test_compare_variants_keep_the_global_batch():
-    from kubetrain_operator.api import load_one
-    from kubetrain_operator.report.compare import variants
+    from kubetrain.api import load_one
+    from kubetrain.report.compare import variants
 
     job = load_one(ROOT / "examples" / "quickstart.yaml")  # 2 workers x 32
     by_mode = {v.spec.mode: v for v in variants(job, ["Single", "ParameterServer", "DDP"], None)}

@@ -11,11 +11,11 @@ import pytest
 import yaml
 from support import job_doc
 
-from kubetrain_operator.api import from_object
-from kubetrain_cli.commands import UsageError, recovery_check
-from kubetrain_operator.local.backend import LocalBackend
-from kubetrain_operator.local.rundir import RunDir
-from kubetrain_trainer.verify import (
+from kubetrain.api import from_object
+from kubetrain.cli.commands import UsageError, recovery_check
+from kubetrain.drivers.local.runner import LocalRunner
+from kubetrain.drivers.local.rundir import RunDir
+from kubetrain.trainer.verify import (
     EXIT_INVALID, EXIT_OK, EXIT_USAGE, VerifyError, main_compare, main_verify, verify_checkpoints,
 )
 
@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
     manifest.write_text(yaml.safe_dump(small_job("small")))
     recovery = recovery_check(manifest, "single-0:kill@step=30", root / "recovery", stream=io.StringIO())
     other = root / "other"
-    assert LocalBackend(from_object(small_job("other", 0.1)), RunDir(other), echo_logs=False).run_job() == 0
+    assert LocalRunner(from_object(small_job("other", 0.1)), RunDir(other), echo_logs=False).run_job() == 0
     return {"recovery": recovery, "clean": root / "recovery" / "clean", "faulted": root / "recovery" / "faulted",
             "other": other, "manifest": manifest}
 

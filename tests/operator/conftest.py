@@ -129,7 +129,7 @@ def operator(cluster, crd, volumes, tmp_path_factory):
     cluster.kubectl("create", "namespace", namespace)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     metrics_port, liveness_port = free_ports(2)
-    cmd = [sys.executable, "-m", "kubetrain_cli", "operator", "--namespace", namespace,
+    cmd = [sys.executable, "-m", "kubetrain.cli", "operator", "--namespace", namespace,
            "--metrics-port", str(metrics_port), "--liveness-port", str(liveness_port),
            "--scrape-networks", "127.0.0.0/8"]
     with open(log, "w") as out:
@@ -171,7 +171,7 @@ def spawn_operator(cluster, crd, volumes, tmp_path):
     def spawn(namespace: str, *args: str, env: dict[str, str] | None = None) -> OperatorProcess:
         log = tmp_path / f"operator-{len(started)}.log"
         metrics_port, liveness_port = free_ports(2)
-        cmd = [sys.executable, "-m", "kubetrain_cli", "operator", "--namespace", namespace,
+        cmd = [sys.executable, "-m", "kubetrain.cli", "operator", "--namespace", namespace,
                "--metrics-port", str(metrics_port), "--liveness-port", str(liveness_port),
                "--scrape-networks", "127.0.0.0/8", *args]
         with open(log, "w") as out:

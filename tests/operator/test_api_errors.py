@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kubetrain_operator.controller import kube
-from kubetrain_operator.controller.reporting import REPORT_AFTER_FAILURES
-from kubetrain_operator.controller.rounds import raw_ttl
-from kubetrain_operator.controller.state import Controller, OperatorConfig
-from kubetrain_operator.controller.workers import process
-from kubetrain_operator.core.children import Settings
+from kubetrain.drivers.cluster import kube
+from kubetrain.drivers.cluster.reporting import REPORT_AFTER_FAILURES
+from kubetrain.drivers.cluster.rounds import raw_ttl
+from kubetrain.drivers.cluster.state import Controller, OperatorConfig
+from kubetrain.drivers.cluster.workers import process
+from kubetrain.engine.children import Settings
 
 BODY = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
         "metadata": {"name": "j", "namespace": "ns", "uid": "0123456789", "generation": 1},

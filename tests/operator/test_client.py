@@ -17,7 +17,7 @@ from kubernetes import config
 
 import kubetrain
 from helpers.process import run
-from kubetrain_operator.client import ClientError, Forbidden, InvalidManifest, JobExists, JobNotFound
+from kubetrain.client import ClientError, Forbidden, InvalidManifest, JobExists, JobNotFound
 from support import EXAMPLES
 
 pytestmark = pytest.mark.cluster
@@ -155,7 +155,7 @@ def test_kubetrain_wait_and_logs_against_the_cluster(cluster, operator):
     client = kubetrain.Client(namespace=operator.namespace, api_client=api_client(cluster))
     name = client.create(manifest()).name
     env = {**cluster.env, "PYTHONSAFEPATH": "1"}
-    kubetrain_cli = (sys.executable, "-m", "kubetrain_cli")
+    kubetrain_cli = (sys.executable, "-m", "kubetrain.cli")
     waited = run(*kubetrain_cli, "wait", name, "-n", operator.namespace, "--until", "Running", "--timeout", "60",
                  env=env, timeout=120, check=False)
     assert (waited.returncode, waited.stdout.strip()) == (0, f"{name}: Running"), waited.stderr

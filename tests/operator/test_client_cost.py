@@ -17,7 +17,7 @@ import yaml
 
 import kubetrain
 from kubetrain.client import WaitTimeout
-from kubetrain_operator.client.cluster import LIST_PAGE, WATCH_SECONDS
+from kubetrain.client.cluster_backend import LIST_PAGE, WATCH_SECONDS
 from support import EXAMPLES
 from test_client import Counting, api_client
 

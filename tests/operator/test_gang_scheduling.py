@@ -152,7 +152,7 @@ def test_a_podgroup_of_the_job_s_name_owned_by_another_is_not_adopted(cluster, s
 def crd_without_quantity_rules(cluster, crd):
     """The TrainingJob CRD without its quantity rules, as a cluster keeps a CRD of an older kubetrain (Helm
     never upgrades a chart's crds/); the session's CRD again afterwards."""
-    from kubetrain_operator.api import quantity
+    from kubetrain.api import quantity
 
     def strip(node):
         if isinstance(node, dict):
@@ -216,7 +216,7 @@ def test_another_teams_queue_or_a_podgroup_priority_fails_the_job_and_no_podgrou
     and a priority past the allowance the pods' own priorityClassName needs. The operator refuses what its
     installation does not list or allow (--volcano-queues, --pod-security-allow), as the chart's admission
     policy does (tests/cluster/test_api.py), with the same messages."""
-    from kubetrain_operator.api.crd import PRIORITY_CLASS_CHECK, QUEUE_MESSAGE
+    from kubetrain.api.crd import PRIORITY_CLASS_CHECK, QUEUE_MESSAGE
 
     install(cluster, VOLCANO_CRD)
     op = gang_operator(cluster, spawn_operator, namespace, "--volcano-queues", "research")

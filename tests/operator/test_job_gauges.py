@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from kubetrain_operator.api.status import read_status
-from kubetrain_operator.controller import metrics
-from kubetrain_operator.controller.handlers import on_job
-from kubetrain_operator.controller.reporting import gauge_key, write_status
-from kubetrain_operator.controller.state import SAFETY_NET_ROUNDS_PER_SECOND, Controller, safety_net_seconds
+from kubetrain.api.status import read_status
+from kubetrain.drivers.cluster import metrics
+from kubetrain.drivers.cluster.handlers import on_job
+from kubetrain.drivers.cluster.reporting import gauge_key, write_status
+from kubetrain.drivers.cluster.state import SAFETY_NET_ROUNDS_PER_SECOND, Controller, safety_net_seconds
 
 PLACES = [("Created", None), ("Pending", None), ("Pending", "Unschedulable"), ("Pending", "ImagePullFailed"),
           ("Running", None), ("Succeeded", None), ("Failed", None)]
@@ -55,7 +55,7 @@ def recount(ctl: Controller) -> tuple[dict, dict]:
 
 
 def test_random_moves_and_deletions_leave_the_gauges_equal_to_a_recount(ctl, monkeypatch):
-    monkeypatch.setattr("kubetrain_operator.controller.kube.patch_status", lambda *a, **k: None)
+    monkeypatch.setattr("kubetrain.drivers.cluster.kube.patch_status", lambda *a, **k: None)
     rng = random.Random(7)
     keys = [(f"ns{n % 3}", f"j{n}") for n in range(40)]
     for step in range(2000):

@@ -11,7 +11,7 @@ import pytest
 from helpers.wait import wait_for
 from kubernetes import config
 
-from kubetrain_operator.controller import kube, metrics
+from kubetrain.drivers.cluster import kube, metrics
 
 pytestmark = pytest.mark.cluster
 

@@ -2,7 +2,7 @@
 scale subresource, the resize the operator carries out (a ParameterServer job live: the job file rendered
 again, its shard annotated, new workers made, the workers above the size deleted once they ended; a DDP
 job's old replicas all stopped, the job file and StatefulSet rendered again, the new set started), and
-the sizes the API server refuses (operator/api/crd.py SIZE_CEL).
+the sizes the API server refuses (kubetrain/api/crd.py SIZE_CEL).
 
 The operator here runs as the chart's ServiceAccount with the chart's own (namespaced) Role, so a verb
 a resize needs and the chart does not grant is refused here as in a real install. Pods run on kwok's

@@ -18,7 +18,7 @@ from helpers import kueue as kueue_helper
 from helpers.net import free_port
 from helpers.process import run
 from helpers.wait import wait_for
-from kubetrain_operator.core.kueue import PRIORITY_LABEL, QUEUE_LABEL, SLICE_FOR
+from kubetrain.engine.kueue import PRIORITY_LABEL, QUEUE_LABEL, SLICE_FOR
 
 from test_lifecycle import condition, manifest, pods_of
 

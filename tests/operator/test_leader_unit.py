@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kubetrain_operator.controller.leader import (
+from kubetrain.drivers.cluster.leader import (
     LEASE_SECONDS, RENEW_SECONDS, RETRY_SECONDS, Decision, LeaderElector, LeaseRecord, Observation, acquired, decide,
     expired, lease_body, new_identity, observe, record_from, released, renewed,
 )

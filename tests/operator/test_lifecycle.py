@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from helpers.net import free_port
-from kubetrain_operator.api.status import read_status, to_dict
+from kubetrain.api.status import read_status, to_dict
 from support import EXAMPLES
 
 pytestmark = pytest.mark.cluster

@@ -17,7 +17,7 @@ import pytest
 from test_lifecycle import condition, manifest, pods_of
 from test_tenants import create_json, failed_status, own_operator_with_a_victim
 
-from kubetrain_operator.api.spec import MAX_RENDERED_TEMPLATE_BYTES
+from kubetrain.api.spec import MAX_RENDERED_TEMPLATE_BYTES
 
 pytestmark = pytest.mark.cluster
 

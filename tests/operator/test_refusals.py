@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from kubetrain_operator.api import from_object
-from kubetrain_operator.controller.refusals import checkpoint_claim_job, claim_problems
-from kubetrain_operator.controller.state import Controller, OperatorConfig
-from kubetrain_operator.core.children import Settings, children
+from kubetrain.api import from_object
+from kubetrain.drivers.cluster.refusals import checkpoint_claim_job, claim_problems
+from kubetrain.drivers.cluster.state import Controller, OperatorConfig
+from kubetrain.engine.children import Settings, children
 
 
 def job(name: str, mode: str = "Single", claim: str = "", **spec):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from kubetrain_operator.api.load import from_spec_dict
-from kubetrain_operator.controller.budget import OWN_POD_BYTES, RenderBudget, render_weight, template_bytes
+from kubetrain.api.load import from_spec_dict
+from kubetrain.drivers.cluster.budget import OWN_POD_BYTES, RenderBudget, render_weight, template_bytes
 
 
 def test_rounds_together_never_hold_more_than_the_budget():

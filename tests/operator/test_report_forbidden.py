@@ -12,10 +12,10 @@ import logging
 
 from kubernetes.client.rest import ApiException
 
-from kubetrain_operator.api.status import to_dict
-from kubetrain_operator.controller import kube
-from kubetrain_operator.controller.reporting import report_forbidden
-from kubetrain_operator.controller.state import Controller, JobState
+from kubetrain.api.status import to_dict
+from kubetrain.drivers.cluster import kube
+from kubetrain.drivers.cluster.reporting import report_forbidden
+from kubetrain.drivers.cluster.state import Controller, JobState
 
 
 def controller() -> Controller:

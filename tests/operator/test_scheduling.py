@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.metrics import scrape
-from kubetrain_operator.core.children import NODE_LOST_TAINTS
+from kubetrain.engine.children import NODE_LOST_TAINTS
 from helpers.wait import wait_for
 from test_lifecycle import condition, manifest, pods_of
 

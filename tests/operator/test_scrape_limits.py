@@ -12,11 +12,11 @@ import pytest
 
 from helpers.net import free_port
 from helpers.wait import wait_for
-from kubetrain_operator.api import from_object
-from kubetrain_operator.controller import kube, rounds, scrapes
-from kubetrain_operator.controller.state import Controller
-from kubetrain_operator.core.engine import PROGRESS_UNKNOWN, ReplicaObservation
-from kubetrain_operator.controller.observe import parse_metrics, progress_from
+from kubetrain.api import from_object
+from kubetrain.drivers.cluster import kube, rounds, scrapes
+from kubetrain.drivers.cluster.state import Controller
+from kubetrain.engine.engine import PROGRESS_UNKNOWN, ReplicaObservation
+from kubetrain.drivers.cluster.observe import parse_metrics, progress_from
 
 GOOD = b"kubetrain_training_step{job=\"j\"} 7.0\nkubetrain_loss{job=\"j\"} +Inf\n"
 

@@ -17,8 +17,8 @@ import pytest
 from helpers.kube import Kubectl
 from helpers.metrics import samples, try_scrape
 from helpers.wait import wait_for
-from kubetrain_operator.controller.leader import LEASE_SECONDS, RETRY_SECONDS
-from kubetrain_operator.core.engine import MAX_REQUEUE_SECONDS
+from kubetrain.drivers.cluster.leader import LEASE_SECONDS, RETRY_SECONDS
+from kubetrain.engine.engine import MAX_REQUEUE_SECONDS
 
 pytestmark = pytest.mark.cluster
 

@@ -9,9 +9,9 @@ import copy
 
 import pytest
 
-from kubetrain_operator.api.status import read_status, to_dict
-from kubetrain_operator.controller.handlers import on_job
-from kubetrain_operator.controller.state import Controller
+from kubetrain.api.status import read_status, to_dict
+from kubetrain.drivers.cluster.handlers import on_job
+from kubetrain.drivers.cluster.state import Controller
 
 STATUS = {"state": "Running", "replicas": 3, "restarts": 0, "startTime": "2026-12-03T10:00:00Z",
           "conditions": [{"type": "Running", "status": "True", "reason": "Running", "message": "all replicas run",

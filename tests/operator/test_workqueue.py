@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kubetrain_operator.controller.workqueue import ERROR_BACKOFF_CAP_SECONDS, URGENT_STREAK, WorkQueue
+from kubetrain.drivers.cluster.workqueue import ERROR_BACKOFF_CAP_SECONDS, URGENT_STREAK, WorkQueue
 
 
 class Clock:
@@ -178,14 +178,14 @@ def test_the_wait_of_each_key_is_told_by_lane():
 # --- the index's resync (controller/index.py Index.resync): what a missed watch event leaves right ----
 
 def _seen(replica: str, phase: str = "Running"):
-    from kubetrain_operator.controller import observe
-    from kubetrain_operator.core.engine import ReplicaObservation
+    from kubetrain.drivers.cluster import observe
+    from kubetrain.engine.engine import ReplicaObservation
 
     return (observe.Owner("TrainingJob", "j", "uid"), ReplicaObservation(replica, phase))
 
 
 def test_a_resync_adds_a_missed_pod_drops_a_gone_one_and_takes_a_newer_version():
-    from kubetrain_operator.controller.index import Index
+    from kubetrain.drivers.cluster.index import Index
 
     index = Index()
     key = ("ns", "j")
@@ -202,7 +202,7 @@ def test_a_resync_adds_a_missed_pod_drops_a_gone_one_and_takes_a_newer_version()
 
 
 def test_a_resync_keeps_what_the_watch_wrote_after_the_list_began():
-    from kubetrain_operator.controller.index import Index
+    from kubetrain.drivers.cluster.index import Index
 
     index = Index()
     key = ("ns", "j")
@@ -227,7 +227,7 @@ def test_a_dead_pods_late_events_do_not_touch_its_replacement():
     """kopf hands each pod (uid) its own worker: the old incarnation's last events can be handled after the
     replacement's first. The round that deleted the dead pod without grace made its replacement at once:
     neither a late status of the old one nor its DELETED event touches the replacement."""
-    from kubetrain_operator.controller.index import Index
+    from kubetrain.drivers.cluster.index import Index
 
     index, key = Index(), ("ns", "j")
     index.index_pod("ADDED", _pod_event("old"))
@@ -244,7 +244,7 @@ def test_a_dead_pods_late_events_do_not_touch_its_replacement():
 
 def test_a_pods_deletion_seen_after_its_successor_leaves_the_successor():
     """A pod made again by someone else (a StatefulSet) can show up before the old one's DELETED event."""
-    from kubetrain_operator.controller.index import Index
+    from kubetrain.drivers.cluster.index import Index
 
     index, key = Index(), ("ns", "j")
     index.index_pod("ADDED", _pod_event("old"))
@@ -254,7 +254,7 @@ def test_a_pods_deletion_seen_after_its_successor_leaves_the_successor():
 
 
 def test_a_deleted_pods_uid_is_forgotten_after_a_while(monkeypatch):
-    from kubetrain_operator.controller import index as index_module
+    from kubetrain.drivers.cluster import index as index_module
 
     index = index_module.Index()
     clock = [1000.0]

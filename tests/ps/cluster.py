@@ -17,11 +17,11 @@ import yaml
 
 from helpers.jsonl import read_events
 from helpers.net import free_ports
-from kubetrain_operator.api import from_object
-from kubetrain_trainer.context import ReplicaContext
-from kubetrain_trainer.contract import JobCheckpoints
-from kubetrain_trainer.events import EventLog
-from kubetrain_trainer.metrics import TrainerMetrics
+from kubetrain.api import from_object
+from kubetrain.trainer.context import ReplicaContext
+from kubetrain.trainer.session import JobCheckpoints
+from kubetrain.trainer.events import EventLog
+from kubetrain.trainer.metrics import TrainerMetrics
 
 TOKEN = "test-token-0123456789"
 JOB_SECONDS = 120  # a job of the quickstart's size, 10 epochs, on a busy 2-core machine
@@ -119,7 +119,7 @@ class Job:
     def start(self, replica: str, fault: str = "") -> subprocess.Popen:
         role = replica.rsplit("-", 1)[0]
         log = open(self.run_dir / f"{replica}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kubetrain_trainer", role], env=self.env(replica, fault),
+        proc = subprocess.Popen([sys.executable, "-m", "kubetrain.trainer", role], env=self.env(replica, fault),
                                 stdout=log, stderr=subprocess.STDOUT)
         self.procs[replica] = proc
         return proc

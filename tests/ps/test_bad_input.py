@@ -10,10 +10,10 @@ import torch
 
 from cluster import TOKEN, shard_checkpoints
 from helpers.net import free_port
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps import ps_pb2_grpc
-from kubetrain_trainer.ps.server import ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.transport import MAX_MESSAGE_BYTES, TOKEN_KEY
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps import ps_pb2_grpc
+from kubetrain.trainer.ps.server import ParameterShard, ShardConfig, build_server
+from kubetrain.trainer.ps.transport import MAX_MESSAGE_BYTES, TOKEN_KEY
 
 PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(3)}
 AUTH = ((TOKEN_KEY, TOKEN),)

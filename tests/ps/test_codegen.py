@@ -1,14 +1,14 @@
-"""The committed gRPC code in trainer/ps/ is what protoc makes of protos/ now."""
+"""The committed gRPC code in kubetrain/trainer/ps/ is what protoc makes of protos/ now."""
 
 import shutil
 import subprocess
 import sys
 
-from kubetrain_trainer.ps import codegen
+from kubetrain.trainer.ps import codegen
 
 
 def test_committed_generated_code_is_up_to_date():
-    assert codegen.stale_files() == [], "run: python -m kubetrain_trainer.ps.codegen"
+    assert codegen.stale_files() == [], "run: python -m kubetrain.trainer.ps.codegen"
 
 
 def test_an_edited_proto_makes_the_check_fail(tmp_path):
@@ -24,7 +24,7 @@ def test_generated_stub_imports_its_sibling_package_relatively():
 
 
 def test_check_command_exits_0_when_up_to_date():
-    done = subprocess.run([sys.executable, "-m", "kubetrain_trainer.ps.codegen", "--check"],
+    done = subprocess.run([sys.executable, "-m", "kubetrain.trainer.ps.codegen", "--check"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "up to date" in done.stdout

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import torch
 
 from test_hostile_clients import PARAMS, frames, gradient, push, serving
-from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer.ps.client import PSClient
-from kubetrain_trainer.ps.transport import Backoff
-from kubetrain_trainer.ps.worker import Worker
+from kubetrain.api.spec import Compression
+from kubetrain.trainer.ps.psclient import PSClient
+from kubetrain.trainer.ps.transport import Backoff
+from kubetrain.trainer.ps.worker import Worker
 from cluster import TOKEN
 
 TOPK = Compression(algorithm="TopK", ratio=0.01, min_tensor_bytes=0)

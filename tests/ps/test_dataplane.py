@@ -1,4 +1,4 @@
-"""The data plane (trainer/ps/dataplane.py): a shard's Pull and Push over its own TCP or mutual-TLS listener.
+"""The data plane (kubetrain/trainer/ps/dataplane.py): a shard's Pull and Push over its own TCP or mutual-TLS listener.
 
 A real ParameterShard behind a real DataServer on loopback, ticked as serve.py
 ticks it, against the worker's own client (PSClient with data addresses) and
@@ -23,13 +23,13 @@ import torch
 
 from cluster import TOKEN, shard_checkpoints, ticking
 from helpers.wait import wait_for
-from kubetrain_operator.core.certificates import job_certificates
-from kubetrain_trainer.compression import as_bytes
-from kubetrain_trainer.metrics import TrainerMetrics
-from kubetrain_trainer.ps import dataplane
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps.client import PSClient
-from kubetrain_trainer.ps.dataplane import (
+from kubetrain.engine.certificates import job_certificates
+from kubetrain.trainer.compression import as_bytes
+from kubetrain.trainer.metrics import TrainerMetrics
+from kubetrain.trainer.ps import dataplane
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps.psclient import PSClient
+from kubetrain.trainer.ps.dataplane import (
     ERROR,
     FRAME,
     HELLO,
@@ -41,9 +41,9 @@ from kubetrain_trainer.ps.dataplane import (
     DataPlaneError,
     DataServer,
 )
-from kubetrain_trainer.ps.server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.credentials import TlsFiles
-from kubetrain_trainer.ps.transport import NON_FINITE, Assembler, Backoff, Expected, OutTensor, refusal_reason
+from kubetrain.trainer.ps.server import TICK_SECONDS, ParameterShard, ShardConfig, build_server
+from kubetrain.trainer.ps.credentials import TlsFiles
+from kubetrain.trainer.ps.transport import NON_FINITE, Assembler, Backoff, Expected, OutTensor, refusal_reason
 
 # Two small tensors (bucketed into one frame) and one of 40 KB (cut into pieces at the test's chunk size).
 PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(3),
@@ -453,7 +453,7 @@ def test_a_connection_numbered_past_select_s_limit_is_watched_like_any_other(tmp
     pull must still see its client as there (and gone once it is)."""
     import fcntl
 
-    from kubetrain_trainer.ps.dataplane import CallContext
+    from kubetrain.trainer.ps.dataplane import CallContext
 
     ours, theirs = socket.socketpair()
     # The descriptor a thousand-odd connections would give: the lowest free one from 1500 (dup2 onto 1500
@@ -474,7 +474,7 @@ def test_a_connection_numbered_past_select_s_limit_is_watched_like_any_other(tmp
 def test_a_shard_raises_its_open_files_limit_to_what_its_connections_need():
     import resource
 
-    from kubetrain_trainer.ps.dataplane import ensure_descriptors, max_connections
+    from kubetrain.trainer.ps.dataplane import ensure_descriptors, max_connections
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     connections = max_connections(1024, 8)

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from cluster import TOKEN, shard_checkpoints
 from helpers.net import free_port
-from kubetrain_trainer.compression import ALGORITHMS
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps.server import ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.transport import TOKEN_KEY, Assembler, Expected, WireError, decode_frame
+from kubetrain.trainer.compression import ALGORITHMS
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps.server import ParameterShard, ShardConfig, build_server
+from kubetrain.trainer.ps.transport import TOKEN_KEY, Assembler, Expected, WireError, decode_frame
 
 # A shard's tensors: a matrix (every codec applies), a vector, an empty one, a half-precision one.
 PARAMS = {

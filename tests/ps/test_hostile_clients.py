@@ -23,17 +23,17 @@ from cluster import TOKEN, Job, manifest, shard_checkpoints, ticking
 from helpers.net import free_port
 from helpers.wait import wait_for
 from test_bad_input import pulled
-from kubetrain_operator.api.spec import Compression
-from kubetrain_trainer.compression import GradientCompressor
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.events import EventLog
-from kubetrain_trainer.metrics import TrainerMetrics
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps import ps_pb2_grpc
-from kubetrain_trainer.ps.client import PSClient
-from kubetrain_trainer.ps.server import DEDUP_WINDOW_STEPS, TICK_SECONDS, ParameterShard, ShardConfig, TakenSteps, build_server
-from kubetrain_trainer.ps.transport import NON_FINITE, REFUSAL_KEY, TOKEN_KEY, Backoff
-from kubetrain_trainer.ps.worker import MAX_CONSECUTIVE_NON_FINITE_STEPS, Worker
+from kubetrain.api.spec import Compression
+from kubetrain.trainer.compression import GradientCompressor
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.events import EventLog
+from kubetrain.trainer.metrics import TrainerMetrics
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps import ps_pb2_grpc
+from kubetrain.trainer.ps.psclient import PSClient
+from kubetrain.trainer.ps.server import DEDUP_WINDOW_STEPS, TICK_SECONDS, ParameterShard, ShardConfig, TakenSteps, build_server
+from kubetrain.trainer.ps.transport import NON_FINITE, REFUSAL_KEY, TOKEN_KEY, Backoff
+from kubetrain.trainer.ps.worker import MAX_CONSECUTIVE_NON_FINITE_STEPS, Worker
 
 PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(3)}
 AUTH = ((TOKEN_KEY, TOKEN),)

@@ -16,10 +16,10 @@ import time
 import grpc
 import pytest
 import yaml
-from kubetrain_contract.launch import SLOWDOWN_VAR
-from kubetrain_trainer.errors import EXIT_RELEASED
-from kubetrain_trainer.ps.client import PSClient
-from kubetrain_trainer.ps.transport import Backoff
+from kubetrain.shared.launch import SLOWDOWN_VAR
+from kubetrain.trainer.errors import EXIT_RELEASED
+from kubetrain.trainer.ps.psclient import PSClient
+from kubetrain.trainer.ps.transport import Backoff
 
 from cluster import TOKEN, Job, manifest
 
@@ -86,7 +86,7 @@ def run_resized(tmp_path, aggregation: str) -> tuple[Job, dict]:
     # Async does not wait for a joiner: workers 0 and 1 go on while worker-2 imports torch (7 s and more
     # on a loaded machine), and a worker that finished its share of the 10 epochs ends the resizes (the
     # job is ending). Unslowed they did that before worker-2's first step in one CI run. Every worker
-    # sleeps ASYNC_SLOWDOWN - 1 times its compute after each step (trainer/slowdown.py): the same for
+    # sleeps ASYNC_SLOWDOWN - 1 times its compute after each step (kubetrain/trainer/testhooks.py): the same for
     # all three, so their relative speeds are unchanged, and sleeping takes no core from anything else.
     # Sync too, since the data plane: unslowed, a Sync job of this size runs 270 steps a second here, so
     # a resize (read by ps-0 every SIZE_POLL_SECONDS) could come after the job's end.

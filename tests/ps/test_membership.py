@@ -18,13 +18,13 @@ import yaml
 from cluster import TOKEN, manifest
 from helpers.wait import wait_for
 from test_hostile_clients import AUTH, frames, gradient, push, serving
-from kubetrain_operator.api import load_one
-from kubetrain_trainer.data import ShardCursor
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps.coordinator import Coordinator
-from kubetrain_trainer.ps.client import PSClient
-from kubetrain_trainer.ps.transport import MEMBERSHIP, REFUSAL_KEY, Backoff
-from kubetrain_trainer.ps.worker import Released, Worker
+from kubetrain.api import load_one
+from kubetrain.trainer.data import ShardCursor
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps.coordinator import Coordinator
+from kubetrain.trainer.ps.psclient import PSClient
+from kubetrain.trainer.ps.transport import MEMBERSHIP, REFUSAL_KEY, Backoff
+from kubetrain.trainer.ps.worker import Released, Worker
 
 SAMPLES, BATCH = 100, 5
 

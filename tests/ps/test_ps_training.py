@@ -1,7 +1,7 @@
 """Parameter-server jobs as real processes on loopback: accuracy, faults and recovery, shards, compression.
 
 Each job is ps-0 (and ps-1) and two workers started with
-`python -m kubetrain_trainer ps|worker` and the environment of
+`python -m kubetrain.trainer ps|worker` and the environment of
 docs/internals.md, on the digits MLP of the quickstart with batches of 16:
 450 updates in 10 epochs, enough for TopK at 1% to catch up with None (at
 120 updates each weight would be sent about once). Figures the issue asks

@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from kubetrain_trainer.ps.transport import RECONNECT_BACKOFF_MAX_MS, open_channel
+from kubetrain.trainer.ps.transport import RECONNECT_BACKOFF_MAX_MS, open_channel
 
 WINDOW_SECONDS = 4.0
 

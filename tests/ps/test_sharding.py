@@ -2,7 +2,7 @@
 
 import pytest
 
-from kubetrain_trainer.ps.sharding import assign_shards
+from kubetrain.trainer.ps.sharding import assign_shards
 
 CASES = [
     ("one shard holds all", {"a": 10, "b": 5}, 1, [["a", "b"]]),

@@ -1,4 +1,4 @@
-"""Standby workers (trainer/ps/standby.py, coordinator.py `Stand`): places held and handed over.
+"""Standby workers (kubetrain/trainer/ps/standby.py, coordinator.py `Stand`): places held and handed over.
 
 ps-0's coordinator served by a real gRPC server on loopback, and `Place`s, the
 client every worker and standby process holds, calling it as those processes
@@ -18,15 +18,15 @@ import yaml
 from cluster import JOB_SECONDS, TOKEN, Job, manifest
 from helpers.net import free_port
 from helpers.wait import wait_for
-from kubetrain_operator.api import load_one
-from kubetrain_trainer.context import ReplicaContext
-from kubetrain_trainer.errors import TransientError
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps import ps_pb2_grpc
-from kubetrain_trainer.ps.coordinator import Coordinator
-from kubetrain_trainer.ps.standby import Place, as_worker
-from kubetrain_trainer.metrics import TrainerMetrics
-from kubetrain_trainer.ps.transport import GRPC_OPTIONS, TOKEN_KEY
+from kubetrain.api import load_one
+from kubetrain.trainer.context import ReplicaContext
+from kubetrain.trainer.errors import TransientError
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps import ps_pb2_grpc
+from kubetrain.trainer.ps.coordinator import Coordinator
+from kubetrain.trainer.ps.standby import Place, as_worker
+from kubetrain.trainer.metrics import TrainerMetrics
+from kubetrain.trainer.ps.transport import GRPC_OPTIONS, TOKEN_KEY
 from test_hostile_clients import LABELS, counted
 
 WORKERS = 3

@@ -1,7 +1,7 @@
 """Mutual TLS between a shard and its workers: the job's certificate gets in, nothing else gets to the token check.
 
 A real shard server on loopback, serving with the job's certificates
-(`kubetrain_operator.core.certificates`, as the operator and `kubetrain run` make them),
+(`kubetrain.engine.certificates`, as the operator and `kubetrain run` make them),
 against real clients: the worker's own (PSClient), and hand-made channels that
 lack a certificate, hold another job's, or speak plaintext.
 """
@@ -16,16 +16,16 @@ import torch
 
 from cluster import TOKEN, shard_checkpoints
 from helpers.net import free_port
-from kubetrain_contract.tls_files import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
-from kubetrain_operator.core.certificates import job_certificates
-from kubetrain_trainer.compression import as_bytes
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps import ps_pb2_grpc
-from kubetrain_trainer.ps.client import PSClient
-from kubetrain_trainer.ps.server import ParameterShard, ShardConfig, build_server
-from kubetrain_trainer.ps.credentials import TlsFiles, from_env
-from kubetrain_trainer.ps.transport import TOKEN_KEY, Assembler, Backoff, Expected, OutTensor, open_channel
+from kubetrain.shared.tls_files import CA_FILE, CERT_FILE, KEY_FILE, TLS_DIR_VAR
+from kubetrain.engine.certificates import job_certificates
+from kubetrain.trainer.compression import as_bytes
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps import ps_pb2_grpc
+from kubetrain.trainer.ps.psclient import PSClient
+from kubetrain.trainer.ps.server import ParameterShard, ShardConfig, build_server
+from kubetrain.trainer.ps.credentials import TlsFiles, from_env
+from kubetrain.trainer.ps.transport import TOKEN_KEY, Assembler, Backoff, Expected, OutTensor, open_channel
 
 PARAMS = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3)}
 AUTH = ((TOKEN_KEY, TOKEN),)
@@ -146,7 +146,7 @@ def test_the_certificates_come_from_the_environment(job_dir, tmp_path):
 
 @pytest.mark.slow
 def test_the_transport_benchmark_compares_tls_with_plaintext_in_one_run(job_dir):
-    from kubetrain_bench.transport import bench_transport
+    from kubetrain.bench.transport import bench_transport
 
     result = bench_transport(1 << 20, rounds=2, tls_dir=job_dir)
     for key in ("ps_push_tls_gb_per_s", "ps_pull_tls_gb_per_s", "tls_push_ratio", "tls_pull_ratio",

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kubetrain_trainer.compression import as_bytes
-from kubetrain_trainer.ps import ps_pb2 as pb
-from kubetrain_trainer.ps.transport import (
+from kubetrain.trainer.compression import as_bytes
+from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps.transport import (
     Assembler,
     Expected,
     OutTensor,

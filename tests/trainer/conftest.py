@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain_trainer.context import ReplicaContext
+from kubetrain.trainer.context import ReplicaContext
 
 # Small and fast: digits (1438 training samples), the default MLP, 23 steps an epoch.
 BASE_SPEC: dict[str, Any] = {
@@ -80,7 +80,7 @@ def trainer_env(job_file: Path, run_dir: Path, **extra: str) -> dict[str, str]:
 
 @pytest.fixture
 def make_ctx(tmp_path: Path) -> Callable[..., ReplicaContext]:
-    """make_ctx(job_file, run_dir=None) -> the context `python -m kubetrain_trainer single` would build."""
+    """make_ctx(job_file, run_dir=None) -> the context `python -m kubetrain.trainer single` would build."""
 
     def make(job_file: Path, run_dir: Path | None = None) -> ReplicaContext:
         return ReplicaContext.from_env("single", trainer_env(job_file, run_dir or tmp_path / "run"))
@@ -90,7 +90,7 @@ def make_ctx(tmp_path: Path) -> Callable[..., ReplicaContext]:
 
 def _start(job_file: Path, run_dir: Path, role: str = "single", **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kubetrain_trainer", role],
+        [sys.executable, "-m", "kubetrain.trainer", role],
         env=trainer_env(job_file, run_dir, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -100,7 +100,7 @@ def _start(job_file: Path, run_dir: Path, role: str = "single", **env: str) -> s
 
 @pytest.fixture
 def start_trainer() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """start_trainer(job_file, run_dir, role="single", **env) -> the running `python -m kubetrain_trainer`."""
+    """start_trainer(job_file, run_dir, role="single", **env) -> the running `python -m kubetrain.trainer`."""
     started: list[subprocess.Popen[str]] = []
 
     def start(job_file: Path, run_dir: Path, role: str = "single", **env: str) -> subprocess.Popen[str]:
@@ -141,7 +141,7 @@ def keep_sigterm() -> Iterator[None]:
 
 @pytest.fixture
 def set_trainer_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """set_trainer_env(job_file, run_dir, **extra): os.environ as `python -m kubetrain_trainer` would see it."""
+    """set_trainer_env(job_file, run_dir, **extra): os.environ as `python -m kubetrain.trainer` would see it."""
 
     def set_env(job_file: Path, run_dir: Path, **extra: str) -> None:
         for key in list(os.environ):

@@ -34,7 +34,7 @@ def main() -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBETRAIN_")}
         env.update(KUBETRAIN_JOB_FILE=str(job), KUBETRAIN_RUN_DIR=str(Path(tmp) / "run"), KUBETRAIN_METRICS_PORT="0",
                    PYTHONSAFEPATH="1")
-        done = subprocess.run([sys.executable, "-m", "kubetrain_trainer", "single"], env=env, cwd=tmp,
+        done = subprocess.run([sys.executable, "-m", "kubetrain.trainer", "single"], env=env, cwd=tmp,
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             print(f"hack/golden: the trainer exited {done.returncode}:\n{done.stderr[-3000:]}", file=sys.stderr)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kubetrain_bench.sharded import SECONDS_DECIMALS
-from kubetrain_cli import main
+from kubetrain.bench.sharded import SECONDS_DECIMALS
+from kubetrain.cli import main
 
 
 def test_bench_checkpoint_measures_sync_and_background_saves_in_one_run(tmp_path, capsys):

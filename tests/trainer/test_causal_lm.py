@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from kubetrain_operator.api.spec import Dataset, Optimizer, Training
-from kubetrain_trainer.causal_lm import PAD, _records, _text_files, hf_name, token_samples
-from kubetrain_trainer.errors import LoadError
-from kubetrain_trainer.objectives import IGNORE_INDEX, NEXT_TOKEN
-from kubetrain_trainer.training import StepRecipe, compute_gradients, perplexity_of
+from kubetrain.api.spec import Dataset, Optimizer, Training
+from kubetrain.trainer.causal_lm import PAD, _records, _text_files, hf_name, token_samples
+from kubetrain.trainer.errors import LoadError
+from kubetrain.trainer.objectives import IGNORE_INDEX, NEXT_TOKEN
+from kubetrain.trainer.training import StepRecipe, compute_gradients, perplexity_of
 
 
 def test_packing_joins_records_with_an_end_token_and_pads_only_the_last_sample():
@@ -126,6 +126,6 @@ def test_a_directory_without_text_files_and_text_past_the_bound_are_refused(tmp_
     with pytest.raises(LoadError, match="no text files"):
         _text_files(Dataset(path=str(tmp_path), format="text"))
     (tmp_path / "big.txt").write_text("y" * 101)
-    monkeypatch.setattr("kubetrain_trainer.causal_lm.MAX_TEXT_BYTES", 100)
+    monkeypatch.setattr("kubetrain.trainer.causal_lm.MAX_TEXT_BYTES", 100)
     with pytest.raises(LoadError, match="101 bytes of text, more than the 100"):
         _text_files(Dataset(path=str(tmp_path), format="text"))

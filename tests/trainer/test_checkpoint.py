@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kubetrain_operator.api import from_spec_dict
-from kubetrain_trainer.checkpoint import CheckpointStore, capture_rng_state, restore_rng_state, spec_hash
-from kubetrain_trainer.errors import ConfigError, TransientError
+from kubetrain.api import from_spec_dict
+from kubetrain.trainer.checkpoint import CheckpointStore, capture_rng_state, restore_rng_state, spec_hash
+from kubetrain.trainer.errors import ConfigError, TransientError
 
 
 def state(step: int) -> dict:
@@ -77,7 +77,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
     store.save(20, state(20))
     newest = tmp_path / "ckpt-00000020.pt"
     newest.write_bytes(damage(newest.read_bytes()))
-    with caplog.at_level(logging.WARNING, logger="kubetrain_trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="kubetrain.trainer.checkpoint"):
         step, loaded = store.load_latest()
     assert step == 10 and float(loaded["weights"][0, 0]) == 10.0
     assert "ckpt-00000020.pt" in caplog.text and "falling back" in caplog.text
@@ -138,7 +138,7 @@ def test_a_payload_that_hashes_right_but_does_not_load_is_set_aside(tmp_path: Pa
     import hashlib
     import json
 
-    from kubetrain_trainer.checkpoint import MAGIC
+    from kubetrain.trainer.checkpoint import MAGIC
 
     store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
     store.save(10, state(10))
@@ -162,7 +162,7 @@ def test_a_fifo_or_a_symlink_named_like_a_checkpoint_is_skipped(tmp_path: Path, 
     (tmp_path / "ckpt-00000040.pt").symlink_to(elsewhere)
     (tmp_path / "latest").unlink()
     os.mkfifo(tmp_path / "latest")
-    with caplog.at_level(logging.WARNING, logger="kubetrain_trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="kubetrain.trainer.checkpoint"):
         assert [i.step for i in store.list()] == [10]
         step, _ = store.load_latest()
         assert store.latest_step() is None

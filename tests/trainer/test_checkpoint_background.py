@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubetrain_trainer import checkpoint
-from kubetrain_trainer.checkpoint import HEADER_BYTES, MAGIC, CheckpointInfo, CheckpointStore, SnapshotBuffers
-from kubetrain_trainer.errors import TransientError
+from kubetrain.trainer import checkpoint
+from kubetrain.trainer.checkpoint import HEADER_BYTES, MAGIC, CheckpointInfo, CheckpointStore, SnapshotBuffers
+from kubetrain.trainer.errors import TransientError
 
 # Generous: a loaded 2-core machine may take seconds to start a Python process with torch.
 SUBPROCESS_SECONDS = 120
@@ -201,7 +201,7 @@ KILLED_WRITER = textwrap.dedent("""
     import sys, threading
     from pathlib import Path
     import torch
-    from kubetrain_trainer import checkpoint
+    from kubetrain.trainer import checkpoint
 
     directory, stage = Path(sys.argv[1]), sys.argv[2]
     marker = directory.parent / "held"

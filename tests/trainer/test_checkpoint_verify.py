@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from kubetrain_trainer.checkpoint import MAGIC, CheckpointStore, read_valid
-from kubetrain_trainer.verify import EXIT_INVALID, main_verify, verify_checkpoints
+from kubetrain.trainer.checkpoint import MAGIC, CheckpointStore, read_valid
+from kubetrain.trainer.verify import EXIT_INVALID, main_verify, verify_checkpoints
 
 
 def state(step: int) -> dict:

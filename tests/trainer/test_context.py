@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain_trainer.context import ReplicaContext
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.events import EventLog, write_result
+from kubetrain.trainer.context import ReplicaContext
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.events import EventLog, write_result
 
 
 def test_from_env_reads_every_variable(write_job, tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_termination_log_comes_from_the_environment(write_job) -> None:
 
 
 def test_a_scripts_reported_values_ride_in_the_termination_message_within_4_kib(tmp_path: Path) -> None:
-    from kubetrain_trainer.events import TERMINATION_MESSAGE_BYTES, termination_message
+    from kubetrain.trainer.events import TERMINATION_MESSAGE_BYTES, termination_message
 
     small = json.loads(termination_message({"steps": 9, "metrics": {"acc": 0.5, "bad": float("nan")}}))
     assert small == {"steps": 9, "metrics": {"acc": 0.5}}
@@ -104,7 +104,7 @@ def test_a_fine_tune_s_perplexity_rides_in_the_termination_message() -> None:
     10 s old): it is one of its headline keys, beside the eval loss."""
     import json
 
-    from kubetrain_trainer.events import termination_message
+    from kubetrain.trainer.events import termination_message
 
     said = json.loads(termination_message({"steps": 30, "eval_loss": 3.99, "eval_perplexity": 54.05,
                                            "baseline_eval_loss": 4.1, "rank": 0}))

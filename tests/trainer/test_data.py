@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Dataset
-from kubetrain_trainer.data import ShardCursor, load_data
-from kubetrain_trainer.errors import ConfigError, LoadError
+from kubetrain.api.spec import Dataset
+from kubetrain.trainer.data import ShardCursor, load_data
+from kubetrain.trainer.errors import ConfigError, LoadError
 
 
 @dataclass

@@ -7,7 +7,7 @@ import sys
 
 SCRIPT = """
 import sys, torch
-from kubetrain_trainer.device import make_deterministic
+from kubetrain.trainer.device import make_deterministic
 assert make_deterministic() == 1
 assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
 assert "torch._inductor.config" not in sys.modules, "the inductor was imported"

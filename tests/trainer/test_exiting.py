@@ -9,7 +9,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import logging, sys, threading, time
-    from kubetrain_trainer.exiting import exit_now
+    from kubetrain.trainer.exiting import exit_now
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
 

@@ -11,13 +11,13 @@ import torch
 import yaml
 
 from support import job_doc, kubetrain
-from kubetrain_operator.api import load_one
-from kubetrain_cli import main
-from kubetrain_trainer.checkpoint import CheckpointStore, read_valid
-from kubetrain_trainer.data import load_data
-from kubetrain_trainer.models import build_model
-from kubetrain_trainer.ps.job import shards_of
-from kubetrain_trainer.verify import final_parameters
+from kubetrain.api import load_one
+from kubetrain.cli import main
+from kubetrain.trainer.checkpoint import CheckpointStore, read_valid
+from kubetrain.trainer.data import load_data
+from kubetrain.trainer.models import build_model
+from kubetrain.trainer.ps.job import shards_of
+from kubetrain.trainer.verify import final_parameters
 
 # Small: digits, a narrow MLP, a few dozen steps; checkpoints every few steps so there are several.
 SPEC = {

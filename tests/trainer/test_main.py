@@ -1,4 +1,4 @@
-"""`python -m kubetrain_trainer` turns bad input into its exit code and a one-line message."""
+"""`python -m kubetrain.trainer` turns bad input into its exit code and a one-line message."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kubetrain_trainer.__main__ import main
-from kubetrain_trainer.errors import EXIT_CONFIG, EXIT_LOAD
-from kubetrain_trainer.events import STARTUP_TAG
+from kubetrain.trainer.__main__ import main
+from kubetrain.trainer.errors import EXIT_CONFIG, EXIT_LOAD
+from kubetrain.trainer.events import STARTUP_TAG
 
 
 @dataclass
@@ -74,7 +74,7 @@ def test_the_module_prints_no_traceback(write_job, run_trainer, tmp_path: Path) 
     done = run_trainer(job, tmp_path / "run")
     assert done.returncode == EXIT_LOAD
     assert messages(done.stderr) == [
-        f"python -m kubetrain_trainer single: error: spec.dataset.path: {tmp_path}/none.npz: no such file"
+        f"python -m kubetrain.trainer single: error: spec.dataset.path: {tmp_path}/none.npz: no such file"
     ]
 
 

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.metrics import scrape
 from helpers.net import free_port
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.metrics import TrainerMetrics
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.metrics import TrainerMetrics
 
 LABELS = {"namespace": "default", "job": "digits", "role": "worker", "replica": "worker-1"}
 ALLOWED_LABELS = {"namespace", "job", "role", "replica", "stage", "direction", "method", "name", "source", "le"}

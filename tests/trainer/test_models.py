@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Model, Optimizer
-from kubetrain_trainer.errors import ConfigError, LoadError
-from kubetrain_trainer.models import build_model, build_optimizer, evaluate
-from kubetrain_trainer.objectives import build_objective
+from kubetrain.api.spec import Model, Optimizer
+from kubetrain.trainer.errors import ConfigError, LoadError
+from kubetrain.trainer.models import build_model, build_optimizer, evaluate
+from kubetrain.trainer.objectives import build_objective
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Checkpoints in object storage (trainer/object_checkpoints.py) against a real S3 server: a checkpoint exists
+"""Checkpoints in object storage (kubetrain/trainer/object_checkpoints.py) against a real S3 server: a checkpoint exists
 once its commit does, the newest is resolved from commits alone, damaged ones are set aside, and whatever a
 kill leaves (objects without a commit, a multipart upload never completed) is never restored and is cleaned."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from objstorelib import tree
-from kubetrain_contract.checkpoints import LATEST
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.object_checkpoints import ObjectCheckpointStore, ObjectShardedStore
-from kubetrain_trainer.objstore import MULTIPART_BYTES, ObjectURI
+from kubetrain.shared.checkpoints import LATEST
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.object_checkpoints import ObjectCheckpointStore, ObjectShardedStore
+from kubetrain.trainer.objstore import MULTIPART_BYTES, ObjectURI
 
 
 def state(step: int, size: int = 64) -> dict:
@@ -115,8 +115,8 @@ def test_leftovers_of_a_writer_killed_mid_upload_go_at_the_next_start(tmp_path, 
 
 KILLED_MID_UPLOAD = """
 import os, signal, sys, torch
-from kubetrain_trainer.object_checkpoints import ObjectCheckpointStore
-from kubetrain_trainer.objstore import ObjectURI
+from kubetrain.trainer.object_checkpoints import ObjectCheckpointStore
+from kubetrain.trainer.objstore import ObjectURI
 store = ObjectCheckpointStore(sys.argv[1], ObjectURI(sys.argv[2], "job/single-0/"), 3, "h",
                               mid_save=lambda step: step == 20 and os.kill(os.getpid(), signal.SIGKILL))
 big = {"w": torch.ones(%d)}

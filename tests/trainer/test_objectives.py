@@ -23,15 +23,15 @@ import yaml
 
 from helpers.jsonl import read_events
 from support import EXAMPLES, job_doc, kubetrain
-from kubetrain_operator.api import load_one
-from kubetrain_operator.api.spec import BUILTIN_LOSSES, Dataset, Model, Optimizer
-from kubetrain_trainer.data import load_data
-from kubetrain_trainer.errors import EXIT_OK, ConfigError, LoadError
-from kubetrain_trainer.models import build_model, build_optimizer, evaluate
-from kubetrain_trainer.objectives import BUILTIN_OBJECTIVES, build_objective
-from kubetrain_contract.launch import CODE_DIR_VAR
-from kubetrain_trainer.single import run_single
-from kubetrain_trainer.training import train_step
+from kubetrain.api import load_one
+from kubetrain.api.spec import BUILTIN_LOSSES, Dataset, Model, Optimizer
+from kubetrain.trainer.data import load_data
+from kubetrain.trainer.errors import EXIT_OK, ConfigError, LoadError
+from kubetrain.trainer.models import build_model, build_optimizer, evaluate
+from kubetrain.trainer.objectives import BUILTIN_OBJECTIVES, build_objective
+from kubetrain.shared.launch import CODE_DIR_VAR
+from kubetrain.trainer.single import run_single
+from kubetrain.trainer.training import train_step
 
 REGRESSION = EXAMPLES / "custom" / "regression"
 USER_MODULES = ("curve_data", "curve_model", "curve_loss", "userloss", "usermodel")
@@ -224,7 +224,7 @@ def test_builtin_models_shape_their_output_as_the_target() -> None:
 
 IMPORT_PROBE = (
     "import sys\n"
-    "from kubetrain_trainer.plugins import load_entrypoint\n"
+    "from kubetrain.trainer.plugins import load_entrypoint\n"
     "print(load_entrypoint('probe_mod:where', 'spec.model.entrypoint')())\n"
 )
 

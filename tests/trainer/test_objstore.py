@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 
 from objstorelib import secret_free
-from kubetrain_trainer import objstore
-from kubetrain_trainer.errors import ConfigError, LoadError, TransientError
-from kubetrain_trainer.objstore import (ATTEMPTS, MULTIPART_BYTES, PART_BYTES, CorruptObject, Credentials, ObjectStore,
+from kubetrain.trainer import objstore
+from kubetrain.trainer.errors import ConfigError, LoadError, TransientError
+from kubetrain.trainer.objstore import (ATTEMPTS, MULTIPART_BYTES, PART_BYTES, CorruptObject, Credentials, ObjectStore,
                                         ObjectURI, parse_uri)
 
 
@@ -226,7 +226,7 @@ def test_a_long_transfer_logs_its_bytes_share_and_rate(s3, bucket, tmp_path, mon
     monkeypatch.setattr(objstore, "PROGRESS_SECONDS", 0.0)  # every piece is "due": the lines a long one logs
     path = tmp_path / "x.bin"
     path.write_bytes(os.urandom(MULTIPART_BYTES + 1000))
-    with caplog.at_level("INFO", logger="kubetrain_trainer.objstore"):
+    with caplog.at_level("INFO", logger="kubetrain.trainer.objstore"):
         s3.store().upload(path, ObjectURI(bucket, "x.bin"))
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith(f"upload s3://{bucket}/x.bin: ") and "MiB of 16.0 MiB (" in line and "/s" in line

@@ -1,4 +1,4 @@
-"""trainer/preload.py: the optimizer without torch._dynamo's import, its step too, and the import in a thread before a fork."""
+"""kubetrain/trainer/preload.py: the optimizer without torch._dynamo's import, its step too, and the import in a thread before a fork."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def run(script: str) -> str:
 def test_an_optimizer_is_built_saved_and_restored_without_importing_dynamo():
     assert run("""
         import sys, torch
-        from kubetrain_trainer.preload import without_dynamo_import
+        from kubetrain.trainer.preload import without_dynamo_import
         without_dynamo_import()
         model = torch.nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -33,7 +33,7 @@ def test_an_optimizer_is_built_saved_and_restored_without_importing_dynamo():
 def test_with_dynamo_loaded_already_the_wrappers_are_left_alone():
     assert run("""
         import torch, torch._dynamo  # a plug-in that compiles loaded it first
-        from kubetrain_trainer.preload import without_dynamo_import
+        from kubetrain.trainer.preload import without_dynamo_import
         without_dynamo_import()
         torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1).zero_grad()
         inner = torch.optim.Optimizer.zero_grad.__wrapped__
@@ -44,7 +44,7 @@ def test_with_dynamo_loaded_already_the_wrappers_are_left_alone():
 def test_a_fork_waits_for_the_preload_and_the_child_has_it():
     assert run("""
         import os, sys
-        from kubetrain_trainer.preload import preload
+        from kubetrain.trainer.preload import preload
         assert "torch._dynamo" not in sys.modules
         thread = preload(before_fork=True)
         pid = os.fork()  # at once: the fork must wait for the import, never copy it half done
@@ -58,7 +58,7 @@ def test_a_fork_waits_for_the_preload_and_the_child_has_it():
 def test_optimizer_step_without_dynamo_makes_the_same_update_as_torchs_step():
     assert run("""
         import sys, torch
-        from kubetrain_trainer.preload import optimizer_step, without_dynamo_import
+        from kubetrain.trainer.preload import optimizer_step, without_dynamo_import
         without_dynamo_import()
 
         def trained(kind, step):
@@ -86,7 +86,7 @@ def test_optimizer_step_without_dynamo_makes_the_same_update_as_torchs_step():
 def test_optimizer_step_is_torchs_own_with_a_hook_or_with_dynamo_being_imported():
     assert run("""
         import sys, types, torch
-        from kubetrain_trainer.preload import loaded, optimizer_step
+        from kubetrain.trainer.preload import loaded, optimizer_step
         optimizer = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
         calls = []
         handle = optimizer.register_step_post_hook(lambda *args: calls.append(1))

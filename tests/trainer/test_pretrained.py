@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kubetrain_trainer import pretrained as init
-from kubetrain_trainer.errors import LoadError
-from kubetrain_trainer.objstore import ObjectURI
+from kubetrain.trainer import pretrained as init
+from kubetrain.trainer.errors import LoadError
+from kubetrain.trainer.objstore import ObjectURI
 
 
 def test_a_fetch_empties_the_cache_it_is_given_and_the_next_start_downloads_nothing(tmp_path, pretrained, s3,

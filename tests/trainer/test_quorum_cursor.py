@@ -1,4 +1,4 @@
-"""The fault-tolerant job's one cursor (trainer/data.py's QuorumCursor): the blocks each step's quorum shares
+"""The fault-tolerant job's one cursor (kubetrain/trainer/data.py's QuorumCursor): the blocks each step's quorum shares
 are plain DDP's global batches while no rank is missing, and whatever the ranks and the discarded steps, every
 sample of an epoch's cut is trained exactly once."""
 
@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from kubetrain_trainer.data import QuorumCursor, ShardCursor
-from kubetrain_trainer.errors import ConfigError
-from kubetrain_trainer.shards import ShardOrder
+from kubetrain.trainer.data import QuorumCursor, ShardCursor
+from kubetrain.trainer.errors import ConfigError
+from kubetrain.trainer.shards import ShardOrder
 
 
 @pytest.mark.parametrize("num_samples,lanes,batch,sharded", [

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from kubetrain_trainer.data import EpochPlan, ShardCursor, redeal
-from kubetrain_trainer.errors import ConfigError
+from kubetrain.trainer.data import EpochPlan, ShardCursor, redeal
+from kubetrain.trainer.errors import ConfigError
 
 
 def order(seed, epoch, n):

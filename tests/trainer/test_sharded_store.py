@@ -1,4 +1,4 @@
-"""trainer/sharded.py in one process (no process group: DCP's no_dist path): the commit protocol, the checks
+"""kubetrain/trainer/sharded.py in one process (no process group: DCP's no_dist path): the commit protocol, the checks
 of a restore, and the errors a script sees. The multi-rank paths run under torchrun in
 tests/local/test_sharded_scripts.py and tests/ddp/test_fsdp_training.py."""
 
@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from kubetrain_trainer import sharded
-from kubetrain_trainer.errors import ConfigError, TransientError
-from kubetrain_contract.checkpoints import COMMIT, SHARDED_TMP_PATTERN
-from kubetrain_trainer.sharded import Commit, CorruptSharded, ShardedCheckpointError, ShardedStore
+from kubetrain.trainer import sharded
+from kubetrain.trainer.errors import ConfigError, TransientError
+from kubetrain.shared.checkpoints import COMMIT, SHARDED_TMP_PATTERN
+from kubetrain.trainer.sharded import Commit, CorruptSharded, ShardedCheckpointError, ShardedStore
 
 
 def state(seed: int) -> dict:

@@ -1,4 +1,4 @@
-"""Sharded datasets (trainer/shards.py): shards indexed from their headers, dealt whole to the ranks, read
+"""Sharded datasets (kubetrain/trainer/shards.py): shards indexed from their headers, dealt whole to the ranks, read
 through a bounded cache, and a cursor that resumes at the very next sample: every sample of every epoch
 trained exactly once, counted."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from kubetrain_operator.api.spec import Dataset
-from kubetrain_trainer.data import ShardCursor, load_data, redeal
-from kubetrain_trainer.errors import LoadError
-from kubetrain_trainer.objstore import ObjectURI
-from kubetrain_trainer.shards import (Columns, DirectoryStorage, ObjectStorage, ShardCache, ShardOrder, build_index,
+from kubetrain.api.spec import Dataset
+from kubetrain.trainer.data import ShardCursor, load_data, redeal
+from kubetrain.trainer.errors import LoadError
+from kubetrain.trainer.objstore import ObjectURI
+from kubetrain.trainer.shards import (Columns, DirectoryStorage, ObjectStorage, ShardCache, ShardOrder, build_index,
                                       eval_shards, parse_quantity)
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from helpers.jsonl import read_events
-from kubetrain_trainer.checkpoint import CheckpointStore, spec_hash
-from kubetrain_trainer.errors import EXIT_OK, EXIT_TERMINATED
-from kubetrain_trainer.single import run_single
+from kubetrain.trainer.checkpoint import CheckpointStore, spec_hash
+from kubetrain.trainer.errors import EXIT_OK, EXIT_TERMINATED
+from kubetrain.trainer.single import run_single
 
 from golden import GOLDEN, GOLDEN_OVERRIDES, GOLDEN_STEPS
 

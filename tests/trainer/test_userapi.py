@@ -16,9 +16,9 @@ from torch import nn
 import kubetrain
 from helpers.metrics import scrape
 from helpers.net import free_port
-from kubetrain_operator.api.spec import MAX_REPORTED_METRICS
-from kubetrain_trainer import checkpoint, userapi
-from kubetrain_trainer.events import read_events
+from kubetrain.api.spec import MAX_REPORTED_METRICS
+from kubetrain.trainer import checkpoint, userapi
+from kubetrain.trainer.events import read_events
 
 
 @pytest.fixture
@@ -160,8 +160,8 @@ def test_the_public_api_is_the_calls_of_a_script_and_the_client():
                              and getattr(kubetrain, n).__module__ == "kubetrain"))  == json.dumps(
         sorted(["restore", "save", "report", "checkpoint_dir", "fault_tolerant"]))
     # The client is loaded on first use: a training script's `import kubetrain` never loads Kubernetes' client.
-    code = ("import sys, kubetrain; assert 'kubernetes' not in sys.modules and 'kubetrain_operator.client' not in "
-            "sys.modules; c = kubetrain.Client; assert c.__module__ == 'kubetrain_operator.client'; print('ok')")
+    code = ("import sys, kubetrain; assert 'kubernetes' not in sys.modules and 'kubetrain.client' not in "
+            "sys.modules; c = kubetrain.Client; assert c.__module__ == 'kubetrain.client'; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
     assert done.stdout.strip() == "ok", done.stderr
 
