@@ -531,7 +531,7 @@ SECRET_REF_MESSAGE = ("not a Secret this kubetrain installation lets jobs name a
 
 def secret_ref_validations() -> list[dict[str, str]]:
     """The object-storage credentials a job names (spec.*.secretRef) must be in the installation's list, as
-    core/podsecurity.secret_ref_problems judges; the list stands as SECRETS_PLACEHOLDER, which the chart and
+    engine/podsecurity.secret_ref_problems judges; the list stands as SECRETS_PLACEHOLDER, which the chart and
     `pod_security_policy` fill in."""
     out = []
     for path in SECRET_REF_PATHS:
@@ -554,7 +554,7 @@ PRIORITY_CLASS_CHECK = next(c for c in podtemplate.SECURITY_CHECKS if c.field ==
 
 
 def scheduling_validations() -> list[dict[str, Any]]:
-    """core/gang.policy_problems in CEL: the PodGroup's priorityClass needs the allowance the pods' own
+    """engine/gang.policy_problems in CEL: the PodGroup's priorityClass needs the allowance the pods' own
     priorityClassName needs (Volcano orders and preempts whole gangs by it); its queue must be one the
     installation lists (QUEUES_PLACEHOLDER), which no allowance lifts: a queue is a team's share of the
     cluster, given by name."""
@@ -576,7 +576,7 @@ PRETRAINED_CLAIM_VALIDATION = {
                   "|| !object.spec.model.pretrained.startsWith('pvc://')",
     "message": f"spec.model.pretrained: {PRETRAINED_CLAIM_MESSAGE}",
 }
-"""core/podsecurity.pretrained_claim_problems in CEL."""
+"""engine/podsecurity.pretrained_claim_problems in CEL."""
 
 
 def pod_security_policy(allowed: Any = (), name: str = POD_SECURITY_NAME, namespace: str | None = None,

@@ -1,6 +1,6 @@
 """What `spec.podTemplate` may not take from kubetrain (its own volumes, mounts, variables and ports) or ask of the node.
 
-The pods' builder (`core/children.py`) names its volumes, mount paths and the
+The pods' builder (`engine/children.py`) names its volumes, mount paths and the
 trainer container from the constants here; `pod_template_problems` (run by
 `Spec.check()`, so by `kubetrain validate` and by the operator) refuses a
 template that reuses one of them; `crd.py` turns the same tables and messages
@@ -10,7 +10,7 @@ silently replace the checkpoint volume (and training would resume from, and
 write to, whatever that volume holds), and a user's `KUBETRAIN_RUN_DIR` would
 point the trainer somewhere the operator never looks.
 
-The names the plan gives the trainer's environment and ports (`core/plan.py`)
+The names the plan gives the trainer's environment and ports (`engine/plan.py`)
 are checked against `ENV_PREFIX`, `ENV_NAMES` and `PORTS` by a test, so a new
 variable or port there cannot slip past this check.
 
@@ -43,7 +43,7 @@ TMP_MOUNT = "/tmp"
 MODEL_MOUNT = "/kubetrain/model"  # kubetrain.shared.launch.MODEL_MOUNT
 PRETRAINED_MOUNT = "/kubetrain/pretrained"  # kubetrain.shared.launch.PRETRAINED_CLAIM_MOUNT
 MODEL_INIT = "model-init"
-"""The init container that fetches and checks spec.model.pretrained (core/children.py)."""
+"""The init container that fetches and checks spec.model.pretrained (engine/children.py)."""
 INIT_CONTAINER_MESSAGE = f"'{MODEL_INIT}' is the name of kubetrain's own init container (spec.model.pretrained)"
 
 # kubetrain's volumes: name -> (what it holds, where the trainer mounts it).
@@ -160,7 +160,7 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-# What the renderer (core/children.py) reads or writes in a template besides kubetrain's names: the
+# What the renderer (engine/children.py) reads or writes in a template besides kubetrain's names: the
 # security fields it applies after the template, the tolerations it adds to, the init containers it
 # hardens. A wrong shape there once raised in every round of its job (`tolerations: {}`, found by
 # tests/api/test_fuzz_manifests.py); refused here, naming the field, it fails the job once.
@@ -203,7 +203,7 @@ def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
 
 def _resource_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
     """Every container's requests and limits, read as quantities (api/quantity.py): the gang sums
-    (core/gang.py) add up each pod's containers, sidecars and init containers included."""
+    (engine/gang.py) add up each pod's containers, sidecars and init containers included."""
     problems: list[tuple[str, str]] = []
     for key in ("containers", "initContainers"):
         items = spec.get(key)
@@ -228,7 +228,7 @@ def _kind_name(kind: type) -> str:
 # them, and the Services select by them. A template that set `kubetrain.dev/job-name: victim`
 # once had its pods filed under another job of the namespace (counted as its replicas, let
 # through its NetworkPolicy). Such keys are refused in a template, and the renderer applies
-# kubetrain's own last (core/children.merge_pod_template).
+# kubetrain's own last (engine/children.merge_pod_template).
 
 MAX_METADATA_KEYS = 256
 """Labels, and annotations, a template may set: the CRD's rule walks every key, and the API server
@@ -239,7 +239,7 @@ GANG_KEYS: tuple[str, ...] = (
     "scheduling.k8s.io/group-name", "scheduling.volcano.sh/group-name", "scheduling.x-k8s.io/pod-group",
     "pod-group.scheduling.sigs.k8s.io", "scheduling.volcano.sh/queue-name", "volcano.sh/queue-name")
 """The keys by which Volcano and scheduler-plugins file a pod under a PodGroup or a queue: kubetrain sets a
-gang job's (core/gang.join_group). In a template they joined a job's pods to another job's PodGroup
+gang job's (engine/gang.join_group). In a template they joined a job's pods to another job's PodGroup
 (counted in its minMember, placed with its gang), or put pods without a PodGroup of kubetrain's into any
 team's Volcano queue, past spec.runPolicy.schedulingPolicy.queue's list."""
 RESERVED_KEYS: tuple[str, ...] = ("app.kubernetes.io/managed-by", *GANG_KEYS)
@@ -283,7 +283,7 @@ def _metadata_problems(meta: Any) -> list[tuple[str, str]]:
 # A null in the template used to remove kubetrain's value: the merge copied `runAsNonRoot: null`
 # over kubetrain's `true`, and the checks (which ask "is it true?", "is it 0?") passed it. A
 # null is refused wherever it is in podTemplate.spec, naming the field; the renderer also treats
-# a null as absent when it applies kubetrain's own security fields (core/children._harden).
+# a null as absent when it applies kubetrain's own security fields (engine/children._harden).
 
 NULL_MESSAGE = "must not be null: leave the field out (a null would remove kubetrain's own value)"
 
@@ -368,7 +368,7 @@ def _string(item: dict[str, Any], key: str, path: str, problems: list[tuple[str,
 
 # --- Pod security: what a pod may not ask of the node ----------------------------
 #
-# kubetrain's own pods satisfy Pod Security `restricted` (core/children.py). A template could undo
+# kubetrain's own pods satisfy Pod Security `restricted` (engine/children.py). A template could undo
 # that: a privileged sidecar, the node's PID namespace, a hostPath volume of `/`, root, another
 # job's token Secret, a toleration of every taint, all in the hands of whoever may create a
 # TrainingJob. So Kubernetes' Pod Security "baseline" and "restricted" rules, and the fields that
@@ -378,7 +378,7 @@ def _string(item: dict[str, Any], key: str, path: str, problems: list[tuple[str,
 # three places with the same messages:
 #
 # - `kubetrain validate` (`--allow`) and the operator (`--pod-security-allow`) judge the pods the
-#   job would create, as rendered (core/podsecurity.py): the template merged into kubetrain's pod
+#   job would create, as rendered (engine/podsecurity.py): the template merged into kubetrain's pod
 #   and kubetrain's own security fields applied after it, so that no way of writing the template
 #   (a null, an empty list replacing kubetrain's) escapes the check;
 # - the API server, through the chart's ValidatingAdmissionPolicy (generated in crd.py from the
@@ -584,7 +584,7 @@ def _checks() -> tuple[SecurityCheck, ...]:
     out += [C("probeHosts", "container", ("lifecycle", hook, handler, "host"), "string",
               "a lifecycle hook's host (the kubelet would connect to it from the node's network) is")
             for hook in ("postStart", "preStop") for handler in ("httpGet", "tcpSocket")]
-    # Pod Security `restricted`'s requirements: kubetrain's own fields (core/children._harden, applied
+    # Pod Security `restricted`'s requirements: kubetrain's own fields (engine/children._harden, applied
     # after the template) meet them, so only a rendered pod is judged by them.
     out += [
         C("privileged", "container", (ctx, "allowPrivilegeEscalation"), "not_false",
@@ -736,7 +736,7 @@ def pod_security_violations(pod: Any, allowed: Any = (), own: Any = None) -> lis
 def pod_security_problems(spec: Any, allowed: Any = ()) -> list[str]:
     """"<path>: <message>" for every pod-security refusal of a job's template (a Spec, or its
     podTemplate dict), as the API server's policy judges it. The operator and `kubetrain
-    validate` judge the rendered pods instead (core/podsecurity.py), with `rendered_pod_problems`."""
+    validate` judge the rendered pods instead (engine/podsecurity.py), with `rendered_pod_problems`."""
     template = getattr(spec, "pod_template", spec)
     return _problems(pod_security_violations(template, allowed))
 

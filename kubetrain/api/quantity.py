@@ -5,7 +5,7 @@ suffix (Ki ... Ei), a decimal one (m, k ... E) or an exponent (e3). Kubernetes r
 it counts: `ParseQuantity` takes "1e999999" (an exponent up to int32, truncated past it), and its
 scheduler and kubelet count CPU in int64 milli-units (`MilliValue`, `MaxMilliValue`). kubetrain
 takes a quantity only when its milli-units fit int64 (0 to 9223372036854775807m, about 8Pi) and
-its exponent has at most two digits: "1e999999" once made the gang sums (core/gang.py) compute
+its exponent has at most two digits: "1e999999" once made the gang sums (engine/gang.py) compute
 `int()` of a million-digit number, 28.5 s holding the operator's interpreter in every round of
 the job, then ValueError; "1e999999999" raised decimal.Overflow.
 

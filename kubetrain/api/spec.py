@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from . import quantity
 from .podtemplate import pod_template_problems
@@ -70,7 +70,7 @@ MAX_STANDBY_WORKERS = 8
 # every tenant. At 8 MiB, the worst template (small variables, each a dict) cost 57 MiB to render all
 # 1,096 pods of a new job once; at 4 MiB, 37 MiB (traced by tracemalloc; tests/api/test_rendered_size.py
 # measures a round). Rounds of several jobs render side by side only within one budget
-# (controller/budget.RENDER_BUDGET_BYTES). It allows a 3.8 KB template on a 1,096-pod job, 40 KB on 100
+# (drivers/cluster/budget.RENDER_BUDGET_BYTES). It allows a 3.8 KB template on a 1,096-pod job, 40 KB on 100
 # pods (real templates: 1-4 KB).
 MAX_RENDERED_TEMPLATE_BYTES = 4 * 1024 * 1024
 # format text: the longest sample. Attention's memory grows with its square; a model's own limit
@@ -487,7 +487,7 @@ class Resources:
         for role in ("ps", "worker"):
             for key, value in getattr(self, role).items():
                 if key in ("limits", "requests"):
-                    # Read here, once: the gang sums (core/gang.py) add them up in every round.
+                    # Read here, once: the gang sums (engine/gang.py) add them up in every round.
                     problems += quantity.map_problems(value, f"{role}.{key}")
                 elif key != "claims":
                     problems.append((f"{role}.{key}", "unknown field; expected limits, requests or claims"))
@@ -986,6 +986,24 @@ class Spec:
             self.training.epochs = 10
         return self
 
+    # The sections complete() guarantees for a mode, typed as present: the code of a mode (a built-in loop,
+    # the DDP runtime) reads them through these rather than narrowing an optional field at every use.
+    def require_training(self) -> Training:
+        """spec.training of a built-in loop's job (complete() fills it unless spec.script is set)."""
+        return _required(self.training, "spec.training", "a built-in loop's job")
+
+    def require_ddp(self) -> DDP:
+        """spec.ddp of a DDP job (complete() fills it)."""
+        return _required(self.ddp, "spec.ddp", "a DDP job")
+
+    def require_parameter_server(self) -> ParameterServer:
+        """spec.parameterServer of a ParameterServer job (complete() fills it)."""
+        return _required(self.parameter_server, "spec.parameterServer", "a ParameterServer job")
+
+    def require_fault_tolerance(self) -> FaultTolerance:
+        """spec.ddp.faultTolerance of a fault-tolerant DDP job."""
+        return _required(self.require_ddp().fault_tolerance, "spec.ddp.faultTolerance", "a fault-tolerant job")
+
     @property
     def fault_tolerant(self) -> bool:
         """A DDP job whose nodes are torchft replica groups (spec.ddp.faultTolerance)."""
@@ -1027,6 +1045,15 @@ class Metadata:
     annotations: dict[str, str] | None = None
     uid: str = ""
     generation: int = 0
+
+
+_Section = TypeVar("_Section")
+
+
+def _required(section: _Section | None, name: str, whose: str) -> _Section:
+    if section is None:
+        raise ValueError(f"{name} is missing, and {whose} has it once its spec is complete (Spec.complete)")
+    return section
 
 
 @dataclass

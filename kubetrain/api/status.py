@@ -113,14 +113,14 @@ class JobMemory:
         "running RELEASE_GRACE_SECONDS (120 s) after it are stopped.", None
     )
     steps_per_second: float | None = field(
-        "Recent training steps per second (core/eta.py: a moving average), the ETA's rate.", None)
+        "Recent training steps per second (engine/eta.py: a moving average), the ETA's rate.", None)
     unschedulable_since: float | None = field(
         "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None
     )
 
 
 # The job's status: what users read, and what the engine remembers between rounds (`memory`). Decided by
-# the engine alone (core/engine.py) for both of its drivers, and kept whole by each: the API server's copy
+# the engine alone (engine/engine.py) for both of its drivers, and kept whole by each: the API server's copy
 # for the operator, state.json for a local run. What a driver keeps beside it is its own:
 # `controller.state.JobState` (the operator's cache of a job), `local.rundir.RunState` (a local run's wall
 # time, invocations and restart log). The docstring below is the CRD's description of `status`.

@@ -125,7 +125,7 @@ def bench_checkpoint(model_mb: int, steps: int, every: int, rounds: int, directo
         "benchmark": "checkpoint",
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch_threads": threads,
-        "model": f"{len(loop.model)} x Linear({WIDTH}, {WIDTH}), SGD momentum 0.9, batch {BATCH}",
+        "model": f"{len(loop.model)} x Linear({WIDTH}, {WIDTH}), SGD momentum 0.9, batch {BATCH}",  # type: ignore[arg-type]  # an nn.Sequential
         "parameter_bytes": parameter_bytes,
         "state_bytes": state_bytes,
         "file_bytes": file_bytes,

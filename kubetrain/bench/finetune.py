@@ -320,6 +320,7 @@ def hand_worker(job_file: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = load_file(job_file)[0].spec
+    assert spec.model is not None and spec.model.pretrained and spec.dataset is not None  # the benchmark's own job
     model_dir = Path(spec.model.pretrained)
     data = load_text(spec.dataset, model_dir, json.loads((model_dir / "config.json").read_text()))
     # Packed samples: only the corpus's last one is padded, and it is held out (the last evalFraction).
@@ -336,7 +337,7 @@ def hand_worker(job_file: str, out: str) -> None:
         for x in data.eval_x.split(NEXT_TOKEN.eval_batch_size):
             model(input_ids=x.clamp(min=0), attention_mask=(x != PAD).long(), use_cache=False)
     model.train()
-    training = spec.training
+    training = spec.require_training()
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.optimizer.learning_rate,
                                   weight_decay=training.optimizer.weight_decay)
     cursor = ShardCursor(len(data.train_x), rank, world, training.batch_size, training.seed)
@@ -344,7 +345,7 @@ def hand_worker(job_file: str, out: str) -> None:
     # A line per step as kubetrain's loop writes one (CpuWatch reads both), flushed as kubetrain's EventLog does.
     events = open(hand_events(out, rank), "w", buffering=1)
     events.write(json.dumps({"event": "start", "pid": os.getpid()}) + "\n")
-    for step in range(1, training.max_steps + 1):
+    for step in range(1, training.max_steps + 1):  # type: ignore[operator]  # WORKERS' functions
         started = time.perf_counter()
         batch = cursor.next_batch()
         x, y = data.train_x[batch], data.train_y[batch]
@@ -691,4 +692,4 @@ def summarise(speed_model: dict[str, Any], load_model: dict[str, Any], kubetrain
 
 if __name__ == "__main__":
     WORKERS = {"hand": hand_worker, "load": load_worker, "export": export_worker}
-    WORKERS[sys.argv[1]](*sys.argv[2:])
+    WORKERS[sys.argv[1]](*sys.argv[2:])  # type: ignore[operator]  # WORKERS' functions

@@ -84,7 +84,7 @@ def bench_checkpoint_to(uri: str, model_mb: int, rounds: int) -> dict[str, Any]:
     return {
         "benchmark": "checkpoint --to",
         "store": store.endpoint,
-        "model": f"{len(loop.model)} x Linear(2048, 2048), SGD momentum 0.9",
+        "model": f"{len(loop.model)} x Linear(2048, 2048), SGD momentum 0.9",  # type: ignore[arg-type]  # an nn.Sequential
         "file_bytes": size,
         "rounds": rounds,
         "sync_upload_seconds": round(statistics.median(sync_seconds), 4),

@@ -158,7 +158,7 @@ def worker(directory: str, layers: int, out: str) -> None:
                      if isinstance(d, dict) and k == "model" else d) for k, d in state().items()}
         osd = whole["optimizer"]["state"]
         whole["optimizer"] = {"state": {p: {n: (v.full_tensor() if isinstance(v, DTensor) else v)
-                                            for n, v in s.items()} for p, s in osd.items()},
+                                            for n, v in s.items()} for p, s in osd.items()},  # type: ignore[union-attr]  # a parameter's state
                               "param_groups": whole["optimizer"]["param_groups"]}
         if rank == 0:
             plain.save(3, whole)

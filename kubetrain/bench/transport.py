@@ -160,6 +160,7 @@ def _with_sink(kind: str, nbytes: int, chunk: int, tls_dir: Path | None = None) 
         [sys.executable, "-m", "kubetrain.bench.transport", "--sink", kind, str(nbytes), str(chunk)],
         stdout=subprocess.PIPE, text=True, env=env,
     )
+    assert process.stdout is not None  # stdout=PIPE
     line = process.stdout.readline().split()
     if not line or not all(p.isdigit() for p in line):
         process.kill()
@@ -202,7 +203,7 @@ def _ways(clients: dict[str, PSClient], sinks: list[tuple[subprocess.Popen, list
     """Each way of moving `tensor` once (name -> call), and who receives it (name -> pid): a sink
     process for the socket and pushes, this process for pulls (into `targets`, checked afterwards)."""
     nbytes = tensor.numel() * 4
-    payload = memoryview(as_bytes(tensor).numpy())
+    payload = memoryview(as_bytes(tensor).numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
     out = [OutTensor("t", "float32", tuple(tensor.shape), "None", as_bytes(tensor))]
     header = pb.PushHeader(worker=0, worker_step=1)
     expected = {"t": Expected.of(tensor)}

@@ -447,7 +447,7 @@ def staged_sources(action: str, sources: list[str], staging: Path) -> list[str] 
         return None
 
 
-def recovery_inputs(manifest: str | Path, fault: str) -> tuple[Any, dict[str, int]]:
+def recovery_inputs(manifest: str | Path, fault: str) -> tuple[Any, dict[str, str]]:
     """The job of `kubetrain checkpoints recovery` and its parsed fault (UsageError names a bad one)."""
     from kubetrain.engine.plan import replica_names
 

@@ -16,6 +16,7 @@ one small backend. docs/client.md is the guide.
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named list
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,7 +127,7 @@ class Client:
         replacement after a restart, until the job has ended. Locally: logs/<replica>.log of the run."""
         return self.backend.logs(name, replica, follow)
 
-    def events(self, name: str) -> list[Event]:
+    def events(self, name: str) -> builtins.list[Event]:
         """What happened to the job (Created, Restarted, Suspended, Succeeded, ...), oldest first."""
         return self.backend.events(name)
 

@@ -8,6 +8,7 @@ API error never reaches the caller as the API's own dump.
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named list
 import abc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -108,7 +109,7 @@ class Event:
 
 
 class Backend(abc.ABC):
-    """One way of running jobs: a cluster (client/cluster.py) or this machine (client/local.py)."""
+    """One way of running jobs: a cluster (client/cluster_backend.py) or this machine (client/rundir_backend.py)."""
 
     where: str  # "namespace NS" or "runs directory DIR", for messages
 
@@ -129,7 +130,7 @@ class Backend(abc.ABC):
     def logs(self, name: str, replica: str | None, follow: bool) -> Iterator[str]: ...
 
     @abc.abstractmethod
-    def events(self, name: str) -> list[Event]: ...
+    def events(self, name: str) -> builtins.list[Event]: ...
 
     @abc.abstractmethod
     def scale(self, name: str, replicas: int) -> None: ...

@@ -10,6 +10,7 @@ ApiException becomes one of the client's errors (`_error`), naming the job.
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named list
 import json
 import os
 import queue
@@ -142,7 +143,8 @@ class ClusterBackend(Backend):
         if err.status == 422:
             causes = details.get("causes") or []
             problems = [f"{c.get('field', '')}: {c.get('message', '')}".lstrip(": ") for c in causes] or [message]
-            return InvalidManifest(InvalidSpec([_Problem(p) for p in problems], what))
+            found: list[Any] = [_Problem(p) for p in problems]  # the API server's causes, shaped as Problems
+            return InvalidManifest(InvalidSpec(found, what))
         return ClientError(f"{verb} {what}: {err.status} {message}")
 
     # -- reading -------------------------------------------------------------------------
@@ -231,7 +233,7 @@ class ClusterBackend(Backend):
             finally:
                 resp.release_conn()
 
-    def events(self, name: str) -> list[Event]:
+    def events(self, name: str) -> builtins.list[Event]:
         self._object(name)  # JobNotFound for a job that does not exist (it would just have no events)
         resp = self._call("list", f"events of trainingjob {name}", self.core.list_namespaced_event, self.namespace,
                           field_selector=f"involvedObject.kind=TrainingJob,involvedObject.name={name}",
@@ -386,7 +388,7 @@ class ClusterBackend(Backend):
                 break
             resp.release_conn()
 
-    def _exec(self, pod_name: str, command: list[str], timeout: float = 60) -> tuple[int, str]:
+    def _exec(self, pod_name: str, command: builtins.list[str], timeout: float = 60) -> tuple[int, str]:
         """Run `command` in the export pod; (exit code, stdout and stderr)."""
         from kubernetes.stream import stream
 
@@ -600,6 +602,6 @@ class _Follow:
             if resp is not None:
                 if resp in self.responses:
                     self.responses.remove(resp)
-                resp.release_conn()
+                resp.release_conn()  # type: ignore[attr-defined]  # _preload_content=False: the raw response
             with self.lock:
                 self.open_streams -= 1

@@ -28,7 +28,7 @@ copied whole) takes seconds to minutes."""
 
 
 def checkpoint_claims(job: TrainingJob) -> list[tuple[str, str, str]]:
-    """(replica, claim, path in the claim) of every replica that holds checkpoints (core/children.py's layout)."""
+    """(replica, claim, path in the claim) of every replica that holds checkpoints (engine/children.py's layout)."""
     spec = job.spec
     if spec.mode == "ParameterServer":
         assert spec.parameter_server is not None

@@ -10,6 +10,7 @@ job of this backend too. Reading files costs no API call: `watch` and
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named list
 import json
 import os
 import shutil
@@ -73,7 +74,7 @@ class RunDirBackend(Backend):
 
     def _job(self, run: RunDir, job: TrainingJob) -> Job:
         state = run.load_state() if run.state_file.exists() else None
-        status = dict(state.status or {}) if state is not None else {}
+        status = to_dict(state.status) if state is not None and state.status is not None else {}
         summary = run.read_summary()
         if summary is not None and summary.get("state") in ("Succeeded", "Failed"):
             status["state"] = summary["state"]
@@ -105,7 +106,7 @@ class RunDirBackend(Backend):
                 return
             time.sleep(LOCAL_POLL_SECONDS)
 
-    def events(self, name: str) -> list[Event]:
+    def events(self, name: str) -> builtins.list[Event]:
         run = self.run_dir(name)
         out = []
         for line in run.events_file.read_text().splitlines() if run.events_file.exists() else []:
@@ -135,7 +136,7 @@ class RunDirBackend(Backend):
             time.sleep(LOCAL_POLL_SECONDS)
 
     @staticmethod
-    def _replicas(job: TrainingJob) -> list[str]:
+    def _replicas(job: TrainingJob) -> builtins.list[str]:
         return [f"{role}-{i}" for role, i in replica_names(job)]
 
     # -- acting ------------------------------------------------------------------------

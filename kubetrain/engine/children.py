@@ -70,7 +70,7 @@ class Settings:
     object_store_secrets: frozenset[str] = frozenset()
     """The Secrets of their namespace that jobs may name as object-storage credentials (spec.dataset.secretRef,
     spec.checkpoint.storage.secretRef): `--object-store-secrets`, the chart's objectStorage.secrets. The
-    `secrets` allowance lets a job name any (core/podsecurity.secret_ref_problems)."""
+    `secrets` allowance lets a job name any (engine/podsecurity.secret_ref_problems)."""
     network_policy: bool = False
     """Give every job a NetworkPolicy (`network_policy`). The operator's `--no-network-policy` (the
     chart's networkPolicy.enabled) turns it off; off here, so that a caller of these pure functions
@@ -82,11 +82,11 @@ class Settings:
     gang_schedulers: tuple[tuple[str, str], ...] = ()
     """The gang schedulers whose PodGroups this operator makes, as (kind, the pods' schedulerName),
     the first the default of a job that names none (`--gang-scheduler`, the chart's gangScheduling).
-    Empty: a job with spec.runPolicy.schedulingPolicy fails with GangSchedulingDisabled (core/gang.py)."""
+    Empty: a job with spec.runPolicy.schedulingPolicy fails with GangSchedulingDisabled (engine/gang.py)."""
     volcano_queues: frozenset[str] = frozenset()
     """The Volcano queues jobs may name in spec.runPolicy.schedulingPolicy.queue (`--volcano-queues`, the
     chart's gangScheduling.volcano.queues); empty: none, a PodGroup goes to Volcano's default queue
-    (core/gang.policy_problems)."""
+    (engine/gang.policy_problems)."""
 
 
 @dataclass
@@ -195,6 +195,12 @@ def pod_name(job: TrainingJob, replica: str) -> str:
     return f"{job.name}-{replica}"
 
 
+def selector(job: TrainingJob) -> str:
+    """The pods the scale subresource counts (status.selector): the workers, the DDP nodes, the Single pod."""
+    role = {"Single": "single", "ParameterServer": "worker", "DDP": "ddp"}[job.spec.mode]
+    return f"{LABEL_JOB}={job.name},{LABEL_ROLE}={role}"
+
+
 def claim_name(job: TrainingJob, replica: str) -> str:
     return f"{job.name}-ckpt-{replica}"
 
@@ -233,7 +239,7 @@ def config_map(job: TrainingJob, uid: str) -> dict[str, Any]:
 
 
 def token_secret(job: TrainingJob, uid: str, token: str) -> dict[str, Any]:
-    """The job's token and, with parameter servers, its CA and replica certificate (core/certificates.py,
+    """The job's token and, with parameter servers, its CA and replica certificate (engine/certificates.py,
     docs/parameter-server.md#encryption): made when the Secret is first rendered, created once."""
     data = {TOKEN_KEY: token}
     if uses_tls(job):
@@ -559,7 +565,7 @@ def _harden(spec: dict[str, Any]) -> None:
     capability dropped (those a container adds stay added).
 
     A value the template set stays (a null counts as none), so that the pod-security check, which
-    judges this rendered pod (core/podsecurity.py), sees what the template asked for: it refuses
+    judges this rendered pod (engine/podsecurity.py), sees what the template asked for: it refuses
     `runAsNonRoot: false` unless the installation allows root, and passes `runAsUser: 2000` or a
     Localhost seccomp profile. What a template cannot do is leave one of these out: a null once
     copied over kubetrain's value, and `capabilities: {drop: []}` replaced its drop of ALL.
@@ -817,7 +823,7 @@ def children(job: TrainingJob, uid: str, token: str, settings: Settings = Settin
 def representatives(job: TrainingJob) -> list[Replica]:
     """One replica of each role: what the template can change is the same in every pod of a role (the
     template is one; what differs from pod to pod, a name, an index, a claim, is kubetrain's own). Judging
-    the security of every pod, rendered twice (core/podsecurity.py), cost 647 MiB for a job of 1,096 pods
+    the security of every pod, rendered twice (engine/podsecurity.py), cost 647 MiB for a job of 1,096 pods
     and a 107 KB template."""
     first: dict[str, Replica] = {}
     for replica in plan_replicas(job, ClusterEndpoints(job)):

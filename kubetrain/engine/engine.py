@@ -51,6 +51,7 @@ from kubetrain.api.status import (
     read_status,
 )
 from . import eta, policy
+from .children import selector
 from .plan import chief, replica_names
 from .conditions import TERMINAL, Observed, conditions
 
@@ -72,7 +73,7 @@ WAITING_REASONS = ("ImagePullFailed", "VolumePending", "Unschedulable")
 that the operator's gauge of waiting jobs has bounded labels."""
 MAX_REQUEUE_SECONDS = 60.0
 """A running job is looked at again at least this often, by default (`step`'s `safety_net`; the operator
-stretches it when it holds many jobs, controller/state.safety_net_seconds): a safety net. What changes a job brings its
+stretches it when it holds many jobs, drivers/cluster/state.safety_net_seconds): a safety net. What changes a job brings its
 own round: a pod's event, a scrape whose progress changed (the operator's scrape ticker reads each
 running job's chief every 10 s on its own; the local driver reads the event logs every round), and
 every clock the engine keeps (hang, deadlines, backoff, TTL) asks for a round when it runs out
@@ -125,7 +126,7 @@ class ProgressReading:
 @dataclass(frozen=True)
 class ProgressUnknown:
     """The driver could not read the chief's progress: its read has not run lately (the operator's reads of
-    tenants' /metrics wait their turn in a bounded pool, controller/scrapes.py), or it failed in the
+    tenants' /metrics wait their turn in a bounded pool, drivers/cluster/scrapes.py), or it failed in the
     operator itself. Not a reading of no progress (that is None: nothing to read, or the job's own pods
     refused, answered without a step or stalled past their deadline): the hang
     clock cannot tell a job that stands still from one whose reads wait, so it never ends in Hung on it. The
@@ -154,7 +155,7 @@ class Restarted:
 
 @dataclass(frozen=True)
 class QueueAdmission:
-    """What a queue (Kueue, core/kueue.py) says of the job: may it run now, and if not why.
+    """What a queue (Kueue, engine/kueue.py) says of the job: may it run now, and if not why.
     A job outside any queue has none and always may."""
 
     admitted: bool
@@ -179,7 +180,7 @@ class Refusal:
 class Problem:
     """A problem a driver met while carrying out a round (the API refused or throttled a call, a child
     belongs to someone else, RBAC lacks a verb): shown on the condition of the job's current state
-    until a round succeeds (core/conditions.PROBLEM_REASONS), the state itself unchanged (`note`)."""
+    until a round succeeds (engine/conditions.PROBLEM_REASONS), the state itself unchanged (`note`)."""
 
     reason: str  # CamelCase
     message: str  # a sentence a user can act on
@@ -840,6 +841,7 @@ class _Round:
 
     def _done(self, report: bool = True) -> Round:
         status = self.status
+        status.selector = selector(self.job)  # the pods the scale subresource counts
         if report:
             status.observed_generation = self.job.metadata.generation
             status.workers = self.spec.world_size

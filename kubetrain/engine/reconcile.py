@@ -16,7 +16,7 @@ from typing import Any
 from kubetrain.api import TrainingJob
 from kubetrain.api.status import JobStatus
 from . import engine, kueue
-from .children import LABEL_JOB, LABEL_ROLE, Settings, children, pod_name
+from .children import LABEL_ROLE, Settings, children, pod_name
 from .engine import Restarted
 
 PodObservation = engine.ReplicaObservation  # a pod, as the engine sees a replica
@@ -71,7 +71,6 @@ def reconcile(
     round (engine.step)."""
     done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal, safety_net)
     act = done.actions
-    done.status.selector = selector(job)
     out = ClusterActions(
         delete_job=act.delete_job,
         events=act.events,
@@ -134,7 +133,7 @@ RESIZED_KINDS = ("ConfigMap", "StatefulSet", "PodGroup")
 """What carries the job's size besides its pods: the job file every trainer reads (workers, nodes),
 the DDP StatefulSet (its replicas, torchrun's --nnodes in its template) and the gang's PodGroup (its
 minMember and minResources). Rendered again when a resize is done, before the replicas of the new size
-start (made when missing: controller/kube.replace)."""
+start (made when missing: drivers/cluster/kube.replace)."""
 
 SIZE_ANNOTATION = "kubetrain.dev/size"
 """Set on a ParameterServer job's running shards at a live resize, to the new size. A pod's mounted
@@ -150,12 +149,6 @@ def _size_annotations(job: TrainingJob, pods: dict[str, PodObservation], stoppin
     return {pod_name(job, name): dict(size) for name, seen in sorted(pods.items())
             if name.startswith("ps-") and seen.phase in ("Pending", "Running") and not seen.terminating
             and name not in stopping}
-
-
-def selector(job: TrainingJob) -> str:
-    """The pods the scale subresource counts (status.selector): the workers, the DDP nodes, the Single pod."""
-    role = {"Single": "single", "ParameterServer": "worker", "DDP": "ddp"}[job.spec.mode]
-    return f"{LABEL_JOB}={job.name},{LABEL_ROLE}={role}"
 
 
 def _force_deletes(job: TrainingJob, pods: dict[str, PodObservation], now: float, out: ClusterActions) -> None:

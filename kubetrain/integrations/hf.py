@@ -47,6 +47,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -167,6 +168,7 @@ class KubetrainCallback(TrainerCallback):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model, optimizer = trainer.model, _unwrapped(trainer.optimizer)
+        assert model is not None  # the Trainer made it before its first step
         model_sd, optim_sd = get_state_dict(model, optimizer)
         template: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         if trainer.lr_scheduler is not None:
@@ -261,7 +263,7 @@ class KubetrainCallback(TrainerCallback):
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / name
         mine = ([name, path.read_bytes()] if path.is_file() else None,
                 json.dumps(dataclasses.asdict(state), sort_keys=True))
-        everyone = [mine]
+        everyone: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
@@ -293,7 +295,7 @@ def _trains_sharded(trainer: Trainer) -> bool:
     loaded sharded (tensor parallel) already is. Then its checkpoints take kubetrain's sharded path."""
     if getattr(trainer, "is_fsdp_enabled", False) and getattr(trainer.accelerator, "is_fsdp2", False):
         return True
-    return any(_is_dtensor(p) for p in trainer.model.parameters())
+    return trainer.model is not None and any(_is_dtensor(p) for p in trainer.model.parameters())
 
 
 def _unwrapped(optimizer: Any) -> Any:
@@ -318,7 +320,7 @@ def _copy(state: dict[str, Any]) -> dict[str, Any]:
 
 def _calling_trainer(callback: KubetrainCallback) -> Trainer | None:
     """The Trainer whose __init__ is calling on_init_end with this callback among its own."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(FRAMES):
         if frame is None:
             return None

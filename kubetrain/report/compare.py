@@ -65,7 +65,7 @@ def variants(job: TrainingJob, modes: list[str], compression: list[str] | None) 
     if job.spec.script is not None:
         raise ValueError(f"{job.name}: a script job trains its own way; compare runs variants of the built-in loop only")
     base = to_manifest(job)
-    global_batch = job.spec.training.batch_size * job.spec.world_size
+    global_batch = job.spec.require_training().batch_size * job.spec.world_size
     out: list[TrainingJob] = []
     for mode in modes:
         choices: list[str | None] = [None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from kubetrain.drivers.local.summary import SUMMARY_KEYS
@@ -64,7 +65,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def build_report(run_dirs: list[Path | RunData], out: Path) -> Path:
+def build_report(run_dirs: Sequence[Path | RunData], out: Path) -> Path:
     """Write `out/report.md` and its PNG plots comparing the runs (ratios to the first); returns the report's path.
 
     A run is a local run directory, or a RunData read already (a cluster job: cluster.cluster_run). Raises
@@ -90,7 +91,7 @@ def build_report(run_dirs: list[Path | RunData], out: Path) -> Path:
     return report
 
 
-def _load_runs(run_dirs: list[Path | RunData]) -> list[RunData]:
+def _load_runs(run_dirs: Sequence[Path | RunData]) -> list[RunData]:
     """The runs, each labelled by its directory's name (made unique); ReportError for one that is not a run."""
     if not run_dirs:
         raise ReportError("no run directory given")

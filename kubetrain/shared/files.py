@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-Content = bytes | str | Callable[[BinaryIO], None]
-"""What `atomic_write` writes: bytes, text (UTF-8), or a function that writes into the open file."""
+Content = bytes | str | Callable[[BinaryIO], object]
+"""What `atomic_write` writes: bytes, text (UTF-8), or a function that writes into the open file (its result unused)."""
 
 
 def atomic_write(path: str | Path, content: Content, verify: Callable[[Path], None] | None = None) -> int:

@@ -152,7 +152,7 @@ def token_samples(ids: list[list[int]] | list[np.ndarray], length: int, packing:
         return out.reshape(count, length)
     out = np.full((len(ids), length), PAD, dtype=np.int64)
     for row, record in enumerate(ids):
-        tokens = [*record, *([eos] if eos is not None else [])][:length]
+        tokens = [*record, *([eos] if eos is not None else [])][:length]  # type: ignore[misc]  # a record is a list of ids
         out[row, : len(tokens)] = tokens
     return out
 
@@ -310,7 +310,7 @@ class CausalLM(nn.Module):
 def _with_adapters(hf: nn.Module, lora: Lora) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,  # type: ignore[arg-type]  # peft takes a float alpha
                         target_modules=list(lora.target_modules) or None, task_type="CAUSAL_LM")
     try:
         return get_peft_model(hf, config)

@@ -91,7 +91,8 @@ def spec_hash(spec: Spec) -> str:
 
 def capture_rng_state() -> dict[str, Any]:
     """torch, CUDA, numpy and Python RNG states, in types `torch.load(weights_only=True)` accepts."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    rng: Any = np.random.get_state()  # the legacy tuple: (name, keys, pos, has_gauss, cached)
+    name, keys, pos, has_gauss, cached = rng
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
@@ -364,7 +365,7 @@ class CheckpointStore(Store):
             f.write(MAGIC)
             f.write(b" " * (HEADER_BYTES - 1) + b"\n")  # the placeholder the header replaces
             out = _HashingWriter(f)
-            torch.save(snapshot, out)
+            torch.save(snapshot, out)  # type: ignore[arg-type]  # torch.save writes to any object with write()
             written.update(length=out.length, digest=out.sha256.hexdigest())
             written["header"] = _header_line(step, self.spec_hash, written["length"], written["digest"])
             f.flush()

@@ -520,7 +520,7 @@ def copy_crc32(tensors: Iterable[torch.Tensor]) -> int:
     """CRC-32 of the tensors' bytes in the order given: a worker and its shard compare their copies by it."""
     crc = 0
     for tensor in tensors:
-        crc = zlib.crc32(as_bytes(tensor.detach().cpu()).numpy(), crc)
+        crc = zlib.crc32(as_bytes(tensor.detach().cpu()).numpy(), crc)  # type: ignore[arg-type]  # an ndarray is a buffer
     return crc
 
 

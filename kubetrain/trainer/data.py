@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,8 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
     # data is one small CSV inside the package (pixels, then the label), so
     # read it directly and fall back to the public loader if it ever moves.
     location = importlib.util.find_spec("sklearn")
-    csv = Path(location.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if location else None
+    roots = location.submodule_search_locations if location else None
+    csv = Path(roots[0]) / "datasets" / "data" / "digits.csv.gz" if roots else None
     if csv is not None and csv.is_file():
         table = np.loadtxt(csv, delimiter=",")
         pixels, labels = table[:, :-1], table[:, -1]
@@ -453,7 +454,7 @@ class ShardCursor:
         self._position = 0
         self._shard = None
 
-    def next_batch(self) -> torch.LongTensor:
+    def next_batch(self) -> torch.Tensor:
         """Indices of the next batch; after the last batch of a shard the epoch advances."""
         while self.shard_size == 0:  # a re-dealt epoch with nothing left for this rank
             self._next_epoch()
@@ -684,7 +685,7 @@ def resume_group_cursor(cursor: ShardCursor, state: Mapping[str, Any]) -> bool:
     return True
 
 
-def redeal(states: list[Mapping[str, Any]], world_size: int, equal: bool) -> list[dict[str, Any]]:
+def redeal(states: Sequence[Mapping[str, Any]], world_size: int, equal: bool) -> list[dict[str, Any]]:
     """The cursor states of `world_size` new ranks that share what the old ranks (`states`, one per
     rank of the old world) had left: of the epoch in progress, and of any epoch a rank ahead had
     begun. No position one old rank took is dealt again, and none it had not taken is lost (with

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,7 +58,7 @@ __all__ = ["EXIT_NO_DATA", "EXIT_OK", "EXIT_USAGE", "FORMATS", "Exported", "Expo
 FORMATS = ("torch", "safetensors", "huggingface")
 
 
-def export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
+def export(sources: Sequence[str | Path], out: str | Path, job_file: str | Path | None = None,
            on_skip: Callable[[Path, str], None] | None = None, fmt: str = "torch",
            hf_options: dict[str, Any] | None = None) -> Exported:
     """Write the weights of the newest usable checkpoint under `sources` to `out` (a file, or s3://BUCKET/KEY,
@@ -167,7 +167,7 @@ def flat_tensors(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor],
     return tensors, others
 
 
-def main_export(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
+def main_export(sources: Sequence[str | Path], out: str | Path, job_file: str | Path | None = None,
                 stdout: TextIO | None = None, stderr: TextIO | None = None, fmt: str = "torch",
                 hf_options: dict[str, Any] | None = None) -> int:
     """`kubetrain checkpoints export SOURCE... --out FILE|s3://... [--format F] [--job FILE]`: 0 written, 2 bad

@@ -5,7 +5,7 @@ ParameterServer job's shards merged into the model's parameters (`read_weights`)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,7 +80,7 @@ def _load_job(job_file: Path) -> TrainingJob:
         raise ExportError(f"{job_file}: cannot be read: {err.strerror}", EXIT_USAGE) from None
 
 
-def locate(sources: list[str | Path], job_file: str | Path | None = None) -> Source:
+def locate(sources: Sequence[str | Path], job_file: str | Path | None = None) -> Source:
     """Resolve SOURCE arguments to replica checkpoint directories; ExportError when there are none."""
     if not sources:
         raise ExportError("no SOURCE given", EXIT_USAGE)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ LAST = (INDEX, CONFIG, ADAPTER_CONFIG)
 """Uploaded last, in this order: the files a reader opens first."""
 
 
-def export_huggingface(sources: list[str | Path], out: str | Path, job_file: str | Path | None = None,
+def export_huggingface(sources: Sequence[str | Path], out: str | Path, job_file: str | Path | None = None,
                        on_skip: Callable[[Path, str], None] | None = None, merge_lora: bool = False,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES, pretrained_cache: Path | None = None) -> Exported:
     """Write the newest usable checkpoint of a causal-lm job under `sources` to `out` (a directory, or

@@ -146,7 +146,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict[str, An
     """sgd (momentum, weight decay), adam (weight decay) or adamw (decoupled weight decay) with the spec's
     learning rate; `params` may be torch's parameter groups, whose own settings override the spec's. Frozen
     parameters (requires_grad False: a LoRA job's base model) are left out: they have no state to keep."""
-    params = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
+    trainable: list[Any] = [p for p in params if not isinstance(p, torch.Tensor) or p.requires_grad]
+    params = trainable
     if spec.name == "adamw":
         return torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
     if spec.name == "sgd":

@@ -263,7 +263,8 @@ class ObjectCheckpointStore(CheckpointStore):
         name = path.name
         key = object_key(name, secrets.token_hex(4))
         started = time.monotonic()
-        midway = (lambda: self.mid_save(step)) if self.mid_save is not None else None
+        mid_save = self.mid_save
+        midway = (lambda: mid_save(step)) if mid_save is not None else None
         digest = self.remote.upload(path, key, midway=midway)
         self.remote.commit(ObjectCommit(name, step, self.spec_hash, {key: digest}))
         if self.on_upload is not None:
@@ -348,7 +349,8 @@ class ObjectShardedStore(ShardedStore):
             with alone_is_meant():
                 dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
             mine = {}
-            midway = (lambda: self.mid_save(step)) if self.mid_save is not None else None
+            mid_save = self.mid_save
+            midway = (lambda: mid_save(step)) if mid_save is not None else None
             for name in rank_files(stage, self.rank):
                 mine[folder + name] = self.remote.upload(stage / name, folder + name, midway=midway)
                 midway = None
@@ -490,7 +492,7 @@ def _object_filesystem() -> Any:
             if key.endswith("/" + METADATA):
                 yield io.BytesIO(self.remote.store.get_bytes(uri, max(size, 1)))
             else:
-                yield RangeReader(lambda start, n, uri=uri: self.remote.store.get_range(uri, start, n), size)
+                yield RangeReader(lambda start, n, uri=uri: self.remote.store.get_range(uri, start, n), size)  # type: ignore[misc]  # a lambda's default binds the uri
 
         def concat_path(self, path: Any, suffix: str) -> str:
             return f"{path}{suffix}" if str(path).endswith("/") else f"{path}/{suffix}"

@@ -23,6 +23,7 @@ Errors become the trainer's: a bad URI, a missing bucket or object, refused cred
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named list
 import base64
 import concurrent.futures
 import datetime
@@ -698,7 +699,7 @@ class ObjectStore:
         self._call(uri, "write", self.request, "PUT", uri, body=data)
         self._uploaded(len(data))
 
-    def delete(self, uris: list[ObjectURI]) -> None:
+    def delete(self, uris: builtins.list[ObjectURI]) -> None:
         """Delete objects (DELETE_BATCH a request); a key already gone is no error."""
         by_bucket: dict[str, list[str]] = {}
         for uri in uris:

@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ def _inner_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optim
     """The optimizer class's own step, under torch's two wrappers: the profiler's and hooks' one, and
     `_use_grad_for_differentiable`, which sets the grad mode and marks graph breaks for torch.compile
     (importing torch._dynamo for them). None where the step is not wrapped that way (another torch)."""
-    fn = type(optimizer).step
+    fn: Any = type(optimizer).step
     while fn is not None:
         inner = getattr(fn, "__wrapped__", None)
         if getattr(getattr(fn, "__code__", None), "co_name", None) == "_use_grad":

@@ -142,7 +142,8 @@ def run_script(ctx: ReplicaContext) -> int:
         return code
     rank = int(environ.get("RANK", "0"))  # in a fault-tolerant group: the rank in the group
     if ctx.spec.mode == "DDP":
-        replica = rank_replica(group_rank(environ) if ctx.spec.fault_tolerant else rank)
+        in_group = group_rank(environ) if ctx.spec.fault_tolerant else None
+        replica = rank_replica(in_group if in_group is not None else rank)
     else:
         replica = ctx.replica
     # One process per pod speaks in its termination message: rank 0's (ranks share the file).

@@ -127,7 +127,7 @@ class JobCheckpoints:
         if found is None and world_size == 1:
             found = self.load_local()
         offer = (found[0] if found is not None else None, self._sharded_seen())
-        offers = [offer]
+        offers: list[Any] = [offer]
         if world_size > 1:
             import torch.distributed as dist
 
@@ -145,7 +145,7 @@ class JobCheckpoints:
         if world_size > 1:
             import torch.distributed as dist
 
-            box = [found[1] if rank == source and found is not None else None]
+            box: list[Any] = [found[1] if rank == source and found is not None else None]
             dist.broadcast_object_list(box, src=source, group=group)
             found = (step, box[0])
         assert found is not None

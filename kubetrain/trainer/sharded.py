@@ -501,7 +501,7 @@ def _settle_before_destroy(store: ShardedStore) -> None:
 
         destroy_process_group._kubetrain_settles = True  # type: ignore[attr-defined]
         destroy_process_group.__doc__ = original.__doc__
-        module.destroy_process_group = destroy_process_group
+        module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]  # torch's function, patched
 
 
 def fill_template(template: Any, state: Any, path: str = "") -> Any:

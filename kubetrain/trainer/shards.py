@@ -622,7 +622,7 @@ class _Prefetcher:
             with self._wake:
                 while not self._stopped and (shard := self._next()) is None:
                     self._wake.wait()
-                if self._stopped:
+                if self._stopped or shard is None:
                     return
             try:
                 self.rows.cache.get(self.rows.storage, self.rows.metas[shard])

@@ -144,6 +144,8 @@ class TrainState:
     events: EventLog
     COUNTERS: tuple[str, ...] = ("samples", "loss")
     """The loop's own figures a checkpoint carries beside the step, in the checkpoint's order."""
+    samples: int  # the counters, set by start_state and load_state
+    loss: float
 
     @property
     def counters(self) -> tuple[str, ...]:

@@ -79,7 +79,8 @@ class Session:
         self.rank = Rank.from_env(environ)
         if ctx.spec.mode == "DDP" or "RANK" in environ:
             # A fault-tolerant group is a torchrun group of its own: its RANK is the rank in the group.
-            replica = rank_replica(group_rank(environ) if ctx.spec.fault_tolerant else self.rank.rank)
+            in_group = group_rank(environ) if ctx.spec.fault_tolerant else None
+            replica = rank_replica(in_group if in_group is not None else self.rank.rank)
             ctx = dataclasses.replace(ctx, replica=replica, role="ddp", index=self.rank.rank,
                                       fault_step=ctx.fault_step if fault_armed(environ, replica) else None,
                                       fault_save=ctx.fault_save if fault_armed(environ, replica) else None)
@@ -131,7 +132,7 @@ class Session:
         if total_steps is not None:
             total_steps = _step(total_steps, "report", "total_steps")
         floats = {name: number(name, value) for name, value in values.items()}
-        self.reporter.report(step, total_steps, **floats)
+        self.reporter.report(step, total_steps, **floats)  # type: ignore[arg-type]  # metrics' names, all floats
 
     def close(self) -> None:
         """The last save durable (TransientError if it failed); the last reported step in the event log."""

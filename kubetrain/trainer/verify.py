@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -278,7 +278,7 @@ def final_parameters(directory: str | Path, job_file: str | Path | None = None) 
             "mode": where.job.spec.mode, "params": model_parameters(where.job, by_step[step])}
 
 
-def compare_checkpoints(dirs: list[str | Path], tolerance: float = 1e-6, run_eval: bool = True) -> dict[str, Any]:
+def compare_checkpoints(dirs: Sequence[str | Path], tolerance: float = 1e-6, run_eval: bool = True) -> dict[str, Any]:
     """The final parameters of each run against the first's: max |a-b| over all tensors, and eval accuracy.
 
     `ok` when every run has the same parameter names and shapes and differs
@@ -314,7 +314,7 @@ def compare_checkpoints(dirs: list[str | Path], tolerance: float = 1e-6, run_eva
 
 
 def recovery_check(job: TrainingJob, fault: str, faults: dict[str, str], run_root: str | Path,
-                   run: Callable[[TrainingJob, Path, dict[str, int], TextIO], int],
+                   run: Callable[[TrainingJob, Path, dict[str, str], TextIO], int],
                    stream: TextIO = sys.stderr) -> dict[str, Any]:
     """Run `job` uninterrupted and with `faults` (parsed from `fault`, REPLICA:kill@step=N); compare
     their final checkpoints.
@@ -401,7 +401,7 @@ def main_verify(directory: str | Path, job_file: str | Path | None = None, as_js
     return EXIT_OK if report["ok"] else EXIT_INVALID
 
 
-def main_compare(dirs: list[str | Path], tolerance: float = 1e-6, as_json: bool = False,
+def main_compare(dirs: Sequence[str | Path], tolerance: float = 1e-6, as_json: bool = False,
                  out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """`kubetrain checkpoints compare DIR DIR... [--tolerance T] [--json]`: 0 within tolerance, 1 differ, 2 bad input."""
     try:
@@ -420,8 +420,8 @@ def main_compare(dirs: list[str | Path], tolerance: float = 1e-6, as_json: bool 
     return EXIT_OK if report["ok"] else EXIT_INVALID
 
 
-def main_recovery(job: TrainingJob, fault: str, faults: dict[str, int], run_root: str | Path,
-                  run: Callable[[TrainingJob, Path, dict[str, int], TextIO], int], as_json: bool = False,
+def main_recovery(job: TrainingJob, fault: str, faults: dict[str, str], run_root: str | Path,
+                  run: Callable[[TrainingJob, Path, dict[str, str], TextIO], int], as_json: bool = False,
                   out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """`kubetrain checkpoints recovery FILE --fault REPLICA:kill@step=N [--run-root DIR]`: 0 recovered, 1 not, 2 bad input."""
     try:

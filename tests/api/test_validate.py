@@ -347,3 +347,19 @@ def test_a_null_where_the_reference_has_an_optional_field_means_unset():
     assert job.spec.run_policy.active_deadline_seconds is None
     assert job.spec.run_policy.scheduling_policy.min_available is None
     assert job.spec.run_policy.scheduling_policy.min_resources is None
+
+
+def test_a_modes_required_sections_are_there_once_complete_and_their_absence_is_named():
+    from kubetrain.api.load import from_spec_dict
+
+    ddp = from_spec_dict("j", {"mode": "DDP", "ddp": {"nodes": 2}}).spec
+    assert ddp.require_ddp().nodes == 2 and ddp.require_training().batch_size > 0
+    with pytest.raises(ValueError, match=r"spec\.ddp\.faultTolerance is missing"):
+        ddp.require_fault_tolerance()
+    single = from_spec_dict("j", {"mode": "Single"}).spec
+    with pytest.raises(ValueError, match=r"spec\.ddp is missing, and a DDP job has it"):
+        single.require_ddp()
+    with pytest.raises(ValueError, match=r"spec\.parameterServer is missing"):
+        single.require_parameter_server()
+    ps = from_spec_dict("j", {"mode": "ParameterServer"}).spec
+    assert ps.require_parameter_server().replicas >= 1

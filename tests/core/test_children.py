@@ -273,7 +273,7 @@ def test_other_pod_template_lists_are_replaced_whole():
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_name_kubetrain_gives_a_pod_is_reserved(example):
-    """The plan's variables and ports (core/plan.py) must stay within what api/podtemplate.py refuses."""
+    """The plan's variables and ports (engine/plan.py) must stay within what api/podtemplate.py refuses."""
     j = load_one(example)
     pods = [o for o in children(j, "u", "t") if o["kind"] in ("Pod", "StatefulSet")]
     assert pods

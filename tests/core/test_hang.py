@@ -1,6 +1,6 @@
 """The hang rule tells a job that stands still from one whose progress could not be read.
 
-The operator reads progress in a bounded pool (controller/scrapes.py): a read that timed out, or one
+The operator reads progress in a bounded pool (drivers/cluster/scrapes.py): a read that timed out, or one
 that waits its turn behind other jobs' (its last result stale), reaches the engine as PROGRESS_UNKNOWN.
 Four jobs whose pods never answered once held that pool, every other job's last reading went stale,
 and the engine restarted them as Hung: unknown progress must never count as no progress.

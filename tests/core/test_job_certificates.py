@@ -1,4 +1,4 @@
-"""A job's certificates (core/certificates.py) and where the cluster and the local run put them."""
+"""A job's certificates (engine/certificates.py) and where the cluster and the local run put them."""
 
 from __future__ import annotations
 

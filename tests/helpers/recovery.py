@@ -8,7 +8,7 @@ time on one clock, the test machine's, which the real node and its pods share:
 - the pods' watch (`kubectl get pods -w`), timed as its events arrive: the old
   pod's container reported dead by the kubelet, the old pod gone, the
   replacement created, scheduled;
-- the operator's log: the restart decided (a line per restart, controller/rounds.py);
+- the operator's log: the restart decided (a line per restart, drivers/cluster/rounds.py);
 - the replacement's own log: its start-up milestones (kubetrain/trainer/events.py
   `startup`), from its process's start (/proc) to its first step.
 

@@ -1,4 +1,4 @@
-"""The report of a job read through its status and Prometheus (report/cluster.py), with real parts: a real
+"""The report of a job read through its status and Prometheus (report/from_cluster.py), with real parts: a real
 Prometheus scraping a real local run's replicas, the job read through the client's local backend (a cluster
 job goes through its cluster backend the same way: tests/e2e/test_e2e_client.py)."""
 

@@ -4,7 +4,7 @@ A 107 KB ParameterServer job (64 shards, 1,024 workers, 8 standbys, 64 sidecars 
 suspended) made one operator round render every pod twice, 637 MiB, past the operator's 512 Mi limit:
 it was OOM-killed and crash-looped for every tenant. Now such a job fails at once naming the fields
 (api/spec.MAX_RENDERED_TEMPLATE_BYTES), a suspended job is not rendered at all, a round renders only
-the pods it creates, and every round's renders share one budget (controller/budget.py).
+the pods it creates, and every round's renders share one budget (drivers/cluster/budget.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""controller/budget.py: the bytes of pods every round together may render, tested past its edges."""
+"""drivers/cluster/budget.py: the bytes of pods every round together may render, tested past its edges."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_the_wait_of_each_key_is_told_by_lane():
     assert waits == [("urgent", 1.0), ("routine", 3.0)]
 
 
-# --- the index's resync (controller/index.py Index.resync): what a missed watch event leaves right ----
+# --- the index's resync (drivers/cluster/index.py Index.resync): what a missed watch event leaves right ----
 
 def _seen(replica: str, phase: str = "Running"):
     from kubetrain.drivers.cluster import observe

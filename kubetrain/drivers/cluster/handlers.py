@@ -1,6 +1,6 @@
 """The kopf handlers: thin. Watch events feed an index and a work queue; a bounded pool of
 workers reconciles the jobs that changed. `register(ctl)` hands them the operator's state
-(state.Controller), made once at start-up by controller/run.py.
+(state.Controller), made once at start-up by drivers/cluster/run.py.
 
 - Pods and checkpoint claims come from the operator's watch streams into an index by job
   (index.py): no per-job LIST ever. One LIST at start-up before any job is reconciled, and, as a
@@ -70,11 +70,11 @@ def register(ctl: Controller) -> None:
     # per watch event (tens of thousands while thousands of jobs start) that waits for a free thread
     # and for the GIL twice. These only index and queue, under locks held for microseconds, so they
     # run on kopf's event loop itself.
-    @kopf.on.event(GROUP, VERSION, PLURAL)
+    @kopf.on.event(GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf's WatchingFn protocol names every keyword
     async def job_event(event: dict[str, Any], **_: Any) -> None:
         on_job(ctl, event)
 
-    @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+    @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})  # type: ignore[arg-type]  # kopf's WatchingFn protocol names every keyword
     async def pod_event(event: dict[str, Any], **_: Any) -> None:
         raw = event.get("object") or {}
         key = ctl.index.index_pod(event.get("type"), raw)
@@ -82,7 +82,7 @@ def register(ctl: Controller) -> None:
             # A pod that died or went is handled ahead of routine rounds (a creation burst, status to follow).
             ctl.queue.add(key, urgent=observe.urgent(event.get("type"), raw))
 
-    @kopf.on.event("", "v1", "persistentvolumeclaims", labels={LABEL_JOB: kopf.PRESENT})
+    @kopf.on.event("", "v1", "persistentvolumeclaims", labels={LABEL_JOB: kopf.PRESENT})  # type: ignore[arg-type]  # kopf's WatchingFn protocol names every keyword
     async def claim_event(event: dict[str, Any], **_: Any) -> None:
         key = ctl.index.index_claim(event.get("type"), event.get("object") or {})
         if key is not None:
@@ -93,7 +93,7 @@ def register(ctl: Controller) -> None:
         return len(ctl.job_states())
 
     if ctl.config.kueue:
-        @kopf.on.event(kueue.GROUP, kueue.VERSION, "workloads", labels={LABEL_JOB: kopf.PRESENT})
+        @kopf.on.event(kueue.GROUP, kueue.VERSION, "workloads", labels={LABEL_JOB: kopf.PRESENT})  # type: ignore[arg-type]  # kopf's WatchingFn protocol names every keyword
         async def workload_event(event: dict[str, Any], **_: Any) -> None:
             on_workload(ctl, event)
 

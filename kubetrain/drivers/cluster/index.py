@@ -1,7 +1,7 @@
 """The operator's index: jobs, their pods, claims and Kueue Workloads as its watches last showed them.
 
-Fed by the watch events (controller/handlers.py) and corrected by the periodic resync
-(controller/workers.py); read by every round, so that no round lists anything itself.
+Fed by the watch events (drivers/cluster/handlers.py) and corrected by the periodic resync
+(drivers/cluster/workers.py); read by every round, so that no round lists anything itself.
 """
 
 from __future__ import annotations

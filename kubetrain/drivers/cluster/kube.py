@@ -164,7 +164,7 @@ def list_labelled(resource: str, namespaces: list[str], pause: float = 0.0):
         token = None
         while True:
             try:
-                resp = call(*args, label_selector=LABEL_JOB, limit=LIST_PAGE, _continue=token,
+                resp = call(*args, label_selector=LABEL_JOB, limit=LIST_PAGE, _continue=token,  # type: ignore[misc]  # the list calls take these keywords
                             _preload_content=False, _request_timeout=LIST_TIMEOUT)
             except ApiException as err:
                 raise KubeError("list", f"{resource} of TrainingJobs", err) from None
@@ -183,7 +183,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies", "Event": "events", "Workload": "workloads",
 }
 """The resource (plural) of each kind the operator writes through `_send`; the other projects' CRDs
-(core/gang.py) are CUSTOM_PLURALS."""
+(engine/gang.py) are CUSTOM_PLURALS."""
 
 
 def _path(api_version: str, namespace: str, plural: str, *rest: str) -> str:
@@ -233,7 +233,7 @@ def create(obj: dict[str, Any], started: bool = False) -> bool:
 
 
 CUSTOM_PLURALS = {"PodGroup": "podgroups"}
-"""Children of other projects' CRDs (core/gang.py): created and read through CustomObjectsApi."""
+"""Children of other projects' CRDs (engine/gang.py): created and read through CustomObjectsApi."""
 
 
 def _group_version(obj: dict[str, Any]) -> tuple[str, str]:
@@ -376,7 +376,7 @@ def list_workloads(namespaces: list[str]) -> list[dict[str, Any]]:
 
 
 def delete_workload(namespace: str, name: str) -> None:
-    """Delete a job's Workload (it was resized: core/kueue.resized); one gone already is no error."""
+    """Delete a job's Workload (it was resized: engine/kueue.resized); one gone already is no error."""
     try:
         client.CustomObjectsApi(_api()).delete_namespaced_custom_object(
             KUEUE_GROUP, KUEUE_VERSION, namespace, "workloads", name, _preload_content=False,
@@ -399,7 +399,7 @@ def get_kueue_object(plural: str, name: str) -> dict[str, Any] | None:
 
 
 def patch_workload(namespace: str, name: str, patch: dict[str, Any]) -> None:
-    """A merge patch of a Workload's spec (a live resize lowers its counts: core/kueue.shrunk); one gone is no
+    """A merge patch of a Workload's spec (a live resize lowers its counts: engine/kueue.shrunk); one gone is no
     error (the next round reads the job's Workloads again)."""
     try:
         client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
@@ -445,7 +445,7 @@ def delete_pod(namespace: str, name: str, force: bool = False, uid: str = "") ->
 
 
 def replace(obj: dict[str, Any]) -> None:
-    """Render an existing child again (a resize, core/reconcile.RESIZED_KINDS): a ConfigMap's data, a
+    """Render an existing child again (a resize, engine/reconcile.RESIZED_KINDS): a ConfigMap's data, a
     StatefulSet's size and pod template, a PodGroup's minMember and minResources, each one JSON patch
     (lists replaced whole, nothing merged).
 
@@ -456,7 +456,7 @@ def replace(obj: dict[str, Any]) -> None:
     ns, name = meta.get("namespace", "default"), meta["name"]
     if kind == "ConfigMap":
         ops = [{"op": "replace", "path": "/data", "value": obj["data"]}]
-        patch = client.CoreV1Api(_api()).patch_namespaced_config_map
+        patch: Callable[..., Any] = client.CoreV1Api(_api()).patch_namespaced_config_map
     elif kind == "StatefulSet":
         ops = [{"op": "replace", "path": "/spec/template", "value": obj["spec"]["template"]},
                {"op": "replace", "path": "/spec/replicas", "value": obj["spec"]["replicas"]}]
@@ -468,7 +468,7 @@ def replace(obj: dict[str, Any]) -> None:
                for key in ("minMember", "minResources") if key in obj["spec"]]
         group, version = _group_version(obj)
 
-        def patch(name, ns, body, **kw):
+        def patch(name, ns, body, **kw):  # type: ignore[misc]  # the list calls take these keywords
             return client.CustomObjectsApi(_api()).patch_namespaced_custom_object(
                 group, version, ns, CUSTOM_PLURALS[kind], name, body, _content_type="application/json-patch+json", **kw)
     else:
@@ -486,7 +486,7 @@ def replace(obj: dict[str, Any]) -> None:
 
 
 def annotate_pod(namespace: str, name: str, annotations: dict[str, str]) -> None:
-    """Set annotations on a pod (core/reconcile.SIZE_ANNOTATION: the kubelet syncs a pod that changed,
+    """Set annotations on a pod (engine/reconcile.SIZE_ANNOTATION: the kubelet syncs a pod that changed,
     and refreshes its mounted job file); one that is gone meanwhile is no error."""
     try:
         client.CoreV1Api(_api()).patch_namespaced_pod(

@@ -259,7 +259,7 @@ class LeaderElector:
             if err.status == 404:
                 return None, None
             raise
-        lease = json.loads(answer.data)
+        lease = json.loads(answer.data)  # type: ignore[attr-defined]  # _preload_content=False: the raw response
         return record_from(lease), lease["metadata"]["resourceVersion"]
 
     def _write(self, record: LeaseRecord, timeout: float) -> None:
@@ -268,11 +268,11 @@ class LeaderElector:
         body = lease_body(self.name, self.namespace, record, self._resource_version)
         if self._resource_version is None:
             answer = self.coordination.create_namespaced_lease(
-                self.namespace, body, _preload_content=False, _request_timeout=timeout)
+                self.namespace, body, _preload_content=False, _request_timeout=timeout)  # type: ignore[arg-type]  # the client takes a plain dict body
         else:
             answer = self.coordination.replace_namespaced_lease(
-                self.name, self.namespace, body, _preload_content=False, _request_timeout=timeout)
-        self._resource_version = json.loads(answer.data)["metadata"]["resourceVersion"]
+                self.name, self.namespace, body, _preload_content=False, _request_timeout=timeout)  # type: ignore[arg-type]  # the client takes a plain dict body
+        self._resource_version = json.loads(answer.data)["metadata"]["resourceVersion"]  # type: ignore[attr-defined]  # _preload_content=False: the raw response
         self.seen = Observation(record, self.clock())
 
     # -- One round ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ REPLICA_RESTARTS = Counter(
     "kubetrain_operator_replica_restarts_total", "Replicas the operator restarted, by reason.",
     ["namespace", "mode", "reason"], registry=REGISTRY,
 )  # fmt: skip
-# The restart reasons the engine gives (core/policy.py Failure.restart_reason; open-ended in principle,
+# The restart reasons the engine gives (engine/policy.py Failure.restart_reason; open-ended in principle,
 # these cover every one it names). Their series start at 0 with a namespace's jobs: `start_counting`.
 RESTART_REASONS = ("Error", "Killed", "Signaled", "TransientError", "Evicted", "Deleted", "Hung", "NodeLost")
 JOBS_BY_STATE = Gauge(

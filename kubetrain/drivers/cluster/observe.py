@@ -17,7 +17,8 @@ from kubetrain.api.schema import INT64_MAX, INT64_MIN
 from kubetrain.api.spec import MAX_REPORTED_METRICS
 
 from kubetrain.api.podtemplate import MODEL_INIT
-from kubetrain.engine.children import CONTAINER, LABEL_REPLICA
+from kubetrain.api.podtemplate import CONTAINER
+from kubetrain.engine.children import LABEL_REPLICA
 from kubetrain.engine.engine import ProgressReading
 from kubetrain.engine.reconcile import PodObservation
 
@@ -66,13 +67,13 @@ def owned_by(owner: Owner, job: str, uid: str, statefulset: str = "") -> bool:
 
 
 def statefulset_name(job: str) -> str:
-    """The name of a DDP job's StatefulSet (core/children.statefulset)."""
+    """The name of a DDP job's StatefulSet (engine/children.statefulset)."""
     return f"{job}-ddp"
 
 
 def names_its_replica(pod: str, job: str, replica: str) -> bool:
     """Whether a pod's name is the one the job gives that replica's pod, `<job>-<replica>`
-    (core/children.pod_name; a StatefulSet's rank n is `<job>-ddp-n`). A pod name is unique in its
+    (engine/children.pod_name; a StatefulSet's rank n is `<job>-ddp-n`). A pod name is unique in its
     namespace: while the replica's own pod exists, another pod, whoever owns it, cannot pass for it."""
     return pod == f"{job}-{replica}"
 

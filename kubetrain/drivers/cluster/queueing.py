@@ -1,4 +1,4 @@
-"""The operator's side of Kueue (core/kueue.py decides, this module talks to the API): a queued job's
+"""The operator's side of Kueue (engine/kueue.py decides, this module talks to the API): a queued job's
 Workload made on its first round, Kueue's admission and its placements read each round, and what Kueue
 expects back (the quota of an evicted Workload, Finished)."""
 
@@ -13,7 +13,9 @@ from kubetrain.api import TrainingJob
 from kubetrain.api.status import JobStatus
 from kubetrain.engine import kueue
 from kubetrain.engine.conditions import TERMINAL
-from kubetrain.engine.engine import QueueAdmission, ReplicaObservation, iso
+from kubetrain.engine.engine import QueueAdmission, ReplicaObservation
+from kubetrain.engine.plan import replica_names
+from kubetrain.shared.timestamps import iso
 from . import kube
 from .state import Controller, JobState
 
@@ -62,7 +64,7 @@ def _resize_by_slices(ctl: Controller, key: tuple[str, str], job: TrainingJob, u
     job's). Returns the job as the engine runs it."""
     name = kueue_name(workload)
     if plan == "shrink":
-        wanted = {f"{role}-{i}" for role, i in kueue.replica_names(job)}
+        wanted = {f"{role}-{i}" for role, i in replica_names(job)}
         if not any(p.phase in ("Pending", "Running") for n, p in pods.items() if n not in wanted):
             kube.patch_workload(key[0], name, kueue.shrunk(workload, job))
             log.info("%s/%s: Workload %s lowered to %s in place (a live resize)", key[0], key[1], name,

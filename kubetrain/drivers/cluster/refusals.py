@@ -14,7 +14,7 @@ from .state import Controller, JobState
 
 CLAIMS_CHECK = next(c for c in SECURITY_CHECKS if c.allowance == "claims")
 CHECKPOINT_CLAIM = re.compile(r"(?P<job>.+)-ckpt-(?:single-0|ps-[0-9]+|ddp)|data-(?P<node>.+)-ddp-[0-9]+")
-"""The names kubetrain gives a job's checkpoint claims: `<job>-ckpt-<replica>` (core/children.claim_name:
+"""The names kubetrain gives a job's checkpoint claims: `<job>-ckpt-<replica>` (engine/children.claim_name:
 Single's, each shard's, a DDP job's shared one) and `data-<job>-ddp-<n>` (a DDP node's, made by its
 StatefulSet from the claim template `data`)."""
 
@@ -22,7 +22,7 @@ StatefulSet from the claim template `data`)."""
 def refusal(ctl: Controller, job: TrainingJob, state: JobState) -> Refusal | None:
     """Why the installation refuses the job, if it does: pods beyond its pod-security allowances (the
     chart's admission policy refuses these at the API; a cluster without it still gets no such pod), a
-    PodGroup priority or Volcano queue it does not let jobs name (core/gang.policy_problems), or
+    PodGroup priority or Volcano queue it does not let jobs name (engine/gang.policy_problems), or
     a gang no scheduler of the cluster serves (its pods, without their PodGroup, would be scheduled one
     by one: the gang the job asked for would not hold, so none is made)."""
     settings = ctl.config.settings
@@ -37,7 +37,7 @@ def refusal(ctl: Controller, job: TrainingJob, state: JobState) -> Refusal | Non
 
 
 def pod_security(ctl: Controller, job: TrainingJob, state: JobState) -> list[str]:
-    """The pod-security refusals of the pods the job would create (core/podsecurity.py), judged once
+    """The pod-security refusals of the pods the job would create (engine/podsecurity.py), judged once
     per generation of its spec: rendering every pod of a large job each round would cost more than
     the rest of the round."""
     if job.spec.run_policy.suspend:

@@ -216,7 +216,7 @@ def _delete_pods(ctl: Controller, job: TrainingJob, pods: dict[str, ReplicaObser
         seen = pods.get(pod[len(name) + 1 :])
         dead = job.spec.mode != "DDP" and seen is not None and seen.exit_code is not None
         kube.delete_pod(ns, pod, force=dead, uid=seen.uid if seen is not None else "")
-        if dead:
+        if dead and seen is not None:  # dead: seen, and ended
             ctl.index.forget_pod((ns, name), pod, seen.uid)
             ctl.queue.add((ns, name), urgent=True)
 

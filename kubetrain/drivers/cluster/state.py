@@ -113,7 +113,7 @@ def _bump(counts: dict[tuple[str, str], int], gauge: Any, labels: tuple[str, str
 
 @dataclass
 class OperatorConfig:
-    """The operator's settings, from its command line (controller/run.py)."""
+    """The operator's settings, from its command line (drivers/cluster/run.py)."""
 
     settings: Settings = field(default_factory=Settings)
     scrape_networks: list[str] = field(default_factory=list)  # empty: scrape any pod IP
@@ -140,7 +140,7 @@ class JobState:
 
 
 class Controller:
-    """The operator's state: made at start-up (controller/run.py), given to the kopf handlers
+    """The operator's state: made at start-up (drivers/cluster/run.py), given to the kopf handlers
     (`handlers.register`), the workers and every round."""
 
     def __init__(self, config: OperatorConfig | None = None, scrape_tick: float | None = scrapes.TICK_SECONDS):
@@ -149,7 +149,7 @@ class Controller:
         self.index = Index()
         self.queue = WorkQueue(on_wait=lambda lane, seconds: metrics.WORKQUEUE_WAIT_SECONDS.labels(lane).observe(seconds))
         for lane in ("urgent", "routine"):
-            metrics.WORKQUEUE_DEPTH.labels(lane).set_function(lambda lane=lane: self.queue.depth()[lane])
+            metrics.WORKQUEUE_DEPTH.labels(lane).set_function(lambda lane=lane: self.queue.depth()[lane])  # type: ignore[misc]  # a lambda's default binds the lane
         self.scrapes = scrapes.Scrapes(on_change=self.queue.add, tick=scrape_tick)
         self.jobs: dict[Key, JobState] = {}
         self.jobs_lock = threading.Lock()

@@ -45,7 +45,7 @@ def work(ctl: Controller, urgent_only: bool = False) -> None:
             return
         try:
             with kube.urgent() if ctl.queue.handed_urgent(key) else nullcontext():
-                process(ctl, key)
+                process(ctl, key)  # type: ignore[arg-type]  # the queue holds (namespace, name) keys
         finally:
             ctl.queue.done(key)
 

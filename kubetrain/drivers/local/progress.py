@@ -2,7 +2,7 @@
 
 It reads the replicas' JSONL event files incrementally (the same events the
 trainers write in a cluster) and shows step, loss, samples/s and the ETA the
-job engine computed (`core/eta.py`, the status's `progress.etaSeconds`).
+job engine computed (`engine/eta.py`, the status's `progress.etaSeconds`).
 """
 
 from __future__ import annotations

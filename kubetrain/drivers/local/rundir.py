@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from kubetrain.shared.checkpoints import RUN_CHECKPOINTS, RUN_JOB_FILE, replica_
 from kubetrain.shared.files import atomic_write
 
 from kubetrain.api import TrainingJob, dump_manifest, from_object, to_manifest
+from kubetrain.api.status import JobStatus, read_status, to_dict
 
 
 def sizeless(spec: Any) -> Any:
@@ -65,13 +66,13 @@ class RunState:
     """What only a local run keeps beside the job's status (state.json): its wall time, how often it was
     invoked, the torchrun group's starts and the restart log. The state, its reason and the restart
     counts are the status's (`api.status.JobStatus`, decided by the engine), kept here whole; the
-    operator's counterpart of this is `controller.state.JobState`."""
+    operator's counterpart of this is `drivers.cluster.state.JobState`."""
 
     wall_seconds: float = 0.0  # accumulated over earlier invocations
     invocations: int = 0
     group_starts: int = 0  # DDP: times the supervisor started the torchrun group
     restart_log: list[dict[str, Any]] | None = None
-    status: dict[str, Any] | None = None  # the engine's JobStatus (memory included), as the operator keeps it
+    status: JobStatus | None = None  # the engine's status (memory included), as the operator keeps it; None: a new run
 
 
 class RunDir:
@@ -141,10 +142,15 @@ class RunDir:
         if not self.state_file.exists():
             return RunState()
         data = json.loads(self.state_file.read_text())
-        return RunState(**{k: v for k, v in data.items() if k in RunState.__dataclass_fields__})
+        fields = {k: v for k, v in data.items() if k in RunState.__dataclass_fields__}
+        status = fields.pop("status", None)
+        return RunState(**fields, status=read_status(status) if status is not None else None)
 
     def save_state(self, state: RunState) -> None:
-        atomic_write(self.state_file, json.dumps(asdict(state), indent=2) + "\n")
+        """state.json: the run's own fields, and the status as the API stores it (camelCase)."""
+        data = asdict(replace(state, status=None))
+        data["status"] = to_dict(state.status) if state.status is not None else None
+        atomic_write(self.state_file, json.dumps(data, indent=2) + "\n")
 
     @property
     def targets_file(self) -> Path:

@@ -34,7 +34,7 @@ INITIALIZER = "initializer-0"
 """The pretrained model's fetch before training: its log is logs/initializer-0.log."""
 
 from kubetrain.api import InvalidSpec, TrainingJob, load_one, to_manifest
-from kubetrain.api.status import JobStatus, read_status, to_dict
+from kubetrain.api.status import JobStatus, to_dict
 from kubetrain.engine import engine
 from kubetrain.engine.plan import Replica, plan_replicas, replica_names, shared_checkpoints
 from kubetrain.engine.conditions import TERMINAL
@@ -215,7 +215,7 @@ def _ports_text(first: int, width: int) -> str:
 
 
 def write_certificates(job: TrainingJob, run: RunDir) -> Path | None:
-    """A parameter-server job's CA and replica certificate for this invocation (core/certificates.py), in
+    """A parameter-server job's CA and replica certificate for this invocation (engine/certificates.py), in
     `<run>/tls/` (0700, files 0600), as the operator puts them in a job's Secret; None for other modes.
     New ones every invocation, like the token: every replica starts again with them."""
     if not uses_tls(job):
@@ -324,7 +324,7 @@ class LocalRunner:
             self.display.message(f"{self.job.name}: already finished in {self.run.path}")
             self.display.message(format_summary(summary))
             return 0
-        self.status = read_status(self.state.status)
+        self.status = self.state.status if self.state.status is not None else JobStatus()
         if summary is not None:  # a failed run: run it again from its checkpoints
             self.display.message(
                 f"{self.job.name}: the last attempt failed ({summary.get('reason', '?')}); resuming from checkpoints"
@@ -420,7 +420,7 @@ class LocalRunner:
         self._job_file_seen = self._job_file_stamp()
 
     def _plan_live(self) -> None:
-        """A ParameterServer job resized live (core/engine.py `_resize_live`): the replicas that run keep their
+        """A ParameterServer job resized live (engine/engine.py `_resize_live`): the replicas that run keep their
         processes and ports; a new worker gets a plan of its own, to start with the run's job.yaml, which
         `kubetrain scale` rewrote at the new size (the shards' addresses are the ones they listen on). The
         workers above the size stay until they ended: ps-0 releases them, and the engine has them stopped
@@ -487,7 +487,7 @@ class LocalRunner:
 
     def _save(self) -> None:
         self._saved_at = time.monotonic()
-        self.state.status = to_dict(self.status)
+        self.state.status = self.status
         self.run.save_state(self.state)
 
     # -- the loop: observe, let the engine decide, act ------------------------

@@ -68,7 +68,7 @@ def poll_rendezvous_faster() -> None:
     def delay(seconds):
         original(seconds=RENDEZVOUS_POLL_SECONDS if seconds == _TORCH_POLL_SECONDS else seconds)
 
-    delay.kubetrain_poll = True
+    delay.kubetrain_poll = True  # type: ignore[attr-defined]  # a marker on our patch of torchrun
     dynamic_rendezvous._delay = delay
 
 
@@ -114,11 +114,11 @@ def ranks_on_cpu(environ: dict[str, str]) -> bool:
         return False
     if spec.ddp is None or spec.ddp.backend != "gloo":
         return False
-    if spec.training.device == "cpu":
+    if spec.require_training().device == "cpu":
         return True
     import torch
 
-    return spec.training.device == "auto" and torch.cuda.device_count() == 0
+    return spec.require_training().device == "auto" and torch.cuda.device_count() == 0
 
 
 def fork_ranks() -> None:
@@ -143,8 +143,8 @@ def fork_ranks() -> None:
             return original(config, entrypoint)(*args)
         return call
 
-    launch.kubetrain_fork = True
-    run.elastic_launch = launch
+    launch.kubetrain_fork = True  # type: ignore[attr-defined]  # a marker on our patch of torchrun
+    run.elastic_launch = launch  # type: ignore[assignment, misc]  # torchrun's function, patched (docstring)
 
 
 def stop_on_permanent_failures() -> None:
@@ -175,8 +175,8 @@ def stop_on_permanent_failures() -> None:
             self._remaining_restarts = 0
         return result
 
-    monitor.kubetrain_permanent = True
-    LocalElasticAgent._monitor_workers = monitor
+    monitor.kubetrain_permanent = True  # type: ignore[attr-defined]  # a marker on our patch of torchrun
+    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]  # torchrun's method, patched (docstring)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
@@ -167,6 +167,9 @@ def advertised_transport(timeout: timedelta, listen: str, advertise: str) -> Any
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class AdvertisedHTTPTransport(HTTPTransport):
+        _server: Any  # HTTPTransport's, made again below
+        _thread: threading.Thread
+
         def __init__(self) -> None:
             super().__init__(timeout=timeout, num_chunks=0)
             # torchft's handler, without a line on stderr for every request a healing peer makes.
@@ -238,7 +241,7 @@ class ReplicaGroup:
         self.ctx, self.place, self.device = ctx, place, device
         self.metrics, self.events, self.checkpoints = metrics, events, checkpoints
         self._state, self._load = state, load  # the owner's: what a healing peer receives, a checkpoint holds
-        self.spec = ctx.spec.ddp.fault_tolerance
+        self.spec = ctx.spec.require_fault_tolerance()
         self.manager: Any = None
         self.pg: Any = None
         self._quorum_pending = False  # join() started the first step's quorum already
@@ -270,7 +273,7 @@ class ReplicaGroup:
         quorum_timeout = timedelta(seconds=ft.quorum_timeout_seconds)
         # Gloo between groups unless the job runs NCCL (GPUs; not verified on this project's machines).
         recorder = QuorumRecorder()
-        pg_class = ProcessGroupNCCL if self.ctx.spec.ddp.backend == "nccl" else ProcessGroupGloo
+        pg_class = ProcessGroupNCCL if self.ctx.spec.require_ddp().backend == "nccl" else ProcessGroupGloo
         self.pg = step_salted(pg_class, recorder)(timeout=timeout)
         self.manager = torchft.Manager(
             pg=self.pg,
@@ -325,7 +328,7 @@ class ReplicaGroup:
         quorum (`_any_group`). Each by its own clock, a group that came up later asked again while the first
         trained the first step, and that step waited for it until timeoutSeconds (a discarded step, and in
         the soak a group that found no quorum and restarted)."""
-        wanted = self.ctx.spec.ddp.groups
+        wanted = self.ctx.spec.require_ddp().groups
         started = time.monotonic()
         deadline = started + self.spec.join_timeout_seconds
         while True:
@@ -411,13 +414,13 @@ class ReplicaGroup:
         ddp.nodes of them train, without, all of them (a resized job's groups may disagree on ddp.nodes)."""
         self._wait_quorum()
         rank, participants = self.manager.participating_rank(), self.manager.num_participants()
-        ddp = self.ctx.spec.ddp
+        ddp = self.ctx.spec.require_ddp()
         training = min(participants, ddp.nodes) if self.spec.spare_groups else participants
         width = self.place.local_world
         lane = rank * width + self.place.local_rank if rank is not None and rank < training else -1
         return lane, max(training, 1) * width, participants
 
-    def scale_share(self, params: list[torch.Tensor], trained: int, block: Block, participants: int) -> None:
+    def scale_share(self, params: Sequence[torch.Tensor], trained: int, block: Block, participants: int) -> None:
         """Scale this rank's mean gradient over its `trained` samples of `block` so that the average over every
         rank of the quorum's groups (the group's, then torchft's over the groups) is the mean over the block's
         samples: exactly 1 when every rank trains a full share and no spare takes part."""
@@ -427,7 +430,7 @@ class ReplicaGroup:
                 if p.grad is not None:
                     p.grad.mul_(scale)
 
-    def average(self, params: list[torch.Tensor], values: list[float]) -> list[float]:
+    def average(self, params: Sequence[torch.Tensor], values: list[float]) -> list[float]:
         """Average the gradients of `params` (a missing one counts as zeros) and `values` over the group's
         ranks and then the quorum's groups, the gradients in place; returns the averaged values. A failed
         average leaves them undefined: `commit` then discards the step.
@@ -590,6 +593,9 @@ class FaultTolerantTrainer(DDPTrainer):
     nothing of their own, so they hold the same model and optimizer and train at once when a group is lost.
     With every group there and no spare, the batches and averaged gradients are plain DDP's."""
 
+    # The quorum's cursor, in the place TrainState keeps a ShardCursor (the same state_dict interface).
+    cursor: QuorumCursor  # type: ignore[assignment]
+
     reads_checkpoint_at_start = False  # the first quorum decides: heal from a peer, or restore (ReplicaGroup.join)
 
     def __init__(self, ctx: ReplicaContext, topo: Topology):
@@ -608,9 +614,9 @@ class FaultTolerantTrainer(DDPTrainer):
         return self.place.rank, self.place.ranks
 
     def make_cursor(self) -> QuorumCursor:
-        training = self.ctx.spec.training
+        training = self.ctx.spec.require_training()
         return self.data.quorum_cursor(training.batch_size, training.seed,
-                                       nominal=self.ctx.spec.ddp.nodes * self.place.local_world)
+                                       nominal=self.ctx.spec.require_ddp().nodes * self.place.local_world)
 
     def writes_checkpoints(self) -> bool:
         return self.topo.local_rank == 0  # every group writes its own, for the loss of every group
@@ -618,7 +624,7 @@ class FaultTolerantTrainer(DDPTrainer):
     def join(self) -> None:
         spec = self.ctx.spec
         if self.place.local_world > 1 or self.fsdp:
-            dist.init_process_group(spec.ddp.backend,
+            dist.init_process_group(spec.require_ddp().backend,
                                     timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds))
         if self.fsdp:
             # HSDP: the model sharded over the group's own ranks, replicated across the groups (before the
@@ -626,7 +632,7 @@ class FaultTolerantTrainer(DDPTrainer):
             fsdp.shard(self.model, self.device, self.place.local_world)
             if not getattr(self.model, "materialized", True):
                 self.model.materialize(self.device)  # type: ignore[operator]
-            self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
+            self.optimizer = build_optimizer(self.model.parameters(), spec.require_training().optimizer)
         self.group = ReplicaGroup(self.ctx, self.place, self.metrics, self.events, self.checkpoints,
                                   state=self.state, load=self.load, device=self.device)
         self.step = self.group.join()
@@ -682,7 +688,7 @@ class FaultTolerantTrainer(DDPTrainer):
 
     def end(self) -> tuple[int, int]:
         """Where the cursor ends training (the nominal ranks are the committed cursor's: a heal may set them)."""
-        training = self.ctx.spec.training
+        training = self.ctx.spec.require_training()
         return self.cursor.end(training.max_steps, training.effective_epochs)
 
     def train_share(self, block: Block, lane: int, participants: int) -> float:
@@ -734,7 +740,7 @@ class FaultTolerantTrainer(DDPTrainer):
             "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
             rank=self.rank, world_size=self.world_size, node=self.place.group, pid=os.getpid(),
             node_replica=self.node_replica, replica_group=self.place.group, replica_groups=self.place.groups,
-            backend=spec.ddp.backend, fault_tolerant=True,
+            backend=spec.require_ddp().backend, fault_tolerant=True,
         )
         self.join()
         group = self.group
@@ -755,7 +761,7 @@ class FaultTolerantTrainer(DDPTrainer):
             for param_group in self.optimizer.param_groups:
                 # plain DDP's schedule: its step and its steps (the progress's total counts this job's own)
                 param_group["lr"] = self.recipe.rate(self.cursor.nominal_step,
-                                                     planned_steps(spec.training, self.cursor.steps_per_epoch))
+                                                     planned_steps(spec.require_training(), self.cursor.steps_per_epoch))
             local_loss = self.train_share(block, lane, participants)
             trained = block.count(lane)
             self.slowdown.after()
@@ -910,7 +916,7 @@ class FaultTolerance:
                                "DDP script averages its gradients with torch's DistributedDataParallel")
         place = GroupPlace.from_env(os.environ)
         if place.local_world > 1 and not dist.is_initialized():
-            dist.init_process_group(ctx.spec.ddp.backend)  # the group's own ranks (torchrun's environment)
+            dist.init_process_group(ctx.spec.require_ddp().backend)  # the group's own ranks (torchrun's environment)
         self.model, self.optimizer = model, optimizer
         self._user_state, self._user_load, self._check = state, load_state, check_state
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -933,7 +939,7 @@ class FaultTolerance:
                                      f"got {value!r}")
             assert samples is not None and batch_size is not None
             try:
-                self.cursor = QuorumCursor(samples, batch_size, seed, nominal=ctx.spec.ddp.nodes * place.local_world)
+                self.cursor = QuorumCursor(samples, batch_size, seed, nominal=ctx.spec.require_ddp().nodes * place.local_world)
             except ConfigError as err:
                 raise ValueError(f"kubetrain.fault_tolerant: {err}") from None
             self._end = self.cursor.end(max_steps, epochs)

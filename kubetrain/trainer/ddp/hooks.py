@@ -48,7 +48,7 @@ class CountingGroup(dist.ProcessGroup):
         self.inner = inner
         self.bytes = 0
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]  # torch's ProcessGroup.allreduce has overloads
         self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return self.inner.allreduce(tensors, opts)
 

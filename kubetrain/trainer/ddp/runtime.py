@@ -114,6 +114,8 @@ class DDPTrainer(TrainState):
     reads_checkpoint_at_start = True
     """Read this node's newest checkpoint before joining the group (a fault-tolerant group may heal instead)."""
     COUNTERS = (*TrainState.COUNTERS, "bytes_sent", "raw_gradient_bytes")
+    bytes_sent: int
+    raw_gradient_bytes: int
     """Beside the samples and the loss, a checkpoint carries the gradient bytes: a resumed rank's results count
     the whole run's."""
 
@@ -142,29 +144,29 @@ class DDPTrainer(TrainState):
         # rank saves its own shards (checkpoints through the sharded path). A
         # pretrained causal-lm stays on the meta device until it is sharded: no
         # rank ever holds all of its weights (causal_lm.py).
-        self.fsdp = spec.ddp.strategy == "FSDP"
+        self.fsdp = spec.require_ddp().strategy == "FSDP"
         self.model, self.data = model_and_data(spec, meta=self.fsdp)
         startup("model", rank=topo.rank)
         self.train_x = self.data.train_x.to(self.device)
         self.train_y = self.data.train_y.to(self.device)
         if getattr(self.model, "materialized", True):
             self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
+        self.optimizer = build_optimizer(self.model.parameters(), spec.require_training().optimizer)
         self.cursor = self.make_cursor()
-        self.total_steps = planned_steps(spec.training, self.cursor.steps_per_epoch)
-        self.recipe = StepRecipe.of(spec.training)
+        self.total_steps = planned_steps(spec.require_training(), self.cursor.steps_per_epoch)
+        self.recipe = StepRecipe.of(spec.require_training())
         self.metrics = TrainerMetrics(self.ctx)
         self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, replica)
         # The first rank of each node reads its node's volume; only rank 0 writes.
         self.checkpoints = JobCheckpoints(self.ctx, self.metrics, self.events,
                                           reader=topo.local_rank == 0, writer=self.writes_checkpoints(),
-                                          nodes=max(1, topo.world_size // spec.ddp.procs_per_node))
+                                          nodes=max(1, topo.world_size // spec.require_ddp().procs_per_node))
         self.reporter = ProgressReporter(self.ctx, self.metrics, self.events, self.total_steps)
         # Read before joining the group: a bad checkpoint (another spec) fails
         # this rank at once, and torchrun then stops the others.
         self.found = self.checkpoints.load_local() if self.reads_checkpoint_at_start else None
-        self.ddp: DistributedDataParallel | None = None
+        self.ddp: torch.nn.Module | None = None  # DDP's wrapper, or the FSDP-sharded model itself
         self.hook: CommHook | None = None
         self.start_state()
         self.slowdown = Slowdown.for_replica(replica)  # a benchmark's straggler (kubetrain/trainer/testhooks.py)
@@ -180,7 +182,7 @@ class DDPTrainer(TrainState):
 
     def make_cursor(self) -> Any:
         """This rank's way through the samples: its own shard of every epoch."""
-        training = self.ctx.spec.training
+        training = self.ctx.spec.require_training()
         return self.data.cursor(self.rank, self.world_size, training.batch_size, training.seed)
 
     def writes_checkpoints(self) -> bool:
@@ -195,7 +197,7 @@ class DDPTrainer(TrainState):
         # A collective that waits longer than the progress deadline is a hang;
         # failing it lets torchrun restart the group.
         dist.init_process_group(
-            spec.ddp.backend, timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds)
+            spec.require_ddp().backend, timeout=timedelta(seconds=spec.run_policy.progress_deadline_seconds)
         )
         startup("joined", rank=self.topo.rank)  # every rank of the group connected
         if self.fsdp:
@@ -203,18 +205,18 @@ class DDPTrainer(TrainState):
             if not getattr(self.model, "materialized", True):
                 self.model.materialize(self.device)  # type: ignore[operator]
             # The optimizer must hold the sharded parameters (DTensors), which replaced the model's own.
-            self.optimizer = build_optimizer(self.model.parameters(), spec.training.optimizer)
+            self.optimizer = build_optimizer(self.model.parameters(), spec.require_training().optimizer)
             self.ddp = self.model
             return
         self.ddp = DistributedDataParallel(
             self.model, device_ids=[self.device] if self.device.type == "cuda" else None
         )
         self.hook = CommHook(
-            spec.ddp.comm_hook,
-            dist.group.WORLD,
-            powersgd_rank=spec.ddp.power_sgd_rank,
+            spec.require_ddp().comm_hook,
+            dist.group.WORLD,  # type: ignore[arg-type]  # set by init_process_group above
+            powersgd_rank=spec.require_ddp().power_sgd_rank,
             total_steps=self.total_steps,
-            seed=spec.training.seed,
+            seed=spec.require_training().seed,
         )
         self.hook.register(self.ddp)
 
@@ -267,7 +269,7 @@ class DDPTrainer(TrainState):
     def planned_total(self) -> int:
         """The step training ends at: maxSteps, or where the cursor finishes its epochs (after a resize the
         epoch in progress has another length than a whole one at this size)."""
-        training = self.ctx.spec.training
+        training = self.ctx.spec.require_training()
         if training.max_steps is not None:
             return training.max_steps
         return self.step + self.cursor.steps_left(training.effective_epochs or 0)
@@ -347,7 +349,7 @@ class DDPTrainer(TrainState):
             "start", step=self.step, total_steps=self.total_steps, device=str(self.device), threads=self.threads,
             rank=self.topo.rank, world_size=self.topo.world_size, node=self.topo.node, pid=os.getpid(),
             node_replica=self.node_replica, agent_restart_count=self.topo.restart_count,
-            backend=spec.ddp.backend, comm_hook=spec.ddp.comm_hook, strategy=spec.ddp.strategy,
+            backend=spec.require_ddp().backend, comm_hook=spec.require_ddp().comm_hook, strategy=spec.require_ddp().strategy,
         )
         run_samples, train_seconds = 0, 0.0
         self.reporter.start_window(self.step)
@@ -397,7 +399,7 @@ class DDPTrainer(TrainState):
             "world_size": self.topo.world_size,
             "agent_restart_count": self.topo.restart_count,
             "comm_hook": self.hook.stats() if self.hook is not None else None,
-            "strategy": spec.ddp.strategy,
+            "strategy": spec.require_ddp().strategy,
         }
         if self.chief:
             result.update(**self.eval_results(), checkpoint_step=self.checkpoint_step, checkpoint_time=time.time())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from kubetrain.api.spec import Compression, Optimizer, ParameterServer
@@ -72,7 +73,7 @@ def shard_optimizer(params: list[nn.Parameter], optimizer: Optimizer, compressio
     if not any(corrected):
         return models.build_optimizer(params, optimizer)
     plain = {"momentum": 0.0, "weight_decay": 0.0}
-    groups = [{"params": [p for p, c in zip(params, corrected) if not c]},
+    groups: list[dict[str, Any]] = [{"params": [p for p, c in zip(params, corrected) if not c]},
               {"params": [p for p, c in zip(params, corrected) if c], **plain}]
     built = models.build_optimizer([g for g in groups if g["params"]], optimizer)
     # torch restores a group's settings from the checkpoint: one written before momentum correction

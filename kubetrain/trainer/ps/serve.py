@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def planned_global_steps(ctx: ReplicaContext, steps_per_epoch: int) -> int:
     """Updates the job makes: maxSteps, or each worker's epochs of steps (all of them, in Async)."""
-    training, ps = ctx.spec.training, ps_spec(ctx)
+    training, ps = ctx.spec.require_training(), ps_spec(ctx)
     if training.max_steps is not None:
         return training.max_steps
     local = (training.effective_epochs or 0) * steps_per_epoch
@@ -45,7 +45,7 @@ def planned_worker_steps(ctx: ReplicaContext, steps_per_epoch: int) -> int | Non
 
     The worker stops there, and a shard takes its Finish only once it pushed that far.
     """
-    training = ctx.spec.training
+    training = ctx.spec.require_training()
     if training.max_steps is not None or not training.effective_epochs:
         return None
     return training.effective_epochs * steps_per_epoch
@@ -92,7 +92,7 @@ def _size_of(ctx: ReplicaContext, path, text: str) -> int | None:
 
 def steps_at(ctx: ReplicaContext, num_samples: int):
     """planned_worker_steps at a number of workers: a shard's Finish check follows a resize."""
-    batch = ctx.spec.training.batch_size
+    batch = ctx.spec.require_training().batch_size
     return lambda workers: planned_worker_steps(ctx, ShardCursor(num_samples, 0, workers, batch, 0).steps_per_epoch)
 
 
@@ -126,7 +126,7 @@ class ShardProcess:
         names = shards_of(model, ps.replicas)[ctx.index]
         self.params = {n: p for n, p in model.named_parameters() if n in names}
         self.num_samples = len(data.train_x)
-        self.steps_per_epoch = ShardCursor(self.num_samples, 0, ps.workers, ctx.spec.training.batch_size,
+        self.steps_per_epoch = ShardCursor(self.num_samples, 0, ps.workers, ctx.spec.require_training().batch_size,
                                            0).steps_per_epoch
         self.total_steps = planned_global_steps(ctx, self.steps_per_epoch)
         self.interval = log_interval(self.total_steps)
@@ -143,7 +143,7 @@ class ShardProcess:
         self.shard = self._build_shard()
 
     def _build_shard(self) -> ParameterShard:
-        ctx, ps, training = self.ctx, self.ps, self.ctx.spec.training
+        ctx, ps, training = self.ctx, self.ps, self.ctx.spec.require_training()
         first = ctx.index == 0  # ps-0 hosts the coordinator and follows the job file's size
         config = ShardConfig(
             replica=ctx.replica, workers=ps.workers, compression=ps.compression,

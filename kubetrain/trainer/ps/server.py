@@ -60,7 +60,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -248,7 +248,7 @@ class ParameterShard:
     def __init__(
         self,
         config: ShardConfig,
-        params: dict[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
         optimizer_factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
         store: JobCheckpoints,
         coordinator: Coordinator | None = None,
@@ -410,7 +410,9 @@ class ParameterShard:
         if not self.pending or self.config.aggregation != "Sync":
             return
         missing = self._expected_workers() - self.pending
-        if missing and self.clock() - self.first_push_at < self.config.sync_timeout:
+        started = self.first_push_at
+        assert started is not None  # set by the step's first push, and a push is pending
+        if missing and self.clock() - started < self.config.sync_timeout:
             return
         if missing:
             self.dropped_total += len(missing)
@@ -705,6 +707,7 @@ class ParameterShard:
             if err.reason:
                 context.set_trailing_metadata(((REFUSAL_KEY, err.reason),))
             context.abort(err.code, str(err))
+            raise  # unreachable: abort raises (grpc's context and the data plane's alike)
 
     def _push(self, frames: Iterator[WireFrame], context: Any) -> pb.PushReply:
         # Watched from the start: a client may stall before its first frame too.

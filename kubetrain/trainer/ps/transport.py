@@ -306,7 +306,7 @@ def frames_for(tensors: Iterable[OutTensor], chunk_bytes: int, first: pb.Frame |
                 name=tensor.name, dtype=tensor.dtype, shape=tensor.shape, codec=tensor.codec,
                 total_bytes=total, offset=offset, length=length, chunk_index=index,
             )
-            frame.data.append(memoryview(raw[offset : offset + length]))
+            frame.data.append(memoryview(raw[offset : offset + length]))  # type: ignore[arg-type]  # an ndarray is a buffer
             offset += length
             room -= length
             index += 1
@@ -404,7 +404,7 @@ class Assembler:
         if end > self._total[name]:
             raise invalid(f"tensor {name!r}: piece {piece.chunk_index} ends at byte {end}, past the declared total {self._total[name]}")
         self._received[name] = end
-        return memoryview(self._landing[name].numpy()[received:end])
+        return memoryview(self._landing[name].numpy()[received:end])  # type: ignore[arg-type]  # an ndarray is a buffer
 
     def _land(self, name: str, codec: str, total: int) -> torch.Tensor:
         target = self.direct.get(name)

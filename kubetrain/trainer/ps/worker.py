@@ -97,7 +97,7 @@ class Worker:
             raise ConfigError(f"KUBETRAIN_PS_DATA_ADDRS: lists {len(ctx.ps_data_addrs)} shards, "
                               f"spec.parameterServer.replicas is {self.ps.replicas}")
         make_deterministic()
-        self.device = select_device(spec.training.device)
+        self.device = select_device(spec.require_training().device)
         self.model, self.data = model_and_data(ctx)
         startup("model")
         self.model.to(self.device)
@@ -115,11 +115,11 @@ class Worker:
         """The workers of the job's current set (ps-0's membership): the job file's size until registered."""
         self.membership = 0
         self.redealt = False
-        self.cursor = self.data.cursor(ctx.index, self.world, spec.training.batch_size, spec.training.seed)
+        self.cursor = self.data.cursor(ctx.index, self.world, spec.require_training().batch_size, spec.require_training().seed)
         self.total_steps = planned_global_steps(ctx, self.cursor.steps_per_epoch)
         self.local_total = planned_worker_steps(ctx, self.cursor.steps_per_epoch)
-        self.epochs = None if spec.training.max_steps is not None else spec.training.effective_epochs
-        self.compressor = GradientCompressor(self.ps.compression, spec.training.optimizer, self.params)
+        self.epochs = None if spec.require_training().max_steps is not None else spec.require_training().effective_epochs
+        self.compressor = GradientCompressor(self.ps.compression, spec.require_training().optimizer, self.params)
         self.metrics = TrainerMetrics(ctx)
         self.data.attach_metrics(self.metrics)
         self.events = EventLog(ctx.run_dir, ctx.replica)
@@ -159,10 +159,10 @@ class Worker:
     def pull(self, final: bool = False) -> list[pb.PullHeader]:
         """The parameters of every shard; a new set of workers (a resize) first: register again, pull again."""
         headers = self._pull_once(final)
-        while any(h is None for h in headers) or headers[0].membership not in (0, self.membership):
+        while any(h is None for h in headers) or headers[0].membership not in (0, self.membership):  # type: ignore[union-attr]
             self._join(self.client.register(self.ctx.index, self.incarnation, self.membership, self.world))
             headers = self._pull_once(final)
-        return headers
+        return [h for h in headers if h is not None]  # every one, by the loop's end
 
     def _pull_once(self, final: bool) -> list[pb.PullHeader | None]:
         def one(s: int) -> pb.PullHeader | None:
@@ -312,7 +312,7 @@ class Worker:
         self.membership, self.world = registration.membership, registration.world_size
         spec = self.ctx.spec
         if resized:
-            self.cursor = self.data.cursor(self.ctx.index, self.world, spec.training.batch_size, spec.training.seed)
+            self.cursor = self.data.cursor(self.ctx.index, self.world, spec.require_training().batch_size, spec.require_training().seed)
             self.local_total = planned_worker_steps(self.ctx, self.cursor.steps_per_epoch)
         if registration.cursor_json:
             self.cursor.load_state_dict(json.loads(registration.cursor_json))
@@ -376,7 +376,7 @@ class Worker:
             self.loss = compute_gradients(self.model, self.train_x[batch], self.train_y[batch], self.data.objective)
             self.slowdown.after()
             self.worker_step += 1
-            grads = {n: p.grad.detach().to("cpu") for n, p in self.params.items()}
+            grads = {n: p.grad.detach().to("cpu") for n, p in self.params.items()}  # type: ignore[union-attr]
             self.step(grads)
             now = time.perf_counter()
             train_seconds += now - step_start
