@@ -36,6 +36,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .shared import __version__  # noqa: F401
+
 __all__ = ["restore", "save", "report", "checkpoint_dir", "fault_tolerant", "Client"]
 
 

@@ -1,7 +1,7 @@
-"""The `kubetrain` command: thin argument handling over the API model and the backends.
+"""The `kubetrain` command: thin argument handling over the API model, the drivers and the client.
 
 The composition root of the command line: it may load the control plane
-(kubetrain_operator), the trainer (kubetrain.trainer: checkpoints, export)
+(kubetrain.api, engine, drivers, client, report), the trainer (kubetrain.trainer: checkpoints, export)
 and the benchmarks (kubetrain.bench), each inside the commands that need
 it, so that `kubetrain operator` in the operator's image never loads torch.
 commands.py holds the commands, parser.py their arguments.
