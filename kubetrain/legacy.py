@@ -35,8 +35,8 @@ RENAMES = {
     "kubetrain_operator.client": "kubetrain.client",
     "kubetrain_operator.client.local": "kubetrain.client.rundir_backend",
     "kubetrain_operator.client.cluster": "kubetrain.client.cluster_backend",
-    "kubetrain_operator.report": "kubetrain.report",
-    "kubetrain_operator.report.cluster": "kubetrain.report.from_cluster",
+    "kubetrain_operator.report": "kubetrain.reports",
+    "kubetrain_operator.report.cluster": "kubetrain.reports.from_cluster",
 }
 """Old module -> new module; a submodule not named here keeps its name under its parent's new name."""
 

@@ -307,7 +307,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from kubetrain.report import ReportError, build_report
+    from kubetrain.reports import ReportError, build_report
 
     sources: list[Any] = []
     try:
@@ -316,7 +316,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             if kind.lower() in ("tj", "trainingjob", "trainingjobs") and name:
                 if not args.prometheus:
                     raise UsageError(f"{source}: a cluster job's series come from Prometheus: give --prometheus URL")
-                from kubetrain.report.from_cluster import cluster_run
+                from kubetrain.reports.from_cluster import cluster_run
 
                 sources.append(cluster_run(_client(args).backend, name, args.prometheus))
             else:
@@ -375,7 +375,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kubetrain.report import ReportError, compare
+    from kubetrain.reports import ReportError, compare
 
     modes = [m for m in args.modes.split(",") if m]
     compression = [c for c in args.compression.split(",") if c] if args.compression else None

@@ -180,7 +180,7 @@ class Client:
 
         Locally from their run directories; in a cluster from the jobs' status and their series in the
         Prometheus at `prometheus` (its URL)."""
-        from kubetrain.report import build_report
+        from kubetrain.reports import build_report
 
         if self.local:
             from .rundir_backend import RunDirBackend
@@ -191,7 +191,7 @@ class Client:
             return build_report([self.backend.runs_dir / n for n in names], Path(out))
         if not prometheus:
             raise ClientError("report: the jobs of a cluster are read from Prometheus: give prometheus=URL")
-        from kubetrain.report.from_cluster import cluster_run
+        from kubetrain.reports.from_cluster import cluster_run
 
         return build_report([cluster_run(self.backend, n, prometheus) for n in names], Path(out))
 

@@ -32,7 +32,7 @@ LAZY = {
     "kubetrain.bench.__init__": ("kubetrain.trainer", "torch", "kubetrain.bench.transport", "kubetrain.bench.script_calls",
                                  "kubetrain.bench.checkpoint", "kubetrain.bench.sharded", "kubetrain.bench.finetune"),
     "kubetrain.__init__": ("kubetrain.client", "kubetrain.api", "kubetrain.engine", "kubetrain.drivers",
-                           "kubetrain.report", "kubetrain.trainer"),
+                           "kubetrain.reports", "kubetrain.trainer"),
 }
 
 
@@ -112,3 +112,12 @@ def test_the_command_line_starts_without_torch():
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_no_subpackage_takes_the_name_of_a_public_call():
+    """Importing `kubetrain.X` sets the attribute X of the package: a subpackage named like one of the calls of
+    `import kubetrain` (restore, save, report, ...) would replace the call once anything imported it."""
+    import kubetrain
+
+    subs = {p.stem for p in (ROOT / "kubetrain").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    assert set(kubetrain.__all__) & subs == set(), sorted(set(kubetrain.__all__) & subs)

@@ -20,7 +20,7 @@ def python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_old_modules_are_the_new_ones_and_say_where_they_went():
     code = "\n".join([
         "import kubetrain_trainer.export as old, kubetrain.trainer.export as new; assert old is new",
-        "from kubetrain_operator.report import build_report; import kubetrain.report as r",
+        "from kubetrain_operator.report import build_report; import kubetrain.reports as r",
         "assert build_report is r.build_report",
         "from kubetrain_operator.client.local import RunDirBackend; import kubetrain.client.rundir_backend as b",
         "assert RunDirBackend is b.RunDirBackend",

@@ -16,8 +16,8 @@ import kubetrain
 from helpers.process import require_program
 from helpers.prometheus import start_prometheus
 from helpers.wait import wait_for
-from kubetrain.report import build_report
-from kubetrain.report.from_cluster import cluster_run, counter_total
+from kubetrain.reports import build_report
+from kubetrain.reports.from_cluster import cluster_run, counter_total
 from kubetrain.shared.launch import SLOWDOWN_VAR
 from live import run_scrape_config
 from support import EXAMPLES

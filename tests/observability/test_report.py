@@ -11,9 +11,9 @@ from support import ROOT, job_doc
 from kubetrain.api import from_object
 from kubetrain.drivers.local.runner import LocalRunner
 from kubetrain.drivers.local.rundir import RunDir
-from kubetrain.report import ReportError, build_report, compare
-from kubetrain.report.compare import variants
-from kubetrain.report.report import FIGURES
+from kubetrain.reports import ReportError, build_report, compare
+from kubetrain.reports.compare import variants
+from kubetrain.reports.report import FIGURES
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -186,7 +186,7 @@ def test_report_on_bad_run_directories_names_the_problem(tmp_path, setup, messag
 
 def test_compare_variants_keep_the_global_batch():
     from kubetrain.api import load_one
-    from kubetrain.report.compare import variants
+    from kubetrain.reports.compare import variants
 
     job = load_one(ROOT / "examples" / "quickstart.yaml")  # 2 workers x 32
     by_mode = {v.spec.mode: v for v in variants(job, ["Single", "ParameterServer", "DDP"], None)}

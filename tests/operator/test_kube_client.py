@@ -128,6 +128,32 @@ def test_writes_sent_as_plain_json_are_what_the_api_server_takes_and_refusals_na
     assert left or cluster.kubectl("get", "pods", "-n", namespace, "-o", "name") == ""
 
 
+
+def test_a_child_deleted_between_the_create_and_the_owner_test_is_created_again(cluster, bare_pod, monkeypatch):
+    """A name the job could not adopt, freed by its user just as the round tried it: the create meets the old
+    object (409), the owner test finds it gone (404), and the create is made again, rather than the job
+    counting a ConfigMap that is not there as made (its pods would then wait for it forever)."""
+    namespace, _ = bare_pod
+    cluster.kubectl("create", "configmap", "c", "-n", namespace, "--from-literal=job.yaml=someone else's")
+    owner = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "name": "j", "uid": str(uuid.uuid4()),
+             "controller": True}
+    ours = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"job.yaml": "ours"},
+            "metadata": {"name": "c", "namespace": namespace, "ownerReferences": [owner]}}
+    real = kube._TESTERS["ConfigMap"]
+
+    def deleted_first(api):  # the user deletes the old one just before the owner test runs
+        cluster.kubectl("delete", "configmap", "c", "-n", namespace)
+        return real(api)
+
+    monkeypatch.setitem(kube._TESTERS, "ConfigMap", deleted_first)
+    assert kube.create(ours) is True
+    made = cluster.kubectl("get", "configmap", "c", "-n", namespace, "-o", "jsonpath={.data.job\\.yaml}")
+    assert made == "ours"
+    monkeypatch.setitem(kube._TESTERS, "ConfigMap", real)
+    assert kube.create(ours) is False  # exists and is ours: an earlier round made it
+    with pytest.raises(kube.NotOurs, match="not owned by this job"):
+        kube.create({**ours, "metadata": {**ours["metadata"], "ownerReferences": [{**owner, "uid": "other"}]}})
+
 def test_routine_requests_pass_the_gate_and_urgent_ones_and_their_pool_threads_do_not(cluster):
     """Every request of a thread outside kube.urgent() first waits at the routine gate (while urgent work is
     under way, workqueue.wait_urgent_clear); an urgent round's requests, in its own thread or handed to the

@@ -211,25 +211,35 @@ def _send(method: str, path: str, body: Any = None, content_type: str = "applica
     return resp
 
 
+CREATE_TRIES = 3
+"""Creates of one object in a row when each meets one of its name that is gone by the time it is looked at
+(deleted meanwhile: a user freeing a name the job could not adopt). Past it the round fails and is retried
+with backoff, rather than take an object that is not there for made."""
+
+
 def create(obj: dict[str, Any], started: bool = False) -> bool:
     """Create an object; False when it exists already (another round created it: `_check_ours`, NotOurs
     otherwise). `started`: the job's status says it started before, so an earlier round made its
-    children."""
+    children. One that exists at the create and is gone when looked at is created again."""
     kind, ns, name = obj["kind"], obj["metadata"].get("namespace", "default"), obj["metadata"]["name"]
     plural = PLURALS.get(kind) or CUSTOM_PLURALS.get(kind)
     if plural is None:
         raise ValueError(f"cannot create a {kind}")
-    try:
-        _send("POST", _path(obj["apiVersion"], ns, plural), obj)
-    except ApiException as err:
-        if err.status == 409:
-            _check_ours(obj, started)
-            return False
-        if err.status == 404 and kind in CUSTOM_PLURALS:
-            # The namespace exists (the job is in it): what is missing is the resource, its CRD.
-            raise NotServed(kind, obj["apiVersion"], CUSTOM_PLURALS[kind], f"{ns}/{name}") from None
-        raise KubeError("create", f"{kind.lower()} {ns}/{name}", err) from None
-    return True
+    for _ in range(CREATE_TRIES):
+        try:
+            _send("POST", _path(obj["apiVersion"], ns, plural), obj)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                if _check_ours(obj, started):
+                    return False
+                gone = err
+                continue  # deleted between the create and the look: create it now
+            if err.status == 404 and kind in CUSTOM_PLURALS:
+                # The namespace exists (the job is in it): what is missing is the resource, its CRD.
+                raise NotServed(kind, obj["apiVersion"], CUSTOM_PLURALS[kind], f"{ns}/{name}") from None
+            raise KubeError("create", f"{kind.lower()} {ns}/{name}", err) from None
+    raise KubeError("create", f"{kind.lower()} {ns}/{name}", gone)
 
 
 CUSTOM_PLURALS = {"PodGroup": "podgroups"}
@@ -270,8 +280,9 @@ with a JSON patch that only tests its owner's uid (it changes nothing), so that 
 `get` on them: two grants fewer under issue 15's ceiling (tests/cluster/test_chart.py)."""
 
 
-def _check_ours(obj: dict[str, Any], started: bool = False) -> None:
-    """An object of this name exists: ours (an earlier round made it), or raise NotOurs.
+def _check_ours(obj: dict[str, Any], started: bool = False) -> bool:
+    """An object of this name exists: True when it is ours (an earlier round made it), False when it is gone
+    by now (deleted meanwhile), or raise NotOurs.
 
     Ours means owned by this job's uid. The job's own checkpoint claim with whenDeleted: Retain
     has no owner: it is ours, labelled with the job's name, once the job has started (`started`:
@@ -290,15 +301,14 @@ def _check_ours(obj: dict[str, Any], started: bool = False) -> None:
     kind, meta = obj["kind"], obj["metadata"]
     ns, name = meta.get("namespace", "default"), meta["name"]
     if kind == "Workload":
-        return
+        return True
     if kind == "Secret":
         if started:
-            return
+            return True
         raise NotOurs(f"Secret {ns}/{name} exists, made before this job first started, so not by it; the job will "
                       "not use it (its pods would take their token and keys from it): delete it")
     if kind in _TESTERS:
-        _test_owner(kind, ns, name, meta["ownerReferences"][0]["uid"])
-        return
+        return _test_owner(kind, ns, name, meta["ownerReferences"][0]["uid"])
     try:
         if kind in CUSTOM_PLURALS:
             group, version = _group_version(obj)
@@ -308,36 +318,37 @@ def _check_ours(obj: dict[str, Any], started: bool = False) -> None:
             resp = _READERS[kind](_api())(name, ns, _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
         if err.status == 404:
-            return  # gone again (being deleted): the next round creates it
+            return False  # gone again (deleted meanwhile)
         raise KubeError("get", f"{kind.lower()} {ns}/{name}", err) from None
     found = _json(resp).get("metadata") or {}
     wanted = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
     owners = {ref.get("uid") for ref in found.get("ownerReferences") or []}
     if owners & wanted:
-        return
+        return True
     job = (meta.get("labels") or {}).get(LABEL_JOB)
     kept = kind == "PersistentVolumeClaim" and not owners and (found.get("labels") or {}).get(LABEL_JOB) == job
     if kept and started:
-        return
+        return True
     whose = f"owned by {', '.join(sorted(str(o) for o in owners))}" if owners else "not owned by this job"
     hint = (" (a claim kept from an earlier job of this name: make this job its owner to resume from it, "
             "docs/operating.md#keeping-checkpoints-after-the-job)") if kept else ""
     raise NotOurs(f"{kind} {ns}/{name} exists and is {whose}; the job will not adopt it: delete or rename it{hint}")
 
 
-def _test_owner(kind: str, ns: str, name: str, uid: str) -> None:
-    """NotOurs unless the object's first owner is `uid` (the operator's children carry their job first);
-    one gone meanwhile is no error (the next round creates it)."""
+def _test_owner(kind: str, ns: str, name: str, uid: str) -> bool:
+    """True when the object's first owner is `uid` (the operator's children carry their job first), False
+    when it is gone meanwhile, else NotOurs."""
     test = [{"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": uid}]
     try:
         _TESTERS[kind](_api())(name, ns, test, _preload_content=False, _request_timeout=API_TIMEOUT)
     except ApiException as err:
         if err.status == 404:
-            return
+            return False
         if err.status == 422:  # the test failed: no owner, or another first
             raise NotOurs(f"{kind} {ns}/{name} exists and is not owned by this job; the job will not adopt it: "
                           "delete or rename it") from None
         raise KubeError("patch", f"{kind.lower()} {ns}/{name}", err) from None
+    return True
 
 
 def statefulset_uid(namespace: str, name: str, owner: str) -> str | None:
