@@ -157,6 +157,13 @@ PS0_LOG = "\n".join([
 ])
 
 
+def test_a_handover_in_the_faults_own_millisecond_counts_at_the_faults_time():
+    """ps-0 logs the handover within a millisecond of the kill; asctime truncates it below the fault's mark."""
+    fault = T0 + 0.0105
+    assert handover_marks(PS0_LOG, 1, after=fault) == {"handed_over": fault}
+    assert handover_marks(PS0_LOG, 1, after=T0 + 0.0115) == {}  # a line a whole millisecond before: not it
+
+
 def test_a_standby_breakdown_runs_from_ps0s_handover_through_the_standbys_first_step():
     assert handover_marks(PS0_LOG, 1, after=T0) == pytest.approx({"handed_over": T0 + 0.010}, abs=0.002)
     assert handover_marks(PS0_LOG, 3, after=T0) == {}

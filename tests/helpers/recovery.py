@@ -157,6 +157,7 @@ def trainer_marks(log: str) -> dict[str, float]:
 
 # --- the operator's log ----------------------------------------------------------------------------
 
+ASCTIME_RESOLUTION = 0.001  # Python logging's asctime: milliseconds, truncated
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \w+ [\w.]+: (.*)$")
 """A line of Python logging's "%(asctime)s %(levelname)s %(name)s: %(message)s" (operator and trainer)."""
 
@@ -195,7 +196,10 @@ def handover_marks(ps0_log: str, worker: int, after: float) -> dict[str, float]:
     """`handed_over`: when ps-0's coordinator gave worker `worker`'s place to a standby, its first such
     line at or after `after` (coordinator.py logs it as the killed process's Stand call ends)."""
     line = f"worker {worker}'s process ended before it finished: a standby"
-    times = [when for when, message in log_lines(ps0_log, after) if message.startswith(line) and when >= after]
+    # asctime truncates to the millisecond: a handover in the fault's own millisecond may read up to 1 ms
+    # before the fault, and is the fault's time then (it cannot precede what caused it).
+    times = [max(when, after) for when, message in log_lines(ps0_log, after)
+             if message.startswith(line) and when >= after - ASCTIME_RESOLUTION]
     return {"handed_over": min(times)} if times else {}
 
 
