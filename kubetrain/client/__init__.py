@@ -9,8 +9,8 @@
     client.export(job.name, "model.pt")
 
 The facade holds no logic of its own beyond checking its arguments and the
-wait loop: each call goes to one backend (`cluster.ClusterBackend`,
-`local.RunDirBackend`), as kubeflow's SDK puts each way of running a job behind
+wait loop: each call goes to one backend (`cluster_backend.ClusterBackend`,
+`rundir_backend.RunDirBackend`), as kubeflow's SDK puts each way of running a job behind
 one small backend. docs/client.md is the guide.
 """
 

@@ -8,8 +8,8 @@ API error never reaches the caller as the API's own dump.
 
 from __future__ import annotations
 
-import builtins  # the classes below have a method named list
 import abc
+import builtins  # the classes below have a method named list
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
