@@ -23,8 +23,8 @@ Errors become the trainer's: a bad URI, a missing bucket or object, refused cred
 
 from __future__ import annotations
 
-import builtins  # the classes below have a method named list
 import base64
+import builtins  # the classes below have a method named list
 import concurrent.futures
 import datetime
 import hashlib
