@@ -135,8 +135,10 @@ def test_a_child_deleted_between_the_create_and_the_owner_test_is_created_again(
     counting a ConfigMap that is not there as made (its pods would then wait for it forever)."""
     namespace, _ = bare_pod
     cluster.kubectl("create", "configmap", "c", "-n", namespace, "--from-literal=job.yaml=someone else's")
-    owner = {"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "name": "j", "uid": str(uuid.uuid4()),
-             "controller": True}
+    # The owner must exist: the garbage collector deletes what names a missing one (it would race the test).
+    cluster.kubectl("create", "configmap", "owner", "-n", namespace)
+    uid = cluster.kubectl("get", "configmap", "owner", "-n", namespace, "-o", "jsonpath={.metadata.uid}")
+    owner = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}
     ours = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"job.yaml": "ours"},
             "metadata": {"name": "c", "namespace": namespace, "ownerReferences": [owner]}}
     real = kube._TESTERS["ConfigMap"]
