@@ -31,6 +31,7 @@ import sys
 from kubetrain.shared.exitcodes import shell_code, signaled
 from kubetrain.shared.launch import FT_STORE_VAR, JOB_FILE_VAR, NODE_RANK_VAR
 
+from ..errors import first_line
 from ..exiting import exit_now
 
 
@@ -50,6 +51,32 @@ def host_conf(argv: list[str], environ: dict[str, str]) -> list[str]:
 # agent is nothing to it; much shorter only spins.
 RENDEZVOUS_POLL_SECONDS = 0.1
 _TORCH_POLL_SECONDS = 1  # dynamic_rendezvous' `_delay(seconds=1)` between two reads of the state
+
+
+RDZV_SHUTDOWN_FAILED = "Error shutting down rendezvous handler"
+"""torch's launcher logs this, with a traceback, when closing the rendezvous fails after the group ended (its
+store gone or slow: a loaded machine); the agent's exit code is the failed rank's all the same."""
+
+
+class OneLineShutdownError(logging.Filter):
+    """A failed rendezvous shutdown as one line (its error's first line), not torch's traceback: it comes after
+    the group's own outcome, which the pod's log already says, and a traceback there reads as the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.getMessage().startswith(RDZV_SHUTDOWN_FAILED):
+            error = record.exc_info[1]
+            cause = f"{type(error).__name__}: {first_line(error)}" if error is not None else "?"
+            record.msg, record.args = f"{RDZV_SHUTDOWN_FAILED}: {cause}", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_rendezvous_shutdown() -> None:
+    """Install OneLineShutdownError on torch's launcher logger (once)."""
+    launcher = logging.getLogger("torch.distributed.launcher.api")
+    if not any(isinstance(f, OneLineShutdownError) for f in launcher.filters):
+        launcher.addFilter(OneLineShutdownError())
 
 
 def poll_rendezvous_faster() -> None:
@@ -206,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ["LOGLEVEL"]
     poll_rendezvous_faster()
     stop_on_permanent_failures()
+    quiet_rendezvous_shutdown()
     if tuple(argv[-len(FORKED_COMMAND):]) == FORKED_COMMAND and ranks_on_cpu(dict(os.environ)):
         fork_ranks()
         # torch._dynamo, which every rank imports, imported beside the rendezvous: a forked rank
