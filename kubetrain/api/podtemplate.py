@@ -45,6 +45,15 @@ PRETRAINED_MOUNT = "/kubetrain/pretrained"  # kubetrain.shared.launch.PRETRAINED
 MODEL_INIT = "model-init"
 """The init container that fetches and checks spec.model.pretrained (engine/children.py)."""
 INIT_CONTAINER_MESSAGE = f"'{MODEL_INIT}' is the name of kubetrain's own init container (spec.model.pretrained)"
+TRAINER_INIT_MESSAGE = (f"'{CONTAINER}' is the name of kubetrain's trainer container: an init container of that name "
+                        "would be a second container of one name in the pod, which the API server refuses")
+RESERVED_CONTAINER_NAMES: dict[str, dict[str, str]] = {
+    # Container names are unique across a pod's containers and init containers: a template's container named
+    # model-init passed once (only init containers were checked) and rendered a pod the API server refused.
+    "containers": {MODEL_INIT: INIT_CONTAINER_MESSAGE},
+    "initContainers": {MODEL_INIT: INIT_CONTAINER_MESSAGE, CONTAINER: TRAINER_INIT_MESSAGE},
+}
+"""The names a template's container may not take, by list, and why (the CRD's rules use the same table)."""
 
 # kubetrain's volumes: name -> (what it holds, where the trainer mounts it).
 VOLUMES: dict[str, tuple[str, str]] = {
@@ -153,7 +162,9 @@ def pod_template_problems(template: dict[str, Any]) -> list[tuple[str, str]]:
         if name in VOLUMES:
             problems.append((f"{path}.volumes[{i}].name", volume_message(name)))
     for i, container in _items(spec, "containers", MAX_CONTAINERS, path, problems):
-        _name(container, f"{path}.containers[{i}]", problems)
+        name = _name(container, f"{path}.containers[{i}]", problems)
+        if name in RESERVED_CONTAINER_NAMES["containers"]:
+            problems.append((f"{path}.containers[{i}].name", RESERVED_CONTAINER_NAMES["containers"][name]))
         problems += _container_problems(container, f"{path}.containers[{i}]")
     problems += _shape_problems(spec, path)
     problems += _resource_problems(spec, path)
@@ -185,8 +196,9 @@ def _shape_problems(spec: dict[str, Any], path: str) -> list[tuple[str, str]]:
         items = spec.get(key)
         if key == "initContainers":
             found = _items(spec, key, MAX_CONTAINERS, path, problems)
-            problems += [(f"{path}.{key}[{i}].name", INIT_CONTAINER_MESSAGE) for i, c in found
-                         if c.get("name") == MODEL_INIT]
+            reserved = RESERVED_CONTAINER_NAMES[key]
+            problems += [(f"{path}.{key}[{i}].name", reserved[c["name"]]) for i, c in found
+                         if isinstance(c.get("name"), str) and c["name"] in reserved]
             items = [c for _, c in found]
         for i, container in enumerate(items if isinstance(items, list) else []):
             if not isinstance(container, dict):
@@ -408,7 +420,7 @@ ALLOWANCES: dict[str, str] = {
                    "allows configMap, csi, downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, "
                    "secret)",
     "secrets": "the namespace's Secrets (secret volumes, secrets in projected volumes, env valueFrom.secretKeyRef, "
-               "envFrom secretRef)",
+               "envFrom secretRef, a CSI volume's csi.nodePublishSecretRef)",
     "claims": "the namespace's PersistentVolumeClaims besides the job's own (volumes[].persistentVolumeClaim; an "
               "ephemeral volume's volumeClaimTemplate.spec.dataSource, .dataSourceRef or .volumeName: a copy of "
               "another claim or snapshot, or a chosen volume) and its ResourceClaims "
@@ -527,6 +539,10 @@ def _checks() -> tuple[SecurityCheck, ...]:
           + ", ".join(RESTRICTED_VOLUME_TYPES) + ") are", ("name", *RESTRICTED_VOLUME_TYPES, "hostPath")),
         C("secrets", "volume", ("secret",), "present", "Secret volumes are"),
         C("secrets", "volume", ("projected", "sources", EACH, "secret"), "present", "Secrets in projected volumes are"),
+        # A CSI volume is within `restricted`, but its driver is handed the named Secret of the namespace when it
+        # mounts the volume: another job's token, or object-storage keys, to a driver the job chose.
+        C("secrets", "volume", ("csi", "nodePublishSecretRef", "name"), "string",
+          "Secrets handed to a CSI driver (csi.nodePublishSecretRef) are"),
         C("secrets", "container", ("env", EACH, "valueFrom", "secretKeyRef"), "present",
           "variables from Secrets (valueFrom.secretKeyRef) are"),
         C("secrets", "container", ("envFrom", EACH, "secretRef"), "present",

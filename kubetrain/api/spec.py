@@ -7,6 +7,7 @@ the CRD schema (`crd.py`) and the reference docs all read these classes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -35,6 +36,56 @@ OBJECT_URI_MAX = 1100  # s3:// + a 63-byte bucket + a 1,024-byte key
 # spec.model.pretrained: a local path, a claim's path, an object-storage prefix or a Hub name.
 PRETRAINED_PATTERN = r"(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/]+/[^/]+|[^:]+)"
 PRETRAINED_HINT = "expected a path, pvc://CLAIM/PATH, s3://BUCKET/PREFIX/ or hf://ORG/NAME"
+MAX_CLAIM_NAME = 253
+"""A claim's name is a DNS-1123 subdomain: at most 253 characters (the API server refuses a longer one only when
+the pod is made, after the job was accepted)."""
+PVC_CLAIM_MESSAGE = f"the claim's name (pvc://CLAIM) must be at most {MAX_CLAIM_NAME} characters, a DNS-1123 subdomain"
+PVC_PATH_MESSAGE = ("the path inside the claim (pvc://CLAIM/PATH) must name a directory of the claim without '.', "
+                    "'..' or empty segments ('//'): the pods read KUBETRAIN_MODEL_DIR under the claim's mount, never "
+                    "beside it")
+# spec.model.diskSize: the local disk an s3:// or hf:// model's copy may take.
+MODEL_DISK_DEFAULT = "20Gi"
+"""A 7-8 B model in 16-bit weights (Llama 3.1 8B: 15 GiB of safetensors) and its tokenizer, with room; a larger
+model names its own size."""
+MODEL_DISK_MIN = "1Mi"
+"""Room for config.json and a tokenizer at the least: below it no model fits, and an emptyDir's sizeLimit must be
+more than zero."""
+MODEL_DISK_MAX = "1Ti"
+"""A node's local disk is the kubelet's root filesystem, shared by every pod on the node: 1Ti holds a 405 B model
+in 16-bit weights (about 760 GiB) and is past what most nodes' disks hold; a larger model is copied to no node,
+it is read from a claim (pvc://) where it lies."""
+DISK_SIZE_MESSAGE = f"must be a quantity from {MODEL_DISK_MIN} to {MODEL_DISK_MAX}"
+
+
+def pvc_problems(uri: str) -> list[str]:
+    """What is wrong with a pvc://CLAIM/PATH pretrained model's claim name and path (PVC_CLAIM_MESSAGE,
+    PVC_PATH_MESSAGE, each with the value); empty when both are sound. A trailing '/' is allowed."""
+    claim, _, path = uri.removeprefix("pvc://").partition("/")
+    problems = []
+    if len(claim) > MAX_CLAIM_NAME:
+        problems.append(f"{PVC_CLAIM_MESSAGE}, got {len(claim)} characters")
+    segments = path.split("/")
+    if any(s in (".", "..") for s in segments) or "" in segments[:-1]:
+        problems.append(f"{PVC_PATH_MESSAGE}, got {_short(uri)}")
+    return problems
+
+
+def disk_size_problem(value: str) -> str | None:
+    """DISK_SIZE_MESSAGE with the value when spec.model.diskSize is no quantity within its bounds; else None."""
+    try:
+        amount = quantity.parse(value)
+    except quantity.QuantityError:
+        return f"{DISK_SIZE_MESSAGE}, got {_short(value)}"
+    if not quantity.parse(MODEL_DISK_MIN) <= amount <= quantity.parse(MODEL_DISK_MAX):
+        return f"{DISK_SIZE_MESSAGE}, got {_short(value)}"
+    return None
+
+
+def _short(value: str) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(value)} characters)"
+
+
 SECRET_REF_DOC = (
     "A Secret of the job's namespace holding the store's credentials under the keys every S3 tool reads: "
     "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, and optionally AWS_SESSION_TOKEN, AWS_REGION and "
@@ -104,6 +155,16 @@ class Model:
         None, max_length=OBJECT_URI_MAX, pattern=PRETRAINED_PATTERN, pattern_hint=PRETRAINED_HINT,
     )
     secret_ref: str = secret_ref_field("With an s3:// pretrained only.")
+    disk_size: str = field(
+        "s3:// and hf:// pretrained: the most local disk the model's copy may take (per pod, or per local run). "
+        "In a pod its `model` volume is bounded to it (the emptyDir's sizeLimit) and the pod requests that much "
+        "ephemeral-storage beside the trainer's own, so the scheduler places it where the disk is and the kubelet "
+        f"evicts the pod, not its neighbours, past it. A model larger than this fails before the download, with "
+        f"both sizes named (exit 3). From {MODEL_DISK_MIN} to {MODEL_DISK_MAX}: a model past that belongs on a "
+        "claim (pvc://), read where it lies rather than copied to every pod's node.",
+        MODEL_DISK_DEFAULT, pattern=QUANTITY_PATTERN, pattern_hint="expected a quantity such as 20Gi",
+        max_length=quantity.MAX_LENGTH, since="0.2.0",
+    )
     entrypoint: str | None = field(
         "User model factory 'package.module:function'; it is called with `args` as keyword "
         "arguments plus `input_shape` (one sample's shape) and, with training.loss crossEntropy, "
@@ -132,7 +193,17 @@ class Model:
             problems.append(("secretRef", "applies to an s3:// pretrained (the credentials of its store)"))
         if self.name == "causal-lm" and self.args:
             problems.append(("args", "causal-lm takes its architecture from the pretrained config.json: drop args"))
+        if (self.pretrained or "").startswith("pvc://"):
+            problems += [("pretrained", message) for message in pvc_problems(self.pretrained or "")]
+        problem = disk_size_problem(self.disk_size)
+        if problem is not None:
+            problems.append(("diskSize", problem))
         return problems
+
+    @property
+    def disk_bytes(self) -> int:
+        """diskSize in bytes (validated: within MODEL_DISK_MIN and MODEL_DISK_MAX), rounded up to a whole byte."""
+        return math.ceil(quantity.parse(self.disk_size))
 
 
 @dataclass
@@ -767,7 +838,8 @@ class Spec:
         "own by name (volumes; the trainer container's env and ports) and volumeMounts by mountPath, "
         "so a dataset volume goes beside kubetrain's; kubetrain's own names are refused: volumes "
         "config, data, tmp, model, pretrained; mounts at /etc/kubetrain, /kubetrain/data, /tmp, /kubetrain/model, "
-        "/kubetrain/pretrained; the init container model-init; env KUBETRAIN_*, HOME, "
+        "/kubetrain/pretrained; the container name model-init (kubetrain's init container), in containers and "
+        "initContainers alike, and trainer in initContainers; env KUBETRAIN_*, HOME, "
         "PYTHONUNBUFFERED, PYTHONSAFEPATH; ports metrics, grpc, ps-data, rendezvous, lighthouse; labels and annotations "
         "kubetrain.dev/* and app.kubernetes.io/managed-by, and the gang schedulers' PodGroup and queue keys "
         "(scheduling.k8s.io/group-name, scheduling.volcano.sh/group-name, scheduling.x-k8s.io/pod-group, "

@@ -33,7 +33,7 @@ from kubetrain.engine.children import LABEL_JOB
 from kubetrain.engine.plan import replica_names
 from .api import Backend, ClientError, Event, Forbidden, InvalidManifest, Job, JobExists, JobNotFound, prefixed
 from .api import TERMINAL, unknown_replica
-from .exportpod import EXPORT_ROOT, export_pod
+from .exportpod import EXPORT_ROOT, claim_problems, export_pod
 
 API_TIMEOUT = (5.0, 30.0)
 """Seconds to connect to and then to hear from the API server on a plain call: a silent server must not hang
@@ -316,6 +316,10 @@ class ClusterBackend(Backend):
         if not image:
             raise ClientError(f"{name}: its image is unknown (no spec.image and no pod left to read it from); "
                               "set spec.image")
+        claim = job.spec.checkpoint.storage.existing_claim
+        refused = claim_problems(job, self._claim_holder(claim) if claim else None)
+        if refused:  # the operator's rule, before any pod mounts the claim
+            raise ClientError(f"{name}: export: {'; '.join(refused)}")
         pod_name = f"{name}-export-{uuid.uuid4().hex[:6]}"
         pod = export_pod(job, pod_name, image)
         self._call("create", f"export pod {pod_name}", self.core.create_namespaced_pod, self.namespace, pod,
@@ -357,6 +361,18 @@ class ClusterBackend(Backend):
             except (ApiException, HTTPError):
                 pass  # its activeDeadlineSeconds ends it
         return Path(path)
+
+    def _claim_holder(self, claim: str) -> str | None:
+        """The job a claim of the namespace is labelled as (kubetrain.dev/job-name), as the operator's index sees
+        it; None when it has no such label or does not exist."""
+        try:
+            resp = self._call("read", f"persistentvolumeclaim {claim}",
+                              self.core.read_namespaced_persistent_volume_claim, claim, self.namespace,
+                              _preload_content=False)
+        except JobNotFound:
+            return None
+        holder = ((json.loads(resp.data).get("metadata") or {}).get("labels") or {}).get(LABEL_JOB)
+        return holder if isinstance(holder, str) and holder else None
 
     def _image_of_pods(self, name: str) -> str | None:
         for pod in self._pods(name).get("items", []):

@@ -8,7 +8,9 @@ secretRef, as the job's own pods) and reads the URI; it runs the job's own image
 (so the checkpoint is read by the kubetrain that wrote it) and only sleeps:
 the client runs the export in it and copies the file out (`kubectl exec`'s
 API), then deletes it. It complies with Pod Security `restricted`, and it
-carries no job label, so the operator never takes it for a replica.
+carries no job label, so the operator never takes it for a replica. Before it
+is made, the client applies the operator's rule on the claim it would mount
+(`claim_problems`): no other job's checkpoint claim by way of an export.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from typing import Any
 
 from kubetrain.api import TrainingJob
 from kubetrain.api.podtemplate import CONTAINER, PRETRAINED_MOUNT, PRETRAINED_VOLUME, TMP_MOUNT, TMP_VOLUME
-from kubetrain.engine.children import RUN_AS_USER, claim_name, credential_env
+from kubetrain.engine.children import (EPHEMERAL_STORAGE, RUN_AS_USER, ClusterEndpoints, Settings, claim_name,
+                                      credential_env, workloads)
+from kubetrain.engine.plan import chief, plan_replicas
+from kubetrain.engine.podsecurity import existing_claim_problems
 
 EXPORT_ROOT = "/kubetrain/export"
 LABEL_EXPORT = "kubetrain.dev/export-of"
@@ -49,6 +54,41 @@ def checkpoint_claims(job: TrainingJob) -> list[tuple[str, str, str]]:
             return [("ddp-0", claim_name(job, "ddp"), "checkpoints")]
         return [(r, f"data-{job.name}-{r}", "checkpoints") for r in holders]
     return [(r, claim_name(job, r), "checkpoints") for r in holders]
+
+
+EXPORT_RESOURCES = ("cpu", "memory", EPHEMERAL_STORAGE)
+"""What the export pod takes of the chief's trainer container's resources: what reading a checkpoint and writing
+the model out use. Not its accelerators: an export runs on CPU, and a GPU held for it could keep it Pending beside
+the running job."""
+
+
+def trainer_resources(job: TrainingJob) -> dict[str, Any]:
+    """The resources of the job's chief's trainer container as its pod has them (spec.resources.worker with the
+    template merged, and a fine-tuning job's model disk), EXPORT_RESOURCES only: the export reads as much as the
+    chief holds (the whole model; a shard of it under FSDP) and writes about the model's size to its own disk. So a
+    namespace whose ResourceQuota counts limits admits the export pod wherever it admits the job's."""
+    name = chief(job)
+    replicas = [r for r in plan_replicas(job, ClusterEndpoints(job)) if r.name == name]
+    [obj] = workloads(job, "export", Settings(), replicas)
+    pod = obj["spec"]["template"] if obj["kind"] == "StatefulSet" else obj
+    trainer = next(c for c in pod["spec"]["containers"] if c.get("name") == CONTAINER)
+    resources = trainer.get("resources")
+    out: dict[str, Any] = {}
+    for kind in ("limits", "requests"):
+        amounts = resources.get(kind) if isinstance(resources, dict) else None
+        kept = {k: v for k, v in amounts.items() if k in EXPORT_RESOURCES} if isinstance(amounts, dict) else {}
+        if kept:
+            out[kind] = kept
+    return out
+
+
+def claim_problems(job: TrainingJob, holder: str | None) -> list[str]:
+    """The operator's refusal of a checkpoint.storage.existingClaim that is another job's checkpoint claim, named
+    or labelled so (`holder`: the job the claim's kubetrain.dev/job-name label names, None when it has none or does
+    not exist), with its message (engine/podsecurity.existing_claim_problems). Judged as an installation without
+    the `claims` allowance judges it, the chart's default: the client cannot read the installation's
+    podSecurity.allow, and an export pod made past the rule would mount what the operator refused the job."""
+    return existing_claim_problems(job, frozenset(), holder)
 
 
 def export_pod(job: TrainingJob, name: str, image: str, pull_policy: str = "IfNotPresent") -> dict[str, Any]:
@@ -86,6 +126,7 @@ def export_pod(job: TrainingJob, name: str, image: str, pull_policy: str = "IfNo
             "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
                                 "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
                                 "seccompProfile": {"type": "RuntimeDefault"}},
+            **({"resources": resources} if (resources := trainer_resources(job)) else {}),
         }],
         "volumes": volumes,
     }

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubetrain.shared import __version__
 from kubetrain.shared.checkpoints import RUN_CHECKPOINTS
 from kubetrain.shared.launch import (
     CHECKPOINT_URI_VAR, FT_GROUP_VAR, FT_STORE_VAR, JOB_TOKEN_VAR, LIGHTHOUSE, NODE_RANK_VAR, RDZV_PORT, REPLICA_VAR,
@@ -24,7 +25,7 @@ from kubetrain.shared.tls_files import FILES as TLS_FILES, SUBDIR as TLS_SUBDIR,
 
 from kubetrain.api.spec import FT_PORT
 
-from kubetrain.api import API_VERSION, KIND, TrainingJob, dump_manifest
+from kubetrain.api import API_VERSION, KIND, TrainingJob, dump_manifest, quantity
 from kubetrain.api.podtemplate import (
     CONFIG_MOUNT,
     CONFIG_VOLUME,
@@ -61,7 +62,7 @@ TERMINATION_LOG = "/dev/termination-log"
 class Settings:
     """What the operator adds to every job: its default trainer image and pull policy."""
 
-    image: str = "kubetrain/trainer:0.1.0"
+    image: str = f"kubetrain/trainer:{__version__}"
     pull_policy: str = "IfNotPresent"
     grace_seconds: int = 60
     pod_security_allow: frozenset[str] = frozenset()
@@ -414,7 +415,8 @@ def _container(job: TrainingJob, replica: Replica, settings: Settings) -> dict[s
     if replica.role != "lighthouse":
         env += credential_env(job)
     ports = [{"name": name[:15], "containerPort": port} for name, port in replica.ports.items()]
-    # A Lighthouse is a small server with no tensors: none of a trainer's resources (GPUs above all).
+    # A Lighthouse is a small server with no tensors: none of a trainer's resources (GPUs above all), its own
+    # fixed ones after the template (_bound_lighthouse).
     role_resources = {"ps": job.spec.resources.ps, "lighthouse": {}}.get(replica.role, job.spec.resources.worker)
     container: dict[str, Any] = {
         "name": CONTAINER,
@@ -470,11 +472,12 @@ def _pod_spec(job: TrainingJob, replica: Replica, settings: Settings, data_volum
 
 def _model_initializer(job: TrainingJob, replica: Replica, trainer: dict[str, Any],
                        volumes: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """spec.model.pretrained: its volume (the claim of a pvc:// one, read-only; else the pod's own disk),
-    appended to `volumes` and mounted read-only into the `trainer` container, and the init container that
-    fetches (s3://, hf://) and checks it before the trainer starts (`python -m kubetrain.trainer initializer`,
-    with the trainer's image, environment, security and resources): a bad model fails the pod there, exit 3,
-    with the URI named in its termination message. None without a pretrained model."""
+    """spec.model.pretrained: its volume (the claim of a pvc:// one, read-only; else the pod's own disk, bounded
+    to spec.model.diskSize), appended to `volumes` and mounted read-only into the `trainer` container, and the
+    init container that fetches (s3://, hf://) and checks it before the trainer starts (`python -m
+    kubetrain.trainer initializer`, with the trainer's image, environment and security; its resources are the
+    trainer's once the template is merged, `_bound_model`): a bad model fails the pod there, exit 3, with the
+    URI named in its termination message. None without a pretrained model."""
     model = job.spec.model
     if model is None or not model.pretrained or replica.role == "lighthouse":
         return None
@@ -483,7 +486,9 @@ def _model_initializer(job: TrainingJob, replica: Replica, trainer: dict[str, An
         volumes.append({"name": PRETRAINED_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mount = {"name": PRETRAINED_VOLUME, "mountPath": PRETRAINED_CLAIM_MOUNT, "readOnly": True}
     else:
-        volumes.append({"name": MODEL_VOLUME, "emptyDir": {}})
+        # The copy lands on the node's disk: bounded, so that a model of any size cannot fill it and have the
+        # kubelet evict other tenants' pods under disk pressure (past the limit it evicts this pod alone).
+        volumes.append({"name": MODEL_VOLUME, "emptyDir": {"sizeLimit": model.disk_size}})
         mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
     trainer["volumeMounts"].append({**mount, "readOnly": True})
     init = {
@@ -497,9 +502,89 @@ def _model_initializer(job: TrainingJob, replica: Replica, trainer: dict[str, An
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if "resources" in trainer:
-        init["resources"] = copy.deepcopy(trainer["resources"])
     return init
+
+
+EPHEMERAL_STORAGE = "ephemeral-storage"  # the resource of a pod's own disk: its emptyDirs, logs and writable layers
+
+
+def _bound_model(spec: dict[str, Any], job: TrainingJob) -> None:
+    """After the template: the resources of a fine-tuning pod's init container (`model-init`) are the trainer
+    container's as merged, and a pod that copies its model onto its own disk asks for that disk. Copied before
+    the merge, model-init had none when the trainer's came from the template: the step that downloads a
+    many-gigabyte model ran unbounded, and a namespace whose ResourceQuota counts limits refused the pod.
+
+    The model's copy (spec.model.diskSize, the `model` volume's sizeLimit) is added to the trainer's
+    ephemeral-storage: its request (its limit when only that is set, as the API server defaults it) and its
+    limit where it has one (the kubelet counts an emptyDir against the pod's limits). model-init then takes
+    the same, so the pod's request covers the copy from the download to the end of training."""
+    model = job.spec.model
+    containers = spec.get("containers")
+    init_containers = spec.get("initContainers")
+    if model is None or not model.pretrained or not isinstance(containers, list) \
+            or not isinstance(init_containers, list):
+        return
+    trainer = next((c for c in containers if isinstance(c, dict) and c.get("name") == CONTAINER), None)
+    init = next((c for c in init_containers if isinstance(c, dict) and c.get("name") == MODEL_INIT), None)
+    if trainer is None or init is None:
+        return
+    copied = any(isinstance(v, dict) and v.get("name") == MODEL_VOLUME and "emptyDir" in v
+                 for v in spec.get("volumes") or [])
+    if copied:
+        resources = _with_disk(trainer.get("resources"), model.disk_size)
+        if resources is not None:
+            trainer["resources"] = resources
+    if isinstance(trainer.get("resources"), dict):
+        init["resources"] = copy.deepcopy(trainer["resources"])
+    else:
+        init.pop("resources", None)
+
+
+def _with_disk(resources: Any, size: str) -> dict[str, Any] | None:
+    """`resources` (a container's) with `size` more ephemeral-storage: added to the request (or to the limit
+    when only that is set) and to the limit if there is one. None when a shape or a quantity is not one this
+    can add to (validation refuses those; the renderer never raises on them)."""
+    out = copy.deepcopy(resources) if resources is not None else {}
+    if not isinstance(out, dict):
+        return None
+    requests, limits = out.setdefault("requests", {}), out.get("limits")
+    if not isinstance(requests, dict) or not isinstance(limits, (dict, type(None))):
+        return None
+    try:
+        amount = quantity.parse(size)
+        request = requests.get(EPHEMERAL_STORAGE)
+        limit = (limits or {}).get(EPHEMERAL_STORAGE)
+        base = quantity.parse(request if request is not None else limit if limit is not None else 0)
+        if limit is not None and limits is not None:
+            limits[EPHEMERAL_STORAGE] = gang.format_quantity(quantity.parse(limit) + amount)
+    except quantity.QuantityError:
+        return None
+    requests[EPHEMERAL_STORAGE] = gang.format_quantity(base + amount)
+    return out
+
+
+LIGHTHOUSE_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "100m", "memory": "64Mi"},
+    "limits": {"cpu": "1", "memory": "256Mi"},
+}
+"""The Lighthouse's container, whatever the job's resources or template say (it holds no tensors: none of a
+trainer's GPUs or memory). Fixed requests and limits, so that its Kueue pod set counts what it takes and a
+namespace whose ResourceQuota requires limits admits it; without them its pod was refused there and the
+fault-tolerant job waited for ever. Why these numbers: the process (Python, kubetrain's light imports,
+prometheus-client and torchft's Rust server, loaded without torch) is 31 MiB resident serving, measured on
+2026-12-06 with torchft 0.2.0; 64Mi requested is twice that, 256Mi the most, room for the connections of many
+groups without a limit a leak could hide behind. It idles at about 1 % of a core; one whole core at most,
+so a quorum round is never throttled past the groups' heartbeat timeout (1 s by default), and a tenth of one
+requested. No ephemeral-storage: it writes two event lines and its log, and a request of it would keep the pod
+off a node that reports none and out of a ClusterQueue that does not cover it."""
+
+
+def _bound_lighthouse(spec: dict[str, Any]) -> None:
+    """After the template: the Lighthouse's container gets LIGHTHOUSE_RESOURCES (a template's trainer resources,
+    meant for the trainers, are not its)."""
+    for container in spec.get("containers") or []:
+        if isinstance(container, dict) and container.get("name") == CONTAINER:
+            container["resources"] = copy.deepcopy(LIGHTHOUSE_RESOURCES)
 
 
 def _config_volume(job: TrainingJob) -> dict[str, Any]:
@@ -671,6 +756,10 @@ def pod(job: TrainingJob, uid: str, replica: Replica, settings: Settings) -> dic
     }
     body["metadata"]["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.spec.metrics.port)}
     body = merge_pod_template(body, job.spec.pod_template)
+    if replica.role == "lighthouse":
+        _bound_lighthouse(body["spec"])
+    else:
+        _bound_model(body["spec"], job)
     _tolerate_node_loss_briefly(body["spec"])
     return body
 
@@ -731,6 +820,7 @@ def statefulset(job: TrainingJob, uid: str, replicas: list[Replica], settings: S
         },
         job.spec.pod_template,
     )
+    _bound_model(template["spec"], job)
     _tolerate_node_loss_briefly(template["spec"])
     sts: dict[str, Any] = {
         "apiVersion": "apps/v1",

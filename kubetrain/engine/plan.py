@@ -13,8 +13,9 @@ from typing import Protocol
 
 from kubetrain.shared.launch import (
     CHECKPOINT_DIR_VAR, CHECKPOINT_URI_VAR, CODE_DIR_VAR, DATA_CACHE_VAR, FT_GROUPS_VAR, FT_GROUP_VAR, FT_LIGHTHOUSE_PORT_VAR, FT_LIGHTHOUSE_VAR,
-    FT_STORE_VAR, JOB_FILE_VAR, JOB_NAME_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR, MODEL_DIR_VAR, NAMESPACE_VAR, PS_ADDRS_VAR,
-    PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR, torchrun_command,
+    FT_STORE_VAR, JOB_FILE_VAR, JOB_NAME_VAR, LISTEN_ADDRESS_VAR, METRICS_PORT_VAR, MODEL_DIR_VAR, MODEL_MAX_BYTES_VAR,
+    NAMESPACE_VAR, PS_ADDRS_VAR, PS_DATA_ADDRS_VAR, PS_DATA_PORT_VAR, PS_PORT_VAR, REPLICA_VAR, RUN_DIR_VAR,
+    pretrained_in_place, torchrun_command,
 )
 
 from kubetrain.api import TrainingJob
@@ -142,6 +143,9 @@ def plan_replicas(job: TrainingJob, endpoints: Endpoints) -> list[Replica]:
             **({DATA_CACHE_VAR: endpoints.data_cache_dir()} if spec.dataset is not None and spec.dataset.uri else {}),
             **({MODEL_DIR_VAR: endpoints.model_dir(spec.model.pretrained)}
                if spec.model is not None and spec.model.pretrained else {}),
+            # A fetched model's bound (spec.model.diskSize): the initializer refuses a larger one before it downloads.
+            **({MODEL_MAX_BYTES_VAR: str(spec.model.disk_bytes)} if spec.model is not None and spec.model.pretrained
+               and not pretrained_in_place(spec.model.pretrained) else {}),
             METRICS_PORT_VAR: str(metrics_port),
             LISTEN_ADDRESS_VAR: endpoints.listen_address(),
             "PYTHONUNBUFFERED": "1",

@@ -11,11 +11,12 @@ the same table (api/podtemplate.SECURITY_CHECKS), since it cannot render.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from kubetrain.api import TrainingJob
 from kubetrain.api.crd import PRETRAINED_CLAIM_MESSAGE
-from kubetrain.api.podtemplate import rendered_pod_problems
+from kubetrain.api.podtemplate import SECURITY_CHECKS, rendered_pod_problems
 from .children import Settings, representatives, workloads
 
 UID = "pod-security"  # the rendered pods' owner, never sent anywhere
@@ -61,3 +62,40 @@ def secret_ref_problems(job: TrainingJob, settings: Settings) -> list[str]:
             f"{': ' + ', '.join(sorted(settings.object_store_secrets)) if settings.object_store_secrets else ', now none'}"
             "; podSecurity.allow: [secrets] allows any)"
             for path, name in job.spec.secret_refs().items() if name not in settings.object_store_secrets]
+
+
+CLAIMS_CHECK = next(c for c in SECURITY_CHECKS if c.allowance == "claims")
+CHECKPOINT_CLAIM = re.compile(r"(?P<job>.+)-ckpt-(?:single-0|ps-[0-9]+|ddp)|data-(?P<node>.+)-ddp-[0-9]+")
+"""The names kubetrain gives a job's checkpoint claims: `<job>-ckpt-<replica>` (children.claim_name: Single's, each
+shard's, a DDP job's shared one) and `data-<job>-ddp-<n>` (a DDP node's, made by its StatefulSet from the claim
+template `data`)."""
+
+
+def checkpoint_claim_job(claim: str) -> str | None:
+    """The job whose checkpoint claim `claim` is named as (CHECKPOINT_CLAIM); None for any other name."""
+    found = CHECKPOINT_CLAIM.fullmatch(claim)
+    return None if found is None else found["job"] or found["node"]
+
+
+def existing_claim_problems(job: TrainingJob, allowed: Any, holder: str | None) -> list[str]:
+    """checkpoint.storage.existingClaim naming another job's checkpoint claim (the pods would mount its
+    checkpoints, to read them or to write over them), refused unless `allowed` holds `claims`: the same
+    allowance as a claim in the template. Another job's is one labelled as that job's (`holder`: the job its
+    kubetrain.dev/job-name label names, as the operator's index or the client read it; None when unlabelled or
+    unknown), or one named as kubetrain names that job's claims (CHECKPOINT_CLAIM), whether it exists yet or not:
+    a job could name the victim's claim before the victim started, wait Pending for it, and mount it once kubetrain
+    made it for the victim. A job's own name's claims (kept from an earlier job of its name) stay its to name.
+
+    One rule, one message, wherever a pod would mount the claim: the operator (drivers/cluster/refusals.py, with
+    its index), the export pod (client/exportpod.py, with the claim's label) and `kubetrain validate` (by name)."""
+    claim = job.spec.checkpoint.storage.existing_claim
+    if not claim or "claims" in allowed:
+        return []
+    if holder is not None and holder != job.name:
+        return [f"spec.checkpoint.storage.existingClaim: {claim!r} is job {holder}'s checkpoint claim; "
+                f"{CLAIMS_CHECK.message}"]
+    named = checkpoint_claim_job(claim)
+    if named is not None and named != job.name:
+        return [f"spec.checkpoint.storage.existingClaim: {claim!r} is named as job {named}'s checkpoint claim "
+                f"(kubetrain makes it under that name when that job starts); {CLAIMS_CHECK.message}"]
+    return []

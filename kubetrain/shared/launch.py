@@ -39,6 +39,11 @@ DATA_CACHE_VAR = "KUBETRAIN_DATA_CACHE_DIR"
 MODEL_DIR_VAR = "KUBETRAIN_MODEL_DIR"
 """With spec.model.pretrained: the local directory of the pretrained model, fetched and checked before training
 (a local run's `<run>/cache/model` or the local path itself; a pod's read-only `/kubetrain/model`)."""
+MODEL_MAX_BYTES_VAR = "KUBETRAIN_MODEL_MAX_BYTES"
+"""With an s3:// or hf:// spec.model.pretrained: spec.model.diskSize in bytes (a decimal integer), the most the
+model's copy may take on local disk (a pod's `model` volume is bounded to it, its sizeLimit). The initializer
+refuses a larger model before it downloads anything, naming both sizes; unset for a model read where it lies
+(a path, pvc://)."""
 MODEL_MOUNT = "/kubetrain/model"
 """Where a pod holds its copy of an s3:// (or hf://) pretrained model, fetched by its init container."""
 PRETRAINED_CLAIM_MOUNT = "/kubetrain/pretrained"

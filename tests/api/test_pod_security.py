@@ -127,6 +127,10 @@ CASES = [
     Case("envFrom a Secret", {"initContainers": [{"name": "fetch", "image": "busybox",
                                                   "envFrom": [{"secretRef": {"name": "victim"}}]}]},
          "secrets", f"{PT}.initContainers[fetch].envFrom[].secretRef", "variables from Secrets (envFrom"),
+    # Issue 52: a CSI volume is within `restricted`, but its driver is handed the Secret it names.
+    Case("a Secret handed to a CSI driver", {"volumes": [{"name": "bucket", "csi": {
+        "driver": "s3.csi.example.com", "nodePublishSecretRef": {"name": "victim-token-0a1b2c3d"}}}]},
+         "secrets", f"{PT}.volumes[bucket].csi.nodePublishSecretRef.name", "Secrets handed to a CSI driver"),
     Case("another job's claim", {"volumes": [{"name": "theirs", "persistentVolumeClaim": {
         "claimName": "victim-ckpt-single-0"}}]},
          "claims", f"{PT}.volumes[theirs].persistentVolumeClaim", "PersistentVolumeClaims"),
@@ -208,7 +212,9 @@ WITHIN_BOUNDS = {
                 {"name": "info", "projected": {"sources": [{"downwardAPI": {"items": [
                     {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}, {"configMap": {"name": "x"}}]}},
                 {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
-                    **SCRATCH_CLAIM, "storageClassName": "fast", "volumeName": ""}}}}],
+                    **SCRATCH_CLAIM, "storageClassName": "fast", "volumeName": ""}}}},
+                {"name": "inline", "csi": {"driver": "inline.csi.example.com", "readOnly": True,
+                                           "volumeAttributes": {"size": "1Gi"}}}],
     "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                     {"key": "team", "operator": "Equal", "value": "ml"}],

@@ -249,6 +249,36 @@ CASES += [
     Case("three secrets", with_spec(model={"name": "causal-lm", "pretrained": "s3://bucket/m/", "secretRef": "a"},
                                     dataset={**TEXT, "path": None, "uri": "s3://bucket/t/", "secretRef": "b"}),
          "spec.model.secretRef", "must name the same Secret as dataset.secretRef"),
+    # Tenants, fourth pass (issue 58): a claim's model stays inside its claim, a copied model within its bound,
+    # kubetrain's container names are kubetrain's in every list, another job's claim is not a job's existingClaim.
+    Case("pretrained claim path out of the claim", with_spec(
+        model={"name": "causal-lm", "pretrained": "pvc://models/llama/../../../../proc/self"}, dataset=TEXT),
+         "spec.model.pretrained", "without '.', '..' or empty segments ('//'): the pods read KUBETRAIN_MODEL_DIR "
+         "under the claim's mount, never beside it, got 'pvc://models/llama/../../../../proc/self'"),
+    Case("pretrained claim path absolute", with_spec(
+        model={"name": "causal-lm", "pretrained": "pvc://models//etc"}, dataset=TEXT),
+         "spec.model.pretrained", "got 'pvc://models//etc'"),
+    Case("pretrained claim name past 253", with_spec(
+        model={"name": "causal-lm", "pretrained": f"pvc://{'m' * 300}/llama"}, dataset=TEXT),
+         "spec.model.pretrained", "the claim's name (pvc://CLAIM) must be at most 253 characters, a DNS-1123 "
+         "subdomain, got 300 characters"),
+    Case("model disk past the most", with_spec(
+        model={"name": "causal-lm", "pretrained": "s3://bucket/m/", "diskSize": "2Ti"}, dataset=TEXT),
+         "spec.model.diskSize", "must be a quantity from 1Mi to 1Ti, got '2Ti'"),
+    Case("model disk zero", with_spec(
+        model={"name": "causal-lm", "pretrained": "s3://bucket/m/", "diskSize": "0"}, dataset=TEXT),
+         "spec.model.diskSize", "must be a quantity from 1Mi to 1Ti, got '0'"),
+    Case("model disk no quantity", with_spec(
+        model={"name": "causal-lm", "pretrained": "s3://bucket/m/", "diskSize": "big"}, dataset=TEXT),
+         "spec.model.diskSize", "expected a quantity such as 20Gi"),
+    Case("template container named model-init", with_pod({"containers": [{"name": "model-init", "image": "x"}]}),
+         f"{PT}.containers[0].name", "'model-init' is the name of kubetrain's own init container"),
+    Case("template init container named trainer", with_pod({"initContainers": [{"name": "trainer", "image": "x"}]}),
+         f"{PT}.initContainers[0].name", "'trainer' is the name of kubetrain's trainer container"),
+    Case("existing claim named as another job's", with_spec(checkpoint={"storage": {"existingClaim": "victim-ckpt-single-0"}}),
+         "spec.checkpoint.storage.existingClaim", "'victim-ckpt-single-0' is named as job victim's checkpoint claim "
+         "(kubetrain makes it under that name when that job starts); PersistentVolumeClaims besides the job's own are "
+         "not allowed (the cluster's kubetrain installation allows this with podSecurity.allow: [claims])"),
 ]
 
 

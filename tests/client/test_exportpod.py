@@ -95,3 +95,90 @@ def test_a_fine_tune_s_export_pod_reads_its_pretrained_claim_and_the_client_unpa
     with pytest.raises(tarfile.OutsideDestinationError):
         unpack(evil, tmp_path / "hf2")
     assert not (tmp_path / "outside").exists() and not (tmp_path / "hf2").exists()
+
+
+# --- Tenants, fourth pass: the operator's claim rule holds on the export's path too --------------------------------
+
+def thief(claim: str):
+    return from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                        "metadata": {"name": "thief", "namespace": "team"},
+                        "spec": {"mode": "Single", "image": "img:1", "checkpoint": {"storage": {"existingClaim": claim}}}})
+
+
+def test_the_export_judges_another_jobs_claim_with_the_operators_rule_and_message():
+    from kubetrain.client.exportpod import claim_problems
+    from kubetrain.drivers.cluster import refusals
+    from kubetrain.drivers.cluster.state import Controller, OperatorConfig
+
+    operator = Controller(OperatorConfig(), scrape_tick=None)
+    for claim, holder in (("victim-ckpt-single-0", None), ("shared", "victim")):
+        if holder:
+            operator.index.set_claim(("team", holder), claim, "Bound")
+        refused = claim_problems(thief(claim), holder)
+        assert refused and refused == refusals.claim_problems(operator, thief(claim))
+        assert refused[0].startswith(f"spec.checkpoint.storage.existingClaim: '{claim}' is ")
+    assert claim_problems(thief("thief-ckpt-single-0"), None) == []  # its own name's, kept from an earlier job
+    assert claim_problems(thief("shared"), "thief") == [] and claim_problems(thief("shared"), None) == []
+
+
+class Stop(Exception):
+    """The fake API's answer to a pod's creation: the test ends there."""
+
+
+class FakeCore:
+    """CoreV1Api's calls an export makes before its pod runs: the claim's labels, the pod's creation."""
+
+    def __init__(self, labels: dict | None):
+        self.labels, self.created = labels, []
+
+    def read_namespaced_persistent_volume_claim(self, name, namespace, **_):
+        import json
+        from types import SimpleNamespace
+
+        from kubernetes.client.rest import ApiException
+
+        if self.labels is None:
+            err = ApiException(status=404, reason="Not Found")
+            err.body = json.dumps({"message": f'persistentvolumeclaims "{name}" not found', "details": {"name": name}})
+            raise err
+        return SimpleNamespace(data=json.dumps({"metadata": {"name": name, "labels": self.labels}}))
+
+    def create_namespaced_pod(self, namespace, body, **_):
+        self.created.append(body)
+        raise Stop
+
+
+@pytest.mark.parametrize("claim, labels, refused", [
+    ("victim-ckpt-single-0", None, "is named as job victim's checkpoint claim"),
+    ("shared", {LABEL_JOB: "victim"}, "is job victim's checkpoint claim"),
+    ("shared", {}, ""),
+    ("shared", {LABEL_JOB: "thief"}, ""),
+], ids=["named as another job's", "labelled as another job's", "the namespace's", "labelled as its own"])
+def test_an_export_on_another_jobs_claim_is_refused_before_its_pod_is_made(claim, labels, refused):
+    from kubernetes import client
+
+    from kubetrain.client.api import ClientError
+    from kubetrain.client.cluster_backend import ClusterBackend
+
+    backend = ClusterBackend("team", api_client=client.ApiClient())
+    backend.core = FakeCore(labels)
+    backend.spec = lambda name: thief(claim)
+    with pytest.raises(Stop if not refused else ClientError) as err:
+        backend.export("thief", "/tmp/model.pt")
+    if refused:
+        assert str(err.value).startswith(f"thief: export: spec.checkpoint.storage.existingClaim: '{claim}' {refused}")
+        assert "podSecurity.allow: [claims]" in str(err.value) and backend.core.created == []
+    else:
+        [pod] = backend.core.created
+        assert pod["spec"]["volumes"][1]["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
+
+
+def test_the_export_pod_takes_the_chiefs_cpu_memory_and_disk_not_its_accelerators():
+    """A namespace whose ResourceQuota counts limits admits the export pod wherever it admits the job's pods."""
+    limits = {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1}
+    for spec in (job("Single", podTemplate={"spec": {"containers": [{"name": "trainer", "resources": {"limits": limits}}]}}),
+                 job("ParameterServer", resources={"ps": {"limits": {"cpu": "1"}}, "worker": {"limits": limits}}),
+                 job("DDP", ddp={"nodes": 2}, resources={"worker": {"limits": limits}})):
+        container = export_pod(spec, "j-export-1", "img:1")["spec"]["containers"][0]
+        assert container["resources"] == {"limits": {"cpu": "4", "memory": "16Gi"}}
+    assert "resources" not in export_pod(job("Single"), "j-export-1", "img:1")["spec"]["containers"][0]

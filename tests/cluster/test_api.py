@@ -11,6 +11,7 @@ import yaml
 
 from helpers.kube import install_crd
 from kubetrain.api import podtemplate
+from kubetrain.api.spec import DISK_SIZE_MESSAGE, PVC_CLAIM_MESSAGE, PVC_PATH_MESSAGE
 from support import EXAMPLES, ROOT
 
 pytestmark = pytest.mark.cluster
@@ -101,6 +102,18 @@ INVALID = [
     ("restart policy enum", base(restartPolicy={"policy": "Always"}), "spec.restartPolicy.policy"),
     ("name too long", {**base(), "metadata": {"name": "a" * 50}}, "metadata.name: must be at most 45 characters"),
     ("missing mode", {**base(), "spec": {}}, "spec.mode"),
+    # Tenants, fourth pass (issue 58): Model.check's bounds, in the CRD's CEL with the validator's messages.
+    *[(name, base(model={"name": "causal-lm", **model}, dataset={"path": "/d.jsonl", "format": "text"}), words)
+      for name, model, words in (
+          ("pretrained claim path out of the claim", {"pretrained": "pvc://models/llama/../../../../proc/self"},
+           f"model.pretrained: {PVC_PATH_MESSAGE}"),
+          ("pretrained claim path absolute", {"pretrained": "pvc://models//etc"}, f"model.pretrained: {PVC_PATH_MESSAGE}"),
+          ("pretrained claim name past 253", {"pretrained": f"pvc://{'m' * 300}/llama"},
+           f"model.pretrained: {PVC_CLAIM_MESSAGE}"),
+          ("model disk past the most", {"pretrained": "s3://bucket/m/", "diskSize": "2Ti"},
+           f"model.diskSize: {DISK_SIZE_MESSAGE}"),
+          ("model disk zero", {"pretrained": "s3://bucket/m/", "diskSize": "0"}, f"model.diskSize: {DISK_SIZE_MESSAGE}"),
+      )],
 ]
 
 
@@ -109,6 +122,16 @@ def test_invalid_manifests_are_rejected_by_the_api_server(cluster, ns, name, doc
     done = apply(cluster, ns, doc, dry_run=True)
     assert done.returncode != 0, f"{name}: accepted"
     assert words in done.stderr, done.stderr
+
+
+def test_a_model_within_its_bounds_is_accepted_with_its_disk_defaulted(cluster, ns):
+    for name, pretrained in (("claim-model", "pvc://models/llama/v2/"), ("s3-model", "s3://bucket/m/")):
+        doc = base(model={"name": "causal-lm", "pretrained": pretrained}, dataset={"path": "/d.jsonl", "format": "text"})
+        doc["metadata"]["name"] = name
+        done = apply(cluster, ns, doc)
+        assert done.returncode == 0, done.stderr
+        spec = json.loads(cluster.kubectl("-n", ns, "get", "tj", name, "-o", "json"))["spec"]
+        assert spec["model"]["diskSize"] == "20Gi"
 
 
 def pod_template(spec: dict) -> dict:
@@ -140,6 +163,11 @@ COLLISIONS = [
      f"{PT}.containers[0].ports", podtemplate.port_message("metrics")),
     ("too many volumes", pod_template({"volumes": [{"name": f"v{i}", "emptyDir": {}} for i in range(podtemplate.MAX_VOLUMES + 1)]}),
      f"{PT}.volumes", "Too many"),
+    # Issue 58: kubetrain's container names in every list of the template.
+    ("container model-init", pod_template({"containers": [{"name": "model-init", "image": "busybox"}]}),
+     f"{PT}.containers[0].name", podtemplate.INIT_CONTAINER_MESSAGE),
+    ("init container trainer", pod_template({"initContainers": [{"name": "trainer", "image": "busybox"}]}),
+     f"{PT}.initContainers[0].name", podtemplate.TRAINER_INIT_MESSAGE),
     # Issue 31: a job's template may not file its pods under another job of the namespace.
     ("label kubetrain.dev/job-name", base(podTemplate={"metadata": {"labels": {"kubetrain.dev/job-name": "victim"}}}),
      "spec.podTemplate.metadata.labels", podtemplate.reserved_key_message("kubetrain.dev/job-name")),

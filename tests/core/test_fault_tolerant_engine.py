@@ -11,7 +11,7 @@ from kubetrain.api import from_object
 from kubetrain.shared.launch import FT_GROUP_VAR, FT_GROUPS_VAR, FT_LIGHTHOUSE_VAR, FT_STORE_VAR, LIGHTHOUSE
 from kubetrain.api.load import InvalidSpec
 from kubetrain.api.spec import FT_PORT
-from kubetrain.engine.children import ClusterEndpoints, children
+from kubetrain.engine.children import LIGHTHOUSE_RESOURCES, ClusterEndpoints, children
 from kubetrain.engine import engine
 from kubetrain.engine.plan import plan_replicas, replica_names
 from kubetrain.engine.engine import ProgressReading
@@ -116,7 +116,7 @@ def test_the_lighthouse_is_a_pod_and_a_service_beside_the_statefulset():
     assert "clusterIP" not in service["spec"]  # a stable virtual address whichever pod backs it
     pod = objs[("Pod", "j-lighthouse-0")]
     container = pod["spec"]["containers"][0]
-    assert container["command"][-1] == "lighthouse" and "resources" not in container
+    assert container["command"][-1] == "lighthouse" and container["resources"] == LIGHTHOUSE_RESOURCES
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid"
     sts = objs[("StatefulSet", "j-ddp")]
     env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -128,12 +128,28 @@ def test_the_lighthouse_is_a_pod_and_a_service_beside_the_statefulset():
     assert "is_host=true" in sts["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
-def test_a_job_with_resources_gives_none_of_them_to_its_lighthouse():
-    job = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "j"},
-                       "spec": {"mode": "DDP", "ddp": {"faultTolerance": {}},
-                                "resources": {"worker": {"limits": {"nvidia.com/gpu": 1}}}}})
-    pod = next(o for o in children(job, "uid", "tok") if o["kind"] == "Pod")
-    assert "resources" not in pod["spec"]["containers"][0]
+def test_the_lighthouse_has_small_fixed_requests_and_limits_whatever_the_job_asks():
+    """None of the trainers' resources (GPUs above all), from spec.resources or the template alike, and its own small
+    requests and limits: without them a quota that requires limits refused its pod, and the job waited for ever."""
+    trainers = {"limits": {"nvidia.com/gpu": 1, "cpu": "8", "memory": "64Gi"}}
+    for spec in ({"resources": {"worker": trainers}},
+                 {"podTemplate": {"spec": {"containers": [{"name": "trainer", "resources": trainers}]}}}, {}):
+        job = from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "j"},
+                           "spec": {"mode": "DDP", "ddp": {"faultTolerance": {}}, **spec}})
+        pod = next(o for o in children(job, "uid", "tok") if o["kind"] == "Pod")
+        assert pod["spec"]["containers"][0]["resources"] == LIGHTHOUSE_RESOURCES
+    assert set(LIGHTHOUSE_RESOURCES["requests"]) == set(LIGHTHOUSE_RESOURCES["limits"]) == {"cpu", "memory"}
+
+
+def test_the_lighthouse_is_counted_in_its_kueue_pod_set():
+    from kubetrain.engine import kueue
+    from kubetrain.engine.children import Settings
+
+    job = ft_job()
+    job.metadata.labels = {kueue.QUEUE_LABEL: "team"}
+    sets = {p["name"]: p for p in kueue.workload(job, "uid", Settings())["spec"]["podSets"]}
+    assert sets["lighthouse"]["count"] == 1
+    assert sets["lighthouse"]["template"]["spec"]["containers"][0]["resources"] == LIGHTHOUSE_RESOURCES
 
 
 # --- the engine -----------------------------------------------------------------------------

@@ -13,12 +13,13 @@ from kubetrain.engine.children import Settings, children
 TEXT = {"uri": "s3://data/text/", "format": "text", "secretRef": "s3-creds"}
 
 
-def job(mode: str, pretrained: str, **spec):
+def job(mode: str, pretrained: str, model: dict | None = None, **spec):
     return from_object({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
                         "metadata": {"name": "j", "namespace": "ns"},
                         "spec": {"mode": mode, "dataset": TEXT, **spec,
                                  "model": {"name": "causal-lm", "pretrained": pretrained,
-                                           **({"secretRef": "s3-creds"} if pretrained.startswith("s3://") else {})}}})
+                                           **({"secretRef": "s3-creds"} if pretrained.startswith("s3://") else {}),
+                                           **(model or {})}}})
 
 
 def pod_specs(objs: list[dict]) -> list[dict]:
@@ -39,7 +40,7 @@ def test_an_object_storage_model_is_fetched_by_an_init_container_onto_the_pods_o
         trainer = spec["containers"][0]
         assert init["name"] == "model-init" and init["command"] == ["python", "-m", "kubetrain.trainer", "initializer"]
         assert init["image"] == trainer["image"]
-        assert {"name": "model", "emptyDir": {}} in spec["volumes"]
+        assert {"name": "model", "emptyDir": {"sizeLimit": "20Gi"}} in spec["volumes"]
         assert {"name": "model", "mountPath": "/kubetrain/model"} in init["volumeMounts"]
         assert {"name": "model", "mountPath": "/kubetrain/model", "readOnly": True} in trainer["volumeMounts"]
         for container in (init, trainer):
@@ -75,6 +76,70 @@ def test_a_template_s_init_containers_come_after_kubetrain_s_and_may_not_take_it
     problems = dict(pod_template_problems(clash))
     assert problems["podTemplate.spec.initContainers[0].name"].startswith("'model-init' is the name of kubetrain")
     assert "podTemplate.spec.volumes[0].name" in problems
+
+
+def test_model_init_takes_the_trainers_resources_as_the_template_merges_them():
+    """Copied before the template was merged, model-init had no resources when the trainer's came from the
+    template: the download of a many-gigabyte model ran unbounded, and a quota counting limits refused the pod."""
+    limits = {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": 1}
+    template = {"spec": {"containers": [{"name": "trainer", "resources": {"limits": limits}}]}}
+    for mode, extra in (("Single", {}), ("DDP", {"ddp": {"nodes": 2, "faultTolerance": {}}})):
+        for pretrained in ("s3://models/base/", "pvc://models/base"):
+            spec = pod_specs(children(job(mode, pretrained, podTemplate=template, **extra), "uid", "tok"))[-1]
+            trainer, [init] = spec["containers"][0], spec["initContainers"]  # the StatefulSet's, not the Lighthouse
+            assert init["resources"] == trainer["resources"], (mode, pretrained)
+            assert {k: v for k, v in init["resources"]["limits"].items() if k != "ephemeral-storage"} == limits
+    # spec.resources.worker as before; no resources at all, none either.
+    [spec] = pod_specs(children(job("Single", "pvc://models/base", resources={"worker": {"requests": {"cpu": 1}}}),
+                                "uid", "tok"))
+    assert spec["initContainers"][0]["resources"] == {"requests": {"cpu": 1}}
+    [spec] = pod_specs(children(job("Single", "pvc://models/base"), "uid", "tok"))
+    assert "resources" not in spec["initContainers"][0] and "resources" not in spec["containers"][0]
+
+
+def test_the_models_copy_is_bounded_by_disk_size_and_asked_for_as_ephemeral_storage():
+    """An s3:// or hf:// model lands on the node's disk: its volume is bounded to spec.model.diskSize and the pod
+    requests that much ephemeral-storage beside the trainer's own (added to a limit the trainer has), so the
+    scheduler places it where the disk is; the initializer gets the bound in bytes, to refuse a larger model
+    before the download. A claim's model is read where it lies: no copy, no bound."""
+    def pod_of(pretrained: str, **spec) -> dict:
+        [pod_spec] = pod_specs(children(job("Single", pretrained, **spec), "uid", "tok"))
+        return pod_spec
+
+    spec = pod_of("s3://models/base/", model={"diskSize": "40Gi"})
+    assert {"name": "model", "emptyDir": {"sizeLimit": "40Gi"}} in spec["volumes"]
+    trainer, [init] = spec["containers"][0], spec["initContainers"]
+    assert trainer["resources"] == init["resources"] == {"requests": {"ephemeral-storage": "40Gi"}}
+    for container in (trainer, init):
+        assert env_of(container)["KUBETRAIN_MODEL_MAX_BYTES"] == str(40 * 2**30)
+    # Beside the trainer's own disk, from spec.resources or the template: its request (or its limit, which the API
+    # server makes the request) and its limit grow by the model's size.
+    own = {"spec": {"containers": [{"name": "trainer", "resources": {
+        "requests": {"ephemeral-storage": "1Gi"}, "limits": {"ephemeral-storage": "2Gi", "memory": "1Gi"}}}]}}
+    spec = pod_of("s3://models/base/", podTemplate=own)
+    assert spec["containers"][0]["resources"] == {"requests": {"ephemeral-storage": "21Gi"},
+                                                  "limits": {"ephemeral-storage": "22Gi", "memory": "1Gi"}}
+    spec = pod_of("s3://models/base/", resources={"worker": {"limits": {"ephemeral-storage": "500Mi"}}})
+    assert spec["containers"][0]["resources"] == {"requests": {"ephemeral-storage": "20980Mi"},
+                                                  "limits": {"ephemeral-storage": "20980Mi"}}
+    spec = pod_of("pvc://models/base")
+    assert not any("emptyDir" in v and v["name"] == "model" for v in spec["volumes"])
+    assert "resources" not in spec["containers"][0] and "KUBETRAIN_MODEL_MAX_BYTES" not in env_of(spec["containers"][0])
+
+
+def test_a_template_container_may_not_take_model_inits_name_in_any_list():
+    """Container names are unique across a pod's containers and init containers: a template's container named
+    model-init (refused once only among initContainers) rendered a pod the API server refused, as would an init
+    container named trainer."""
+    problems = dict(pod_template_problems({"spec": {"containers": [{"name": "side"}, {"name": "model-init"}],
+                                                    "initContainers": [{"name": "trainer", "image": "x"}]}}))
+    assert problems == {
+        "podTemplate.spec.containers[1].name":
+            "'model-init' is the name of kubetrain's own init container (spec.model.pretrained)",
+        "podTemplate.spec.initContainers[0].name":
+            "'trainer' is the name of kubetrain's trainer container: an init container of that name would be a "
+            "second container of one name in the pod, which the API server refuses",
+    }
 
 
 def test_a_lighthouse_gets_no_model():

@@ -25,6 +25,10 @@ from test_lifecycle import condition, manifest, pods_of
 pytestmark = pytest.mark.cluster
 
 CPU_QUOTA = 4
+MEMORY_QUOTA = "64Gi"
+"""Memory is covered too, far from binding: a fault-tolerant job's Lighthouse requests memory
+(engine/children.LIGHTHOUSE_RESOURCES), and Kueue admits no pod set that requests a resource its
+ClusterQueue does not cover."""
 POOL = {"type": "kwok"}  # a label kwok's fake nodes carry: the flavor's nodeLabels, so the pods land on them
 
 
@@ -52,8 +56,9 @@ def kueue(cluster, crd, volumes, tmp_path_factory):
 
 
 def queue_objects(name: str, namespace: str, preemption: bool = False) -> list[dict]:
-    cq_spec = {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu"], "flavors": [
-        {"name": name, "resources": [{"name": "cpu", "nominalQuota": CPU_QUOTA}]}]}]}
+    cq_spec = {"namespaceSelector": {}, "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+        {"name": name, "resources": [{"name": "cpu", "nominalQuota": CPU_QUOTA},
+                                     {"name": "memory", "nominalQuota": MEMORY_QUOTA}]}]}]}
     if preemption:
         cq_spec["preemption"] = {"withinClusterQueue": "LowerPriority"}
     return [

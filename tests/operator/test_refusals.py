@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import pytest
 
 from kubetrain.api import from_object
-from kubetrain.drivers.cluster.refusals import checkpoint_claim_job, claim_problems
+from kubetrain.drivers.cluster.refusals import claim_problems
 from kubetrain.drivers.cluster.state import Controller, OperatorConfig
 from kubetrain.engine.children import Settings, children
+from kubetrain.engine.podsecurity import checkpoint_claim_job
 
 
 def job(name: str, mode: str = "Single", claim: str = "", **spec):

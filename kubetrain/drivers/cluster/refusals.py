@@ -3,20 +3,11 @@ claim of another job's, a gang no scheduler serves. The engine decides what a re
 
 from __future__ import annotations
 
-import re
-
 from kubetrain.api import TrainingJob
-from kubetrain.api.podtemplate import SECURITY_CHECKS
 from kubetrain.engine import podsecurity
 from kubetrain.engine.engine import Refusal
 from kubetrain.engine.gang import gang_problem, policy_problems
 from .state import Controller, JobState
-
-CLAIMS_CHECK = next(c for c in SECURITY_CHECKS if c.allowance == "claims")
-CHECKPOINT_CLAIM = re.compile(r"(?P<job>.+)-ckpt-(?:single-0|ps-[0-9]+|ddp)|data-(?P<node>.+)-ddp-[0-9]+")
-"""The names kubetrain gives a job's checkpoint claims: `<job>-ckpt-<replica>` (engine/children.claim_name:
-Single's, each shard's, a DDP job's shared one) and `data-<job>-ddp-<n>` (a DDP node's, made by its
-StatefulSet from the claim template `data`)."""
 
 
 def refusal(ctl: Controller, job: TrainingJob, state: JobState) -> Refusal | None:
@@ -52,29 +43,9 @@ def pod_security(ctl: Controller, job: TrainingJob, state: JobState) -> list[str
 
 
 def claim_problems(ctl: Controller, job: TrainingJob) -> list[str]:
-    """checkpoint.storage.existingClaim naming another job's checkpoint claim (the pods would mount its
-    checkpoints, to read them or to write over them) is refused unless the installation allows claims:
-    the same allowance as a claim in the template (api/podtemplate.py), judged here because only the
-    operator sees which job a claim belongs to. Another job's is one labelled as that job's (the index's
-    view), or one named as kubetrain names that job's claims (CHECKPOINT_CLAIM), whether it exists yet
-    or not; a job's own name's claims (kept from an earlier job of its name) stay its to name."""
+    """checkpoint.storage.existingClaim naming another job's checkpoint claim, unless the installation allows
+    claims (engine/podsecurity.existing_claim_problems), judged here because only the operator sees which job a
+    claim belongs to: the index's view of the claims labelled as a job's."""
     claim = job.spec.checkpoint.storage.existing_claim
-    if not claim or "claims" in ctl.config.settings.pod_security_allow:
-        return []
-    holder = ctl.index.claim_holder(job.metadata.namespace, claim)
-    if holder is not None and holder != job.name:
-        return [f"spec.checkpoint.storage.existingClaim: {claim!r} is job {holder}'s checkpoint claim; "
-                f"{CLAIMS_CHECK.message}"]
-    # By its name too, whether or not it exists: a job could name the victim's claim before the victim
-    # started, wait Pending for it, and mount it once kubetrain made it for the victim.
-    named = checkpoint_claim_job(claim)
-    if named is not None and named != job.name:
-        return [f"spec.checkpoint.storage.existingClaim: {claim!r} is named as job {named}'s checkpoint claim "
-                f"(kubetrain makes it under that name when that job starts); {CLAIMS_CHECK.message}"]
-    return []
-
-
-def checkpoint_claim_job(claim: str) -> str | None:
-    """The job whose checkpoint claim `claim` is named as (CHECKPOINT_CLAIM); None for any other name."""
-    found = CHECKPOINT_CLAIM.fullmatch(claim)
-    return None if found is None else found["job"] or found["node"]
+    holder = ctl.index.claim_holder(job.metadata.namespace, claim) if claim else None
+    return podsecurity.existing_claim_problems(job, ctl.config.settings.pod_security_allow, holder)
