@@ -17,11 +17,15 @@ from typing import Any
 
 import yaml
 
+from kubetrain.shared import __version__
+
 from . import podtemplate, quantity, schema
 from .schema import AtMostOne, ExactlyOne, Excludes, OnlyWhen, TypeInfo
-from .spec import (GROUP, KIND, MAX_REPORTED_METRICS, PLURAL, SCRIPT_MODEL_MESSAGE, SPARE_RANGE_MESSAGE,
-                   STANDBY_SIZE_MESSAGE, VERSION, Resources, SchedulingPolicy, Spec)
+from .spec import (DISK_SIZE_MESSAGE, GROUP, KIND, MAX_CLAIM_NAME, MAX_REPORTED_METRICS, MODEL_DISK_MAX,
+                   MODEL_DISK_MIN, PLURAL, PVC_CLAIM_MESSAGE, PVC_PATH_MESSAGE, SCRIPT_MODEL_MESSAGE,
+                   SPARE_RANGE_MESSAGE, STANDBY_SIZE_MESSAGE, VERSION, Resources, SchedulingPolicy, Spec)
 from .status import JobStatus
+from .versions import VERSION_ANNOTATION
 
 SHORT_NAMES = ["tj"]
 CATEGORIES = ["all", "kubetrain"]
@@ -75,6 +79,26 @@ SPEC_CEL = [
         "rule": "!has(self.script) || !has(self.model) || (has(self.model.pretrained) "
         "&& !has(self.model.entrypoint) && !has(self.model.args))",
         "message": f"model: {SCRIPT_MODEL_MESSAGE}",
+    },
+    # Model.check's bounds: diskSize within MODEL_DISK_MIN..MODEL_DISK_MAX (the schema's pattern makes it a
+    # quantity, or empty), a pvc:// model's claim name a DNS-1123 subdomain's length and its path one that stays
+    # inside the claim (no '.', '..' or empty segment).
+    {
+        "rule": "!has(self.model) || !has(self.model.diskSize) || (isQuantity(self.model.diskSize) "
+        f"&& quantity(self.model.diskSize).compareTo(quantity('{MODEL_DISK_MIN}')) >= 0 "
+        f"&& quantity(self.model.diskSize).compareTo(quantity('{MODEL_DISK_MAX}')) <= 0)",
+        "message": f"model.diskSize: {DISK_SIZE_MESSAGE}",
+    },
+    {
+        "rule": "!has(self.model) || !has(self.model.pretrained) || !self.model.pretrained.startsWith('pvc://') "
+        f"|| !self.model.pretrained.matches('^pvc://[^/]{{{MAX_CLAIM_NAME + 1}}}')",
+        "message": f"model.pretrained: {PVC_CLAIM_MESSAGE}",
+    },
+    {
+        "rule": "!has(self.model) || !has(self.model.pretrained) || !self.model.pretrained.startsWith('pvc://') "
+        "|| !(self.model.pretrained.matches('^pvc://.*//') "
+        "|| self.model.pretrained.matches('^pvc://[^/]*(/.*)?/[.][.]?(/.*)?$'))",
+        "message": f"model.pretrained: {PVC_PATH_MESSAGE}",
     },
     {
         "rule": "!has(self.script) || self.mode != 'ParameterServer'",
@@ -205,7 +229,7 @@ def object_schema(cls: type) -> dict[str, Any]:
             prop = object_schema(info.cls)
             # An optional block (default None) means "not asked for": defaulting it to {} would ask
             # for it in every job (spec.runPolicy.schedulingPolicy would give each a PodGroup).
-            if name not in NO_DEFAULT and f.default is not None:
+            if name not in NO_DEFAULT and f.default is not None and meta.since is None:
                 prop["default"] = {}
         elif cls is Spec and name == "podTemplate":
             prop = pod_template_schema()
@@ -228,11 +252,12 @@ def object_schema(cls: type) -> dict[str, Any]:
                 prop["minItems"] = meta.min_items
             if meta.max_items is not None:
                 prop["maxItems"] = meta.max_items
-            if f.default_factory is not schema.MISSING:
+            if f.default_factory is not schema.MISSING and meta.since is None:
                 prop["default"] = f.default_factory()
         else:
             prop = _scalar_schema(info, meta)
-            if f.default is not schema.MISSING and f.default is not None:
+            # A field added since the first release has its default in the model only (schema.Meta.since).
+            if f.default is not schema.MISSING and f.default is not None and meta.since is None:
                 prop["default"] = f.default
         if info.nullable and info.kind != "object":
             prop["nullable"] = True
@@ -359,7 +384,7 @@ def pod_template_schema() -> dict[str, Any]:
     }
     container = _preserved(
         {
-            "name": {"type": "string"},
+            "name": _container_name("containers"),
             "env": _named_list(
                 podtemplate.MAX_ENV, {"name": {"type": "string", "maxLength": podtemplate.MAX_ENV_NAME_LENGTH}}
             ),
@@ -376,15 +401,21 @@ def pod_template_schema() -> dict[str, Any]:
             "volumes": _named_list(podtemplate.MAX_VOLUMES, {"name": volume_name}),
             "containers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": container},
             "initContainers": {"type": "array", "maxItems": podtemplate.MAX_CONTAINERS, "items": _preserved({
-                "name": {"type": "string", "x-kubernetes-validations": [
-                    {"rule": f"self != {_cel_string(podtemplate.MODEL_INIT)}",
-                     "message": podtemplate.INIT_CONTAINER_MESSAGE}]},
+                "name": _container_name("initContainers"),
                 "resources": container_resources_schema()})},
         }
     )
     return _preserved({"metadata": _preserved({"labels": _string_map("labels"),
                                                "annotations": _string_map("annotations")}),
                        "spec": spec})
+
+
+def _container_name(key: str) -> dict[str, Any]:
+    """A template container's name in `key` (containers, initContainers): none of the names kubetrain gives its own
+    containers there (podtemplate.RESERVED_CONTAINER_NAMES)."""
+    return {"type": "string", "x-kubernetes-validations": [
+        {"rule": f"self != {_cel_string(name)}", "message": message}
+        for name, message in podtemplate.RESERVED_CONTAINER_NAMES[key].items()]}
 
 
 def _string_map(what: str) -> dict[str, Any]:
@@ -668,6 +699,8 @@ PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # Fault-tolerant DDP: the replica groups in the current quorum (`kubectl get tj -o wide`).
     {"name": "Quorum", "type": "integer", "jsonPath": ".status.quorum.participants", "priority": 1},
+    # The kubetrain version of the job's trainer (status.trainer: one for its whole life, docs/operating.md#upgrades).
+    {"name": "Trainer", "type": "string", "jsonPath": ".status.trainer.version", "priority": 1},
 ]
 
 
@@ -677,7 +710,9 @@ def crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        # The version of kubetrain whose model this is: `kubetrain version` compares it with the operator's
+        # (Helm never upgrades a chart's crds/: docs/operating.md#upgrades).
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "annotations": {VERSION_ANNOTATION: __version__}},
         "spec": {
             "group": GROUP,
             "names": {

@@ -37,6 +37,12 @@ class Meta:
     yaml_name: str | None = None
     immutable: bool = False
     free_form: bool = False  # any JSON object (preserved unknown fields)
+    since: str | None = None
+    """The release that added the field, when it came after the API's first (0.1.0). The CRD then carries no
+    default for it (the model applies it): the API server adds a CRD default to every stored object it reads,
+    and the operator of the release before, which runs beside the new CRD during an upgrade (the CRD is applied
+    first) and after a rollback, refuses a field it does not know, failing the job (docs/operating.md#upgrades;
+    tests/api/test_crd_compat.py holds it)."""
 
 
 def field(
@@ -55,6 +61,7 @@ def field(
     max_items: int | None = None,
     name: str | None = None,
     immutable: bool = False,
+    since: str | None = None,
 ) -> Any:
     meta = Meta(
         doc=doc,
@@ -69,6 +76,7 @@ def field(
         max_items=max_items,
         yaml_name=name,
         immutable=immutable,
+        since=since,
     )
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"kt": meta})
 
@@ -431,13 +439,28 @@ def parse(cls: type, data: Any, path: str, out: list[Problem]) -> Any:
 # --- serialising -------------------------------------------------------------
 
 
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    """A field's default value (MISSING when it has none)."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
 def to_dict(obj: Any) -> Any:
-    """The YAML shape of a schema dataclass: camelCase keys, unset optionals left out."""
+    """The YAML shape of a schema dataclass: camelCase keys, unset optionals left out, and so are fields newer
+    than the API's first release (Meta.since) at their default: the job file the operator writes is read by
+    the trainer of the release before too (a job's pods keep their trainer across an upgrade), which refuses
+    a field it does not know; at its default the field says nothing that leaving it out does not."""
     if dataclasses.is_dataclass(obj):
         result = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if value is None:
+                continue
+            meta = f.metadata.get("kt")
+            if isinstance(meta, Meta) and meta.since is not None and value == _default_of(f):
                 continue
             result[yaml_name(f)] = to_dict(value)
         return result

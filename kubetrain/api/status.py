@@ -78,6 +78,20 @@ class Quorum:
 
 
 @dataclass
+class TrainerImage:
+    """The trainer a job's replicas run, recorded by the engine when the job first starts: one for the job's whole
+    life, so that an upgraded operator keeps starting the job's pods with the trainer its other pods run."""
+
+    image: str = field(
+        "The image of every replica the operator starts for the job while spec.image is unset: the operator's "
+        "trainer image when the job first started (or, for a job an older operator started, the image of its "
+        "running pods). Empty for a local run, whose processes run the installed kubetrain.", "")
+    version: str = field(
+        "kubetrain's version in that image (the tag of kubetrain's trainer image); empty when the image does not "
+        "say (a user's own image).", "")
+
+
+@dataclass
 class JobMemory:
     """What the engine remembers between rounds. Internal: read by the operator, not by users."""
 
@@ -117,6 +131,9 @@ class JobMemory:
     unschedulable_since: float | None = field(
         "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None
     )
+    skew_warned: str = field(
+        "The operator version that last warned of the job's trainer version (a TrainerVersionSkew Event): one "
+        "Warning per operator version.", "")
 
 
 # The job's status: what users read, and what the engine remembers between rounds (`memory`). Decided by
@@ -146,10 +163,14 @@ class JobStatus:
     progress: Progress | None = field("Training progress.", None)
     quorum: Quorum | None = field(
         "Fault-tolerant DDP (spec.ddp.faultTolerance): the replica groups in the current quorum, of how many.", None)
+    trainer: TrainerImage | None = field(
+        "The trainer the job's replicas run (its image and kubetrain version), recorded when the job first starts "
+        "and kept for its life.", None)
     memory: JobMemory = field("What the engine remembers between rounds (internal).", default_factory=JobMemory)
 
 
-STATUS_CLASSES = (JobStatus, JobMemory, Progress, Quorum, LastCheckpoint, ReplicaCounts, Condition)
+STATUS_CLASSES = (JobStatus, JobMemory, Progress, Quorum, TrainerImage, LastCheckpoint, ReplicaCounts,
+                  Condition)
 
 
 def read_status(data: Any) -> JobStatus:

@@ -105,8 +105,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         # What the template asks of the node, judged as the cluster's policy and operator judge it.
         settings = Settings(pod_security_allow=frozenset(args.allow), object_store_secrets=args.object_store_secrets,
                             volcano_queues=args.volcano_queues)
+        # An existingClaim named as another job's checkpoint claim, as the operator refuses it (a label it
+        # would also judge is the cluster's to read).
         missing = [f"{path}: {p}" for job in jobs
                    for p in pod_security.problems(job, settings)
+                   + pod_security.existing_claim_problems(job, settings.pod_security_allow, None)
                    + policy_problems(job, settings.pod_security_allow, settings.volcano_queues)]
         if len(missing) > MAX_SHOWN_PROBLEMS:
             missing[MAX_SHOWN_PROBLEMS:] = [f"{path}: ... and {len(missing) - MAX_SHOWN_PROBLEMS} more problems"]
@@ -304,6 +307,34 @@ def cmd_operator(args: argparse.Namespace) -> int:
         lease_name=args.lease_name,
         lease_namespace=args.lease_namespace,
     )
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    """The client's version and, unless --client, what the cluster runs (kubetrain.client.versions): exit 0,
+    warnings included; 1 when the cluster cannot be asked or the job is not there."""
+    from kubetrain.shared import __version__
+
+    client_only = json.dumps({"client": __version__}, indent=2) if args.output == "json" else \
+        f"client:   kubetrain {__version__}"
+    if args.client:
+        print(client_only)
+        return 0
+    try:  # the Kubernetes client: not in the trainer's image, whose `kubetrain version --client` still answers
+        from kubetrain.client import versions
+        from kubetrain.client.api import ClientError
+    except ImportError as err:
+        print(client_only)
+        print(f"kubetrain version: asking the cluster needs the client's dependencies (pip install "
+              f"'kubetrain[client]'): {err}", file=sys.stderr)
+        return 1
+    try:
+        found = versions.read(args.namespace or None, args.job, args.operator_namespace)
+    except ClientError as err:
+        print(client_only)
+        print(f"kubetrain version: {err}", file=sys.stderr)
+        return 1
+    print(found.to_json() if args.output == "json" else "\n".join(versions.lines(found)))
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from .commands import (
     cmd_run,
     cmd_scale,
     cmd_validate,
+    cmd_version,
     cmd_wait,
 )
 
@@ -38,8 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_commands(sub)
     add_checkpoints_command(sub)
     add_operator_command(sub)
-    p = sub.add_parser("version", help="print the version")
-    p.set_defaults(func=lambda a: print(f"kubetrain {__version__}") or 0)
+    add_version_command(sub)
     add_bench_command(sub)
     return parser
 
@@ -242,6 +242,21 @@ def add_operator_command(sub: Subparsers) -> None:
                         "default: none, a job naming one fails with PodSecurity (unset, its PodGroup goes to "
                         "Volcano's default queue)")
     p.set_defaults(func=cmd_operator)
+
+
+def add_version_command(sub: Subparsers) -> None:
+    """version: the client's, the cluster's operator and CRD, a job's trainer (docs/operating.md#upgrades)."""
+    p = sub.add_parser("version", help="print the client's version, the cluster's operator and CRD versions and, "
+                                       "with --job, a job's trainer version; warns of a skew the policy does not "
+                                       "support")
+    p.add_argument("--client", action="store_true", help="only the client's version (no cluster is asked)")
+    p.add_argument("--job", metavar="NAME", help="also the trainer version the TrainingJob NAME runs (its status.trainer)")
+    p.add_argument("-n", "--namespace", default="", help="the job's namespace (default: the kubeconfig context's)")
+    p.add_argument("--operator-namespace", default=None, metavar="NS",
+                   help="look for the operator only in NS (default: every namespace the credentials may list, else "
+                        "the context's)")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    p.set_defaults(func=cmd_version)
 
 
 def add_bench_command(sub: Subparsers) -> None:

@@ -16,6 +16,7 @@ The round runs in phases, each a function below:
 2. finished already: only the TTL is left (`_after_the_end`).
 3. suspended: stop everything (`_suspend`); likewise while a queue (Kueue) has not admitted
    the job or evicted it (`_wait_for_admission`).
+   Then `_record_trainer`: the trainer the job runs for its whole life (status.trainer), recorded once.
 4. the deadline, on the job's active time (suspended time excluded).
 5. `_failures`: which replicas stopped, by failure, deletion, replacement, a lost node or hang.
 6. `_decide`: the restart policy for each; a restart stops the replica now and
@@ -35,11 +36,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubetrain.shared import __version__
 from kubetrain.shared.exitcodes import EXIT_RELEASED
 from kubetrain.shared.launch import LIGHTHOUSE
 from kubetrain.shared.timestamps import iso, parse_iso
 
-from kubetrain.api import TrainingJob
+from kubetrain.api import TrainingJob, versions
 from kubetrain.api.spec import MAX_REPORTED_METRICS
 from kubetrain.api.status import (
     JobMemory,
@@ -48,6 +50,7 @@ from kubetrain.api.status import (
     Progress,
     Quorum,
     ReplicaCounts,
+    TrainerImage,
     read_status,
 )
 from . import eta, policy
@@ -104,6 +107,7 @@ class ReplicaObservation:
     node_lost: bool = False  # the control plane evicted it because its node stopped answering
     deletion_due: float | None = None  # when its graceful deletion's grace period ends (unix seconds)
     message: str = ""  # why it failed, in kubetrain's own words (a pod's model-init container's error line)
+    image: str = ""  # the image its trainer runs (a pod's `trainer` container's); "" for a local process
 
 
 @dataclass(frozen=True)
@@ -215,14 +219,17 @@ def step(
     admission: QueueAdmission | None = None,
     refusal: Refusal | None = None,
     safety_net: float = MAX_REQUEUE_SECONDS,
+    trainer: TrainerImage | None = None,
 ) -> Round:
     """One round of the state machine. Pure: the old status is not changed. `progress`: the chief's reading,
     None when there is none to read, PROGRESS_UNKNOWN when it could not be read. `refusal`: the job may not
     run at all (`Refusal`); it fails, unless it has ended already. `safety_net`: the seconds after which a
-    job that has not ended asks for a round even when no clock of its runs out."""
+    job that has not ended asks for a round even when no clock of its runs out. `trainer`: what the driver
+    starts a job's replicas with when the job has none recorded (the operator's trainer image and version; a
+    local run's installed kubetrain, image ""); None records nothing (`_record_trainer`)."""
     old = status if isinstance(status, JobStatus) else read_status(status)
-    return _Round(job, copy.deepcopy(old), dict(replicas), now, safety_net).run(progress, volume_pending or [],
-                                                                                 admission, refusal)
+    return _Round(job, copy.deepcopy(old), dict(replicas), now, safety_net, trainer).run(
+        progress, volume_pending or [], admission, refusal)
 
 
 def refuse(status: JobStatus, refusal: Refusal, now: float, generation: int, ttl: int | None = None) -> Round:
@@ -279,9 +286,10 @@ class _Round:
     """The state of one round while its phases run (private: `step` is the interface)."""
 
     def __init__(self, job: TrainingJob, status: JobStatus, replicas: dict[str, ReplicaObservation], now: float,
-                 safety_net: float = MAX_REQUEUE_SECONDS):
+                 safety_net: float = MAX_REQUEUE_SECONDS, trainer: TrainerImage | None = None):
         self.job = job
         self.safety_net = safety_net
+        self.trainer = trainer
         self.spec = job.spec
         self.status = status
         self.memory: JobMemory = status.memory
@@ -312,6 +320,7 @@ class _Round:
             self._wait_for_admission(admission)
             return self._done()
         self._resume_if_suspended()
+        self._record_trainer()
         if self._deadline_passed():
             return self._done()
         if self._resizing():
@@ -448,6 +457,43 @@ class _Round:
         if self.memory.active_since is not None:
             self.memory.active_seconds += max(0.0, self.now - self.memory.active_since)
             self.memory.active_since = None
+
+    # -- 3b. the trainer -----------------------------------------------------------------
+
+    def _record_trainer(self) -> None:
+        """The job's trainer (status.trainer), recorded once, before its first replicas start: what they start
+        with (spec.image, else the operator's trainer image). A job that an older operator started has none
+        recorded: the image its replicas run is recorded instead, while one can be seen, so that an upgraded
+        operator starts the job's later pods (a restarted replica, a DDP StatefulSet rendered again at a resize)
+        with the trainer the others run: a job never mixes trainer versions (a ParameterServer job's shards and
+        workers talk gRPC to each other). A local run's record (image "") follows the installed kubetrain, which
+        is what its processes run.
+
+        A trainer outside the operator's window (versions.skew: n-1) is a Warning Event, once per operator
+        version (`memory.skew_warned`); the job runs on."""
+        default = self.trainer
+        if default is None:
+            return
+        recorded = self.status.trainer
+        if not default.image:  # a local run: processes of the installed kubetrain, whatever spec.image says
+            recorded = self.status.trainer = TrainerImage(image="", version=default.version)
+        elif recorded is None:
+            image = self._running_image() or self.spec.image or default.image
+            version = versions.image_version(image) or (default.version if image == default.image else "")
+            recorded = self.status.trainer = TrainerImage(image=image, version=version)
+        why = versions.skew(recorded.version, __version__)
+        if why is not None and self.memory.skew_warned != __version__:
+            self.memory.skew_warned = __version__
+            self.actions.events.append(("Warning", versions.SKEW_REASON, why))
+
+    def _running_image(self) -> str:
+        """The trainer image the job's replicas run, as observed (the chief's first); "" when none is seen."""
+        head = chief(self.job)
+        for name in [head, *sorted(n for n in self.replicas if n != head)]:
+            seen = self.replicas.get(name)
+            if seen is not None and seen.image:
+                return seen.image
+        return ""
 
     # -- 4. deadline -------------------------------------------------------------------
 

@@ -10,11 +10,13 @@ observation and carry this out.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubetrain.api import TrainingJob
-from kubetrain.api.status import JobStatus
+from kubetrain.shared import __version__
+from kubetrain.api import TrainingJob, versions
+from kubetrain.api.status import JobStatus, TrainerImage
 from . import engine, kueue
 from .children import LABEL_ROLE, Settings, children, pod_name
 from .engine import Restarted
@@ -68,8 +70,16 @@ def reconcile(
     `admission` is what the job's queue (Kueue) says, None outside any queue; `placements`
     (role -> kueue.Placement) what its admission adds to the pods it lets start; `refusal` why the job
     may not run at all (engine.Refusal: it fails); `safety_net` the longest a running job goes without a
-    round (engine.step)."""
-    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal, safety_net)
+    round (engine.step).
+
+    The job's pods are rendered with its recorded trainer (status.trainer, which the engine records from
+    `settings.image` when the job first starts): an operator upgraded since starts them with the trainer the
+    job's other pods run, not with its own (spec.image, when set, still comes first)."""
+    done = engine.step(job, old_status, pods, now, progress, pvc_pending, admission, refusal, safety_net,
+                       trainer=operator_trainer(settings))
+    recorded = done.status.trainer
+    if recorded is not None and recorded.image and recorded.image != settings.image:
+        settings = dataclasses.replace(settings, image=recorded.image)
     act = done.actions
     out = ClusterActions(
         delete_job=act.delete_job,
@@ -127,6 +137,13 @@ def reconcile(
         elif existing is None or (obj["kind"], obj["metadata"]["name"]) not in existing:
             out.create.append(obj)
     return out
+
+
+def operator_trainer(settings: Settings) -> TrainerImage:
+    """What the operator starts a new job's replicas with: its trainer image (`--trainer-image`), whose version is
+    its tag, or, for an image whose tag says none, the operator's own version (the chart gives the operator the
+    trainer of its own appVersion)."""
+    return TrainerImage(image=settings.image, version=versions.image_version(settings.image) or __version__)
 
 
 RESIZED_KINDS = ("ConfigMap", "StatefulSet", "PodGroup")

@@ -14,5 +14,9 @@ and status) stays in `kubetrain.api`, pure data that both sides read: this packa
 what the processes of a job and their supervisor exchange at run time (codes, variables, files).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+"""kubetrain's one version: the package's (pyproject.toml reads it), the images' tags, the chart's version and
+appVersion, the CRD's `kubetrain.dev/version` annotation. Set here only: `hack/release bump VERSION` rewrites
+the copies that cannot read it (Chart.yaml, the Dockerfiles' defaults, the examples' image tags) and
+tests/api/test_versions.py holds them equal (docs/operating.md#upgrades)."""
 

@@ -24,6 +24,7 @@ from helpers.recovery import (
 from kubetrain.engine.children import LABEL_JOB
 from helpers.wait import wait_for
 from kubetrain.drivers.cluster.observe import parse_metrics
+from kubetrain.shared import __version__
 
 E2E_CLUSTER = os.environ.get("KUBETRAIN_E2E_CLUSTER", "kt-e2e")
 KEEP = os.environ.get("KUBETRAIN_E2E_KEEP") == "1"  # leave the cluster up, reuse it next time
@@ -239,7 +240,7 @@ def warning_reasons(e2e, name: str) -> set[str]:
 
 # Script jobs (spec.script): examples/custom and its user image (examples/custom/Dockerfile).
 CUSTOM = EXAMPLES / "custom"
-CUSTOM_IMAGE = "kubetrain/custom-example:0.1.0"  # what examples/custom/*.yaml name; hack/images build --examples
+CUSTOM_IMAGE = f"kubetrain/custom-example:{__version__}"  # what examples/custom/*.yaml name; hack/images build --examples
 
 
 def on_real_node(doc: dict) -> dict:

@@ -22,6 +22,7 @@ from objstorelib import put_digits, tree
 from test_e2e_faults import sigkill
 
 from kubetrain.trainer.objstore import ObjectURI
+from kubetrain.shared import __version__
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +46,7 @@ def fsdp_job(name: str, storage: dict) -> dict:
 @pytest.fixture(scope="module")
 def llm_image(custom_image):
     """`custom_image` builds and loads every example image (hack/images build --load --examples)."""
-    return "kubetrain/llm-example:0.1.0"
+    return f"kubetrain/llm-example:{__version__}"
 
 
 def test_an_fsdp_job_checkpointing_to_s3_needs_no_claim_and_resumes_a_killed_pod_with_the_fault_free_weights(

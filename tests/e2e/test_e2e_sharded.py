@@ -14,6 +14,7 @@ import time
 import pytest
 import yaml
 from e2elib import EXAMPLES, REAL_NODE, apply, figure, on_real_node, read_files, succeeded
+from kubetrain.shared import __version__
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,7 @@ def results(e2e, job: str) -> dict:
 @pytest.fixture(scope="module")
 def llm_image(custom_image):
     """`custom_image` builds and loads every example image (hack/images build --load --examples)."""
-    return "kubetrain/llm-example:0.1.0"
+    return f"kubetrain/llm-example:{__version__}"
 
 
 def test_the_transformer_example_trains_below_the_unigram_entropy_in_real_pods(e2e, llm_image):

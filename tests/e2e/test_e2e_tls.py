@@ -20,12 +20,13 @@ from e2elib import (
 )
 
 from kubetrain.engine.plan import DATA_PORT, GRPC_PORT
+from kubetrain.shared import __version__
 
 pytestmark = pytest.mark.e2e
 
 JOB = "tls-ps"
 PROBE = "tls-probe"
-TRAINER_IMAGE = "kubetrain/trainer:0.1.0"  # the chart's trainer image in hack/values-e2e.yaml
+TRAINER_IMAGE = f"kubetrain/trainer:{__version__}"  # the chart's trainer image in hack/values-e2e.yaml
 
 # Runs in the probe pod. Waits until the shard answers the job's own certificate and token
 # (the shard is up), then tries every other way in; prints the gRPC code of each, as JSON.

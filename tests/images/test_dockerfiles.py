@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 
 import pytest
+from kubetrain.shared import __version__
 from support import ROOT
 
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+VERSION = __version__  # the one version (kubetrain/shared/__init__.py), which pyproject.toml reads
 DOCKERFILES = {"trainer": ROOT / "trainer/Dockerfile", "operator": ROOT / "operator/Dockerfile"}
 
 
@@ -36,7 +36,7 @@ def test_base_image_default_is_a_pinned_python_image(image):
 
 
 @pytest.mark.parametrize("image", sorted(DOCKERFILES))
-def test_version_label_default_is_pyprojects_version(image):
+def test_version_label_default_is_the_packages_version(image):
     assert f"ARG VERSION={VERSION}" in [f"ARG {args}" for instr, args in instructions(DOCKERFILES[image]) if instr == "ARG"]
     assert 'org.opencontainers.image.version="${VERSION}"' in last(DOCKERFILES[image], "LABEL")
 

@@ -13,17 +13,17 @@ import json
 import os
 import shutil
 import subprocess
-import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
+from kubetrain.shared import __version__
 from support import ROOT, job_doc
 
 pytestmark = pytest.mark.images
 
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+VERSION = __version__  # the one version (kubetrain/shared/__init__.py), which pyproject.toml reads
 UID = 1000
 # The pins the trainer image must carry, as requirements/dev.lock names them.
 TRAINER_PINS = ["torch", "numpy", "scikit-learn", "grpcio", "protobuf", "prometheus_client", "PyYAML"]

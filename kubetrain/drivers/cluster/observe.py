@@ -147,7 +147,18 @@ def pod_observation(pod: dict[str, Any]) -> PodObservation | None:
         node_lost=node_lost,
         deletion_due=parse_iso(meta.get("deletionTimestamp")),
         message=message,
+        image=trainer_image(pod),
     )
+
+
+def trainer_image(pod: dict[str, Any]) -> str:
+    """The image of the pod's `trainer` container, as its spec names it (what the engine records as a job's
+    trainer when an older operator started it); "" when the pod has none."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if isinstance(container, dict) and container.get("name") == CONTAINER:
+            image = container.get("image")
+            return image if isinstance(image, str) else ""
+    return ""
 
 
 INIT_MESSAGE_BYTES = 512

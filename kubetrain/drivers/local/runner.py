@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
+from kubetrain.shared import __version__
 from kubetrain.shared.checkpoints import LATEST, RUN_CHECKPOINTS, latest_step
 from kubetrain.shared.exitcodes import PERMANENT_CODES, PERMANENT_REASONS, shell_code
 from kubetrain.shared.timestamps import iso
@@ -34,7 +35,7 @@ INITIALIZER = "initializer-0"
 """The pretrained model's fetch before training: its log is logs/initializer-0.log."""
 
 from kubetrain.api import InvalidSpec, TrainingJob, load_one, to_manifest
-from kubetrain.api.status import JobStatus, to_dict
+from kubetrain.api.status import JobStatus, TrainerImage, to_dict
 from kubetrain.engine import engine
 from kubetrain.engine.plan import Replica, plan_replicas, replica_names, shared_checkpoints
 from kubetrain.engine.conditions import TERMINAL
@@ -282,6 +283,10 @@ class LogTail:
         return lines
 
 
+LOCAL_TRAINER = TrainerImage(image="", version=__version__)
+"""What a local run's replicas run: processes of the installed kubetrain, no image (the job's status.trainer)."""
+
+
 class LocalRunner:
     def __init__(
         self,
@@ -525,7 +530,8 @@ class LocalRunner:
         """One round of the engine over the processes as they are (pure but for reading the run directory).
         `refusal`: the job may not run at all (engine.Refusal), as the operator's refusals reach the engine."""
         observed = {n: o for n, p in self.procs.items() if (o := p.observation()) is not None}
-        return engine.step(self.job, self.status, observed, now, self._progress_reading(), refusal=refusal)
+        return engine.step(self.job, self.status, observed, now, self._progress_reading(), refusal=refusal,
+                           trainer=LOCAL_TRAINER)
 
     def _act(self, actions: engine.Actions) -> tuple[str, str, str] | None:
         """Carry out a round's actions; the job's end (state, reason, message) when it ended."""
