@@ -131,6 +131,9 @@ class JobMemory:
     unschedulable_since: float | None = field(
         "Since when some replica could not be scheduled (unix seconds): the schedulingTimeoutSeconds clock.", None
     )
+    set_aside_warned: str = field(
+        "The last CheckpointSetAside Warning's mark (restarts/checkpoints set aside): one Warning per process that "
+        "set damaged checkpoints aside.", "")
     skew_warned: str = field(
         "The operator version that last warned of the job's trainer version (a TrainerVersionSkew Event): one "
         "Warning per operator version.", "")

@@ -7,6 +7,8 @@ numbers). Measured in one process, on one disk:
 
 - `sync_write_seconds`: a synchronous save (`CheckpointStore(background=False)`):
   serialise, sha256, write, fsync, read back and verify, rename, `latest`.
+- `restore_seconds`: a restart's restore of that checkpoint (`load_latest` of a
+  new store: read, sha256, the header's identity judged, `torch.load`).
 - `stall_seconds`: how long the loop waits in a background save (the copy
   into memory, plus any wait for the previous write), per checkpoint, during
   training with a checkpoint every `every` steps; `ratio_stall_to_sync` is
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kubetrain.api.identity import JobIdentity
 from kubetrain.trainer.checkpoint import CheckpointStore, capture_rng_state
 from kubetrain.trainer.device import make_deterministic
 
@@ -64,21 +67,25 @@ class Loop:
                 "rng": capture_rng_state(), "samples": self.step * BATCH, "loss": 0.0}
 
 
-def _sync_saves(loop: Loop, root: Path, rounds: int) -> tuple[list[float], int]:
-    """Seconds of each synchronous save, and the checkpoint file's bytes."""
-    store = CheckpointStore(root, keep_last=2, spec_hash="bench", background=False)
-    times = []
+def _sync_saves(loop: Loop, root: Path, rounds: int) -> tuple[list[float], list[float], int]:
+    """Seconds of each synchronous save and of a restore after it (a new store's `load_latest`: read, sha256,
+    header judged, torch.load), and the checkpoint file's bytes."""
+    store = CheckpointStore(root, keep_last=2, identity=JobIdentity("bench"), background=False)
+    times, restores = [], []
     for _ in range(rounds):
         started = time.perf_counter()
         store.save(loop.step, loop.state())
         times.append(time.perf_counter() - started)
-    return times, store.list()[-1].bytes
+        started = time.perf_counter()
+        CheckpointStore(root, keep_last=2, identity=JobIdentity("bench")).load_latest()
+        restores.append(time.perf_counter() - started)
+    return times, restores, store.list()[-1].bytes
 
 
 def _background_saves(loop: Loop, root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
     """Rounds of `steps` steps without checkpoints and with one every `every` steps, alternated (ABAB):
     the loop's seconds per step of each ("loop"), and the stalls, waits and final waits of its saves."""
-    store = CheckpointStore(root, keep_last=2, spec_hash="bench", background=True)
+    store = CheckpointStore(root, keep_last=2, identity=JobIdentity("bench"), background=True)
     out: dict[str, Any] = {"stalls": [], "waits": [], "final_waits": [], "loop": {"none": [], "checkpoints": []}}
     for _ in range(rounds):
         for variant in ("none", "checkpoints"):
@@ -114,7 +121,7 @@ def bench_checkpoint(model_mb: int, steps: int, every: int, rounds: int, directo
         v.numel() * v.element_size() for s in loop.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
     with tempfile.TemporaryDirectory(prefix="kubetrain-bench-ckpt-", dir=directory) as tmp:
-        sync_times, file_bytes = _sync_saves(loop, Path(tmp) / "sync", rounds)
+        sync_times, restore_times, file_bytes = _sync_saves(loop, Path(tmp) / "sync", rounds)
         background = _background_saves(loop, Path(tmp) / "async", steps, every, rounds)
     stalls = background["stalls"]
     sync = statistics.median(sync_times)
@@ -134,6 +141,8 @@ def bench_checkpoint(model_mb: int, steps: int, every: int, rounds: int, directo
         "every": every,
         "sync_write_seconds": round(sync, 4),
         "sync_write_seconds_all": [round(t, 4) for t in sync_times],
+        "restore_seconds": round(statistics.median(restore_times), 4),
+        "ratio_restore_to_sync": round(statistics.median(restore_times) / sync, 4),
         "stall_seconds": round(stall, 4),
         "stall_seconds_max": round(max(steady), 4),
         "stall_seconds_first": round(stalls[0], 4),

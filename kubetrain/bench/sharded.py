@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubetrain.api.identity import JobIdentity
+
 RANKS = 2
 WIDTH = 4096  # a 4096 x 4096 float32 layer: 64 MiB of parameters, 192 MiB with AdamW's two moments
 SAMPLE_SECONDS = 0.005
@@ -91,11 +93,12 @@ def make_store(directory: str, store_uri: str) -> Any:
     from kubetrain.trainer.sharded import ShardedStore
 
     if not store_uri:
-        return ShardedStore(Path(directory) / "sharded", keep_last=1, spec_hash="bench")
+        return ShardedStore(Path(directory) / "sharded", keep_last=1, identity=JobIdentity("bench"))
     from kubetrain.trainer.object_checkpoints import ObjectShardedStore
     from kubetrain.trainer.objstore import parse_uri
 
-    return ObjectShardedStore(Path(directory) / "stage", parse_uri(store_uri, "--to"), keep_last=1, spec_hash="bench")
+    return ObjectShardedStore(Path(directory) / "stage", parse_uri(store_uri, "--to"), keep_last=1,
+                              identity=JobIdentity("bench"))
 
 
 def worker(directory: str, layers: int, out: str) -> None:
@@ -151,7 +154,7 @@ def worker(directory: str, layers: int, out: str) -> None:
     timed("restore", lambda: store.load(store.newest()[1], state()))
 
     # Today's path: the whole state gathered onto every rank (full_tensor is a collective), rank 0 writes it.
-    plain = CheckpointStore(Path(directory) / "plain", keep_last=1, spec_hash="bench", background=False)
+    plain = CheckpointStore(Path(directory) / "plain", keep_last=1, identity=JobIdentity("bench"), background=False)
 
     def gather_and_write() -> None:
         whole = {k: ({n: (v.full_tensor() if isinstance(v, DTensor) else v) for n, v in d.items()}

@@ -125,6 +125,12 @@ class ProgressReading:
     checkpoint_time: float | None = None  # unix seconds
     metrics: Mapping[str, float] | None = None  # what a script reported by name (kubetrain.report)
     quorum: int | None = None  # fault-tolerant DDP: replica groups in the reader's current quorum
+    set_aside: int | None = None
+    """Damaged checkpoints the chief's current process set aside at its restore (kept, never deleted) before it
+    resumed from an older one: kubetrain_checkpoints_set_aside_total, or its event log's checkpoint_set_aside."""
+    set_aside_detail: str | None = None
+    """Which and why, where the driver can read it (the event log on this machine; in a cluster, the replica's
+    log has them)."""
 
 
 @dataclass(frozen=True)
@@ -372,6 +378,7 @@ class _Round:
             self.status.last_checkpoint = LastCheckpoint(
                 progress.checkpoint_step, iso(progress.checkpoint_time or self.now)
             )
+        self._report_set_aside(progress)
         if progress.quorum is not None and self.spec.fault_tolerant:
             assert self.spec.ddp is not None
             quorum = Quorum(participants=progress.quorum, groups=self.spec.ddp.groups)  # spares included
@@ -379,6 +386,23 @@ class _Round:
             if old_quorum is None or dataclasses.replace(old_quorum, update_time=None) != quorum:
                 quorum.update_time = iso(self.now)
                 self.status.quorum = quorum
+
+    def _report_set_aside(self, progress: ProgressReading) -> None:
+        """A Warning once per process that set damaged checkpoints aside at its restore (what a bucket's or a
+        claim's writer can do at most: make the job fall back): which and why where the driver knows it."""
+        if not progress.set_aside:
+            return
+        mark = f"{self.status.restarts}/{progress.set_aside}"
+        if self.memory.set_aside_warned == mark:
+            return
+        self.memory.set_aside_warned = mark
+        which = f": {progress.set_aside_detail}" if progress.set_aside_detail else (
+            " (the chief replica's log names each and why)")
+        resumed = self.status.last_checkpoint.step if self.status.last_checkpoint else progress.step
+        self.actions.events.append((
+            "Warning", "CheckpointSetAside",
+            f"{progress.set_aside} damaged checkpoint(s) set aside at the restore, kept, and the one before "
+            f"used (the job goes on from step {resumed}){which}"))
 
     # -- 2. finished -----------------------------------------------------------------
 

@@ -22,12 +22,14 @@ In object storage (spec.checkpoint.storage.uri), the job's URI holds one prefix 
 directory holds checkpoints/<replica>/ (a DDP group's is ddp-0/, which every node shares):
 
     <uri>/job.yaml                                   the job's manifest (what export needs to know the job)
+    <uri>/owner.json                                 the job that owns the prefix, written once (its first writer)
     <uri>/<replica>/ckpt-<step:08d>-<token>.pt        a plain checkpoint's object (the bytes of a ckpt file)
     <uri>/<replica>/sharded-<step:08d>-<token>/<file> a sharded one's objects (DCP's files)
     <uri>/<replica>/commits/<name>.json               the commit of checkpoint <name> (ckpt-<step>.pt or
                                                       sharded-<step>): every object with its length and
                                                       sha256, written last
     <uri>/<replica>/commits/<name>.json.corrupt       a commit whose objects failed their checks, set aside
+                                                      (its objects kept, for a person to look at)
 
 An object is immutable once written (a new save of the same step has a new token), so a commit never
 names an object that a later save changes; objects that no commit names are a save cut short, removed
@@ -40,7 +42,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .files import read_regular
+from .files import PLAIN_NAME, read_regular
 
 RUN_CHECKPOINTS = "checkpoints"
 """The folder of a run directory that holds a checkpoint directory per replica."""
@@ -67,10 +69,17 @@ COMMITS = "commits"
 """In object storage, the folder of a replica's prefix that holds its checkpoints' commits."""
 COMMIT_SUFFIX = ".json"
 COMMIT_KEY_PATTERN = re.compile(r"commits/(ckpt-[0-9]{8}\.pt|sharded-[0-9]{8})\.json")
-OBJECT_PATTERN = re.compile(r"(ckpt|sharded)-([0-9]{8})-([0-9a-f]+)(\.pt|/.+)")
-"""A checkpoint's object key in a replica's prefix: its kind, step, token and the rest."""
+OBJECT_PATTERN = re.compile(r"(ckpt|sharded)-([0-9]{8})-([0-9a-f]+)(\.pt|/" + PLAIN_NAME.pattern + ")")
+"""A checkpoint's object key in a replica's prefix: its kind, step, token and the rest (a sharded one's
+file: one plain name in its folder, never a `/`, `..` or an absolute path)."""
 JOB_OBJECT = "job.yaml"
 """In object storage, the job's manifest at the root of its checkpoint URI."""
+MIRROR_PROBLEMS = ".mirror-problems.json"
+"""In a local copy of a bucket's checkpoints (`kubetrain checkpoints verify|compare|export s3://...`): what the
+copy left out, objects missing or not what their commits say, for verify to report."""
+OWNER_OBJECT = "owner.json"
+"""In object storage, at the root of a job's checkpoint URI: which job owns the prefix (its namespace and
+name, spec hash and identity), written once by the job's first writer; another job refuses the prefix."""
 
 
 def object_key(name: str, token: str) -> str:

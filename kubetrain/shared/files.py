@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable
@@ -90,3 +91,27 @@ def unreadable(err: OSError) -> str:
     if err.errno == errno.EINVAL:
         return "not a regular file (a FIFO, device or directory), refused"
     return f"cannot be read: {err.strerror or err}"
+
+
+PLAIN_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9._+=@,-]{1,255}")
+"""One file name as kubetrain and the libraries it reads write them (`ckpt-00000050.pt`, DCP's
+`__0_0.distcp` and `.metadata`, `model-00001-of-00002.safetensors`, `tokenizer.json`): no `/`, no `..`,
+no NUL, not empty, at most 255 bytes (a file name's limit on Linux)."""
+
+
+class OutsideFolder(ValueError):
+    """A name read from storage that is not one plain name inside its folder."""
+
+
+def confined(folder: str | Path, name: str) -> Path:
+    """`folder / name` for a `name` read from storage (a commit's object, an index's shard, a SHA256SUMS
+    line): OutsideFolder unless `name` is one PLAIN_NAME and the joined path, resolved, lies directly in
+    `folder` resolved. `Path(folder) / "/etc/x"` is `/etc/x` and `folder/../x` leaves it: both are refused
+    here before anything is read or written, whoever wrote the name."""
+    if not isinstance(name, str) or PLAIN_NAME.fullmatch(name) is None:
+        raise OutsideFolder(f"{name!r} is not a plain file name (letters, digits, '._+=@,-'; no '/', no '..')")
+    base = Path(folder).resolve()
+    path = (base / name).resolve()
+    if path.parent != base:
+        raise OutsideFolder(f"{name!r} leads outside {base} (to {path})")
+    return Path(folder) / name

@@ -1,7 +1,8 @@
 """Checkpoints owned by the system: atomic, verifiable files, resumed from on every start.
 
 A checkpoint file is `ckpt-<step:08d>.pt`: a magic line, a JSON header line
-(step, spec hash, payload length and sha256), then the `torch.save` payload.
+(step, the job's identity and spec hash (kubetrain.api.identity), the release
+that wrote it, payload length and sha256), then the `torch.save` payload.
 A file is written under a temporary name, fsynced, read back and checked
 (length and sha256), renamed, and only then does the `latest` pointer move
 and is the checkpoint reported (`on_persisted`), so a crash at any moment
@@ -35,59 +36,32 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from kubetrain.shared import __version__
 from kubetrain.shared.checkpoints import CORRUPT_SUFFIX, FILE_PATTERN, FILE_TMP_GLOB, LATEST, file_name, read_latest
 from kubetrain.shared.files import atomic_write, read_regular, unreadable
-from kubetrain.api import Spec
-from kubetrain.api.schema import to_dict
+from kubetrain.api.identity import JobIdentity, Verdict
 
 from .errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KUBETRAIN-CKPT-1\n"
-# The header line is padded with spaces to this many bytes (newline included):
-# the payload streams into the file past a placeholder, and the header, whose
-# length and sha256 are known only then, is written over it. Readers take the
-# line as it is (JSON allows trailing spaces), so files with the earlier,
-# unpadded header still load. The header needs about 150 bytes; a spec hash
-# long enough to overflow 512 fails the save (TransientError), never the file.
+# The header line is padded with spaces to a multiple of this many bytes (newline included): the payload
+# streams into the file past a placeholder, and the header, whose length and sha256 are known only then,
+# is written over it. Its room is reckoned before the payload from everything else it holds (the job's
+# identity is most of it: a few hundred bytes, more with a model's args), with the widest length and
+# digest. Readers take the line as it is (JSON allows trailing spaces), so files with the earlier,
+# unpadded header and 0.1.0's 512 bytes still load, and 0.1.0 reads these.
 HEADER_BYTES = 512
+MAX_HEADER_BYTES = 1 << 20
+"""The longest header line read back: the identity of a spec within the CRD's bounds is far shorter; a
+longer line is not a header kubetrain wrote."""
 # Reads of the verification pass: large enough that hashing dominates the
 # per-call cost, small enough not to hold a second copy of a large checkpoint.
 VERIFY_CHUNK_BYTES = 8 << 20
 # Leaves of a state that need no copy: immutable (the RNG state's tuples of
 # ints, numbers, names). Anything else is deep-copied by the snapshot.
 IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
-# Fields of spec.training that do not change the path the parameters take:
-# a run may be extended (more epochs) or moved to another device and resume.
-NON_MATH_TRAINING = ("epochs", "maxSteps", "device")
-
-
-def spec_hash(spec: Spec) -> str:
-    """Hash of what decides the math: model, dataset, training, mode and topology. Not the job's size
-    (parameterServer.workers, ddp.nodes: spec.replicas): an elastic job resumes its checkpoints at
-    another size, the data of the epoch in progress dealt again (data.redeal)."""
-    doc = to_dict(spec)
-    if spec.script is not None:
-        # A script's state is its own: kubetrain cannot tell which changes of
-        # the script break it. Only a built-in job's checkpoints are refused.
-        return hashlib.sha256(json.dumps({"mode": doc["mode"], "script": True}).encode()).hexdigest()[:16]
-    math_doc: dict[str, Any] = {
-        "mode": doc["mode"],
-        "model": doc["model"],
-        "dataset": doc["dataset"],
-        "training": {k: v for k, v in doc["training"].items() if k not in NON_MATH_TRAINING},
-    }
-    if "parameterServer" in doc:
-        ps = doc["parameterServer"]
-        math_doc["parameterServer"] = {
-            k: ps[k] for k in ("replicas", "aggregation", "maxStaleness", "compression")
-        }
-    if "ddp" in doc:
-        math_doc["ddp"] = {k: doc["ddp"][k] for k in ("procsPerNode", "commHook", "powerSGDRank")}
-    return hashlib.sha256(json.dumps(math_doc, sort_keys=True).encode()).hexdigest()[:16]
-
 
 def capture_rng_state() -> dict[str, Any]:
     """torch, CUDA, numpy and Python RNG states, in types `torch.load(weights_only=True)` accepts."""
@@ -114,10 +88,58 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def another_spec(where: object, written: str, expected: str, remedy: str) -> ConfigError:
+def another_spec(where: object, verdict: Verdict, remedy: str) -> ConfigError:
     """A checkpoint written for another spec: resuming it would mix two different jobs (exit 2)."""
-    return ConfigError(f"checkpoint {where} was written for a different spec (hash {written}, this job {expected}): "
-                       f"model, dataset, training or topology changed. {remedy} to start over")
+    return ConfigError(f"checkpoint {where} was written for a different spec: {verdict.reason}. A change of the "
+                       f"model, dataset, training or topology does not resume: {remedy} to start over")
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a checkpoint says of the job it was written for: its step, spec hash, identity (None in those of
+    0.1.0 and earlier, which hold a hash only) and the release that wrote it ("" for 0.1.0 and earlier)."""
+
+    step: int
+    spec_hash: str
+    identity: dict[str, Any] | None = None
+    release: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a header or commit holds them (`identity` and `kubetrain` only when known)."""
+        doc: dict[str, Any] = {"step": self.step, "spec_hash": self.spec_hash}
+        if self.identity is not None:
+            doc["identity"] = self.identity
+        if self.release:
+            doc["kubetrain"] = self.release
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Written":
+        """The record of a header or commit read back (untrusted); ValueError when a field has the wrong type."""
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        step, written_hash = doc.get("step"), doc.get("spec_hash")
+        ident, release = doc.get("identity"), doc.get("kubetrain", "")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not a step")
+        if not isinstance(written_hash, str) or not isinstance(release, str):
+            raise ValueError("spec_hash and kubetrain must be strings")
+        if ident is not None and not isinstance(ident, dict):
+            raise ValueError("identity must be a JSON object")
+        return cls(step, written_hash, ident, release)
+
+    @classmethod
+    def of(cls, step: int, job: JobIdentity) -> "Written":
+        """What this release writes for `job` at `step`."""
+        return cls(step, job.spec_hash, dict(job.document) if job.document is not None else None, __version__)
+
+    def judge(self, job: JobIdentity, written_with: Any = None) -> Verdict:
+        """Whether `job` may resume this checkpoint; why not, naming the fields (`written_with`: the spec of the
+        manifest found beside the checkpoints, for a hash-only one)."""
+        try:
+            return job.judge(self.spec_hash, self.identity, written_with)
+        except (RecursionError, TypeError, ValueError, AttributeError) as err:  # an identity nested past reason
+            return Verdict(False, f"its identity cannot be compared ({type(err).__name__})")
 
 
 @dataclass(frozen=True)
@@ -206,11 +228,20 @@ class _HashingWriter:
         self.file.flush()
 
 
-def _header_line(step: int, spec_hash: str, length: int, digest: str) -> bytes:
-    text = json.dumps({"step": step, "spec_hash": spec_hash, "length": length, "sha256": digest}).encode()
-    if len(text) + 1 > HEADER_BYTES:
-        raise ValueError(f"checkpoint header of {len(text)} bytes does not fit in {HEADER_BYTES}")
-    return text.ljust(HEADER_BYTES - 1) + b"\n"
+def _header_line(written: Written, length: int, digest: str, room: int) -> bytes:
+    text = json.dumps({**written.to_json(), "length": length, "sha256": digest}).encode()
+    if len(text) + 1 > room:
+        raise ValueError(f"checkpoint header of {len(text)} bytes does not fit in {room}")
+    return text.ljust(room - 1) + b"\n"
+
+
+def header_room(written: Written) -> int:
+    """The bytes the header of `written` takes, newline included: its widest form (a 20-digit length, a
+    sha256), rounded up to HEADER_BYTES."""
+    widest = len(_header_line(written, 10**20 - 1, "0" * 64, MAX_HEADER_BYTES).rstrip())
+    if widest + 1 > MAX_HEADER_BYTES:
+        raise ValueError(f"checkpoint header of {widest} bytes is longer than {MAX_HEADER_BYTES}")
+    return -(-(widest + 1) // HEADER_BYTES) * HEADER_BYTES
 
 
 def drop_cache(fd: int) -> None:
@@ -257,20 +288,25 @@ class Store:
     written, before they become a checkpoint (the `kill@save` fault).
     """
 
-    def __init__(self, directory: str | Path, keep_last: int, spec_hash: str,
+    def __init__(self, directory: str | Path, keep_last: int, identity: JobIdentity | str,
                  on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
                  mid_save: Callable[[int], None] | None = None):
         if keep_last < 1:
             raise ConfigError(f"spec.checkpoint.keepLast: must be at least 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
-        self.spec_hash = spec_hash
+        self.identity = identity if isinstance(identity, JobIdentity) else JobIdentity(identity)
+        """The job's identity: written into every checkpoint, and what a checkpoint must match to be resumed (a
+        bare hash: a store of no job, a benchmark's or a test's, that accepts only checkpoints of that hash)."""
         self.on_persisted = on_persisted
         self.mid_save = mid_save
         self.durable_step: int | None = None
         """Step of the newest checkpoint this process wrote and verified, or restored; None: none yet."""
         self.stall_seconds = 0.0
         """How long the last `save` held its caller (the wait for the write before, the copy into memory)."""
+        self.set_aside_log: list[tuple[str, str]] = []
+        """(checkpoint, reason) of each checkpoint a restore set aside (kept, renamed or recorded; never
+        deleted), for the restore to report in the job's events."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -282,21 +318,24 @@ class CheckpointStore(Store):
         self,
         directory: str | Path,
         keep_last: int,
-        spec_hash: str,
+        identity: JobIdentity | str,
         background: bool = True,
         on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
         mid_save: Callable[[int], None] | None = None,
     ):
         """`background`: `save` returns once the state is copied into memory and the file is written by a
         writer thread; False writes it before `save` returns (no copy needed then)."""
-        super().__init__(directory, keep_last, spec_hash, on_persisted, mid_save)
+        super().__init__(directory, keep_last, identity, on_persisted, mid_save)
         self.background = background
         self._buffers = SnapshotBuffers()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise TransientError(f"checkpoint directory {self.directory}: cannot be created: {err}") from None
-        # Left behind by a process killed mid-write; never renamed, so never a checkpoint.
+
+    def remove_leftovers(self) -> None:
+        """Temporary files of writes a kill cut short (never renamed, so never a checkpoint). Called once the
+        directory is known to be this job's (`load_latest`): nothing is removed before that."""
         for tmp in self.directory.glob(FILE_TMP_GLOB):
             tmp.unlink(missing_ok=True)
 
@@ -359,15 +398,17 @@ class CheckpointStore(Store):
     def _write_file(self, step: int, snapshot: dict[str, Any]) -> Path:
         """`ckpt-<step>.pt` in this store's directory, durable and verified (atomic_write with a read-back)."""
         path = self.path_of(step)
+        record = Written.of(step, self.identity)
+        room = header_room(record)
         written: dict[str, Any] = {}
 
         def write(f: BinaryIO) -> None:
             f.write(MAGIC)
-            f.write(b" " * (HEADER_BYTES - 1) + b"\n")  # the placeholder the header replaces
+            f.write(b" " * (room - 1) + b"\n")  # the placeholder the header replaces
             out = _HashingWriter(f)
             torch.save(snapshot, out)  # type: ignore[arg-type]  # torch.save writes to any object with write()
             written.update(length=out.length, digest=out.sha256.hexdigest())
-            written["header"] = _header_line(step, self.spec_hash, written["length"], written["digest"])
+            written["header"] = _header_line(record, written["length"], written["digest"], room)
             f.flush()
             os.pwrite(f.fileno(), written["header"], len(MAGIC))
 
@@ -437,38 +478,50 @@ class CheckpointStore(Store):
         self.wait()
         for info in reversed(self.list()):
             try:
-                step, written_hash, state = self._read(info.path)
+                written, state = self._read(info.path)
             except CorruptCheckpoint as err:
-                log.warning("checkpoint %s is unusable (%s); falling back to the previous one", info.path, err)
-                try:
-                    info.path.rename(info.path.with_name(info.path.name + CORRUPT_SUFFIX))
-                except OSError:
-                    pass  # a read-only volume: it is skipped again next time, which is harmless
+                self.set_aside(info.path, str(err))
                 continue
-            if written_hash != self.spec_hash:
-                raise another_spec(info.path, written_hash, self.spec_hash,
-                                   f"Delete {self.directory} or use a new run directory")
-            self.durable_step = step
-            return step, state
+            verdict = written.judge(self.identity)
+            if not verdict.ok:
+                raise another_spec(info.path, verdict, f"Delete {self.directory} or use a new run directory")
+            self.remove_leftovers()
+            self.durable_step = written.step
+            return written.step, state
+        self.remove_leftovers()
         return None
 
+    def set_aside(self, path: Path, reason: str) -> None:
+        """A checkpoint that failed its checks: renamed `*.corrupt` (kept, for a person to look at; never
+        deleted), with a warning, and noted for the restore's report."""
+        log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, reason)
+        self.set_aside_log.append((str(path), reason))
+        try:
+            path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
+        except OSError:
+            pass  # a read-only volume: it is skipped again next time, which is harmless
+
     @staticmethod
-    def _read(path: Path) -> tuple[int, str, dict[str, Any]]:
+    def _read(path: Path) -> tuple[Written, dict[str, Any]]:
         try:
             data = read_regular(path)
         except OSError as err:
             raise CorruptCheckpoint(unreadable(err)) from None
         if not data.startswith(MAGIC):
             raise CorruptCheckpoint("not a kubetrain checkpoint (bad magic)")
-        end = data.find(b"\n", len(MAGIC))
+        end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
         if end < 0:
-            raise CorruptCheckpoint("no header line (truncated?)")
+            raise CorruptCheckpoint(f"no header line within {MAX_HEADER_BYTES} bytes (truncated, or not ours)")
         try:
             header = json.loads(data[len(MAGIC) : end])
-            step, written_hash, length, digest = header["step"], header["spec_hash"], header["length"], header["sha256"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise CorruptCheckpoint(f"unreadable header: {err}") from None
-        payload = data[end + 1 :]
+            written = Written.from_json(header)
+            length, digest = header["length"], header["sha256"]
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise CorruptCheckpoint(f"unreadable header: {type(err).__name__}: {str(err)[:200]}") from None
+        named = FILE_PATTERN.fullmatch(path.name)
+        if named and int(named.group(1)) != written.step:
+            raise CorruptCheckpoint(f"its header says step {written.step}, its name step {int(named.group(1))}")
+        payload = memoryview(data)[end + 1 :]
         if len(payload) != length:
             raise CorruptCheckpoint(f"payload is {len(payload)} bytes, header says {length} (truncated?)")
         if hashlib.sha256(payload).hexdigest() != digest:
@@ -478,7 +531,7 @@ class CheckpointStore(Store):
             state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         except Exception as err:  # a payload that hashes right but does not load is no checkpoint either
             raise CorruptCheckpoint(f"payload does not load: {type(err).__name__}: {str(err)[:200]}") from None
-        return step, written_hash, state
+        return written, state
 
 
 def read_valid(
@@ -496,13 +549,13 @@ def read_valid(
     files = sorted((p for p in Path(directory).iterdir() if FILE_PATTERN.fullmatch(p.name)), reverse=True)
     for path in files:
         try:
-            step, _, state = CheckpointStore._read(path)
+            written, state = CheckpointStore._read(path)
         except CorruptCheckpoint as err:
             reason = f"corrupt: {err}"
         except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file does not load
             reason = f"does not load: {type(err).__name__}: {err}"
         else:
-            yield CheckpointInfo(step, path, path.stat().st_size), state
+            yield CheckpointInfo(written.step, path, path.stat().st_size), state
             continue
         if on_skip is None:
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, reason)

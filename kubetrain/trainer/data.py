@@ -21,7 +21,7 @@ from .objstore import parse_uri, shared_store
 from .plugins import call_with_args, load_entrypoint
 from .shards import (BadShard, Columns, DirectoryStorage, LazyRows, ObjectStorage, ShardCache, ShardedRows,
                      ShardOrder, ShardStorage, decode_shard, build_index, cache_root, check_shapes, eval_shards,
-                     parse_quantity)
+                     parse_quantity, read_npz)
 
 
 @dataclass
@@ -114,19 +114,12 @@ def _npz(path: str | Path, where: str | None = None) -> tuple[np.ndarray, np.nda
     where = where or f"spec.dataset.path: {path}"
     if not Path(path).is_file():
         raise LoadError(f"{where}: no such file")
+    # A shard's bounded reader (nothing unpickled, nothing inflated past what the arrays' headers declare).
     try:
-        with np.load(path, allow_pickle=False) as arrays:
-            missing = [k for k in ("x", "y") if k not in arrays.files]
-            if missing:
-                raise LoadError(
-                    f"{where}: has no array {' or '.join(map(repr, missing))} "
-                    f"(found {', '.join(arrays.files) or 'none'}); expected x (features) and y (labels)"
-                )
-            return arrays["x"], arrays["y"]
-    except LoadError:
-        raise
-    except Exception as err:  # zipfile.BadZipFile, ValueError (pickled objects), OSError
-        raise LoadError(f"{where}: not a readable .npz file: {type(err).__name__}: {err}") from None
+        return read_npz(Path(path))
+    except BadShard as err:
+        hint = "; expected x (features) and y (labels)" if "has no array" in str(err) else ""
+        raise LoadError(f"{where}: {err}{hint}") from None
 
 
 def _object_npz(uri_text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -654,6 +647,22 @@ class QuorumCursor:
         return {"epoch": self.epoch, "position": self.position, "cut": self.cut, "lanes": self.lanes,
                 "nominal": self.nominal, "trained": self.trained, "num_samples": self.num_samples, "seed": self.seed,
                 "dealt": "quorum"}
+
+    def seek(self, step: int) -> None:
+        """Where a fault-free run at the nominal ranks is after `step` committed steps: the migration of a
+        checkpoint written before the cursor was part of the state (kubetrain of 2026-12-04, whose groups each
+        trained a shard of their own, the place a function of the step). The resumed run goes on at the same
+        epoch and the same point of it; which samples the rest of that epoch trains follows today's order, so a
+        few of them may be trained twice or not at all in that one epoch (every later epoch: each once)."""
+        epoch, done = divmod(max(step, 0), self.steps_per_epoch)
+        cut = self.num_samples // self.nominal * self.nominal
+        position = min(done * self.nominal * self.batch_size, cut)
+        if position >= cut:
+            epoch, position = epoch + 1, 0
+        self.trained = epoch * cut + position
+        # An epoch not begun yet has no cut (`begin` makes it for the ranks that start it).
+        self.epoch, self.position, self._order = epoch, position, None
+        self.cut, self.lanes = (cut, self.nominal) if position else (0, 0)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where `state` (a group's, the same data and seed) left off."""

@@ -203,7 +203,12 @@ def _newest_single(reader: Reader, replicas: list[str]) -> tuple[str, Checkpoint
     """The newest valid checkpoint over `replicas` (a DDP job's nodes: only rank 0 writes, but copies may differ),
     plain or sharded; a sharded one is gathered whole here (the point of an export)."""
     replica, info, state = newest(reader, replicas)
-    return replica, info, state if state is not None else sharded.load_whole(info.path)
+    if state is not None:
+        return replica, info, state
+    try:
+        return replica, info, sharded.load_whole(info.path)
+    except Exception as err:  # noqa: BLE001 - a piece that verifies against its COMMIT but does not load
+        raise ExportError(f"{info.path}: {sharded.unfit(info.path, err)}") from None
 
 
 def newest(reader: Reader, replicas: list[str]) -> tuple[str, CheckpointInfo, dict[str, Any] | None]:

@@ -37,7 +37,7 @@ import torch
 
 from kubetrain.shared.launch import pretrained_in_place
 
-from . import sharded
+from . import dcp_reader, sharded
 from .causal_lm import hf_name, is_adapter
 from .export_source import EXIT_NO_DATA, EXIT_USAGE, MODEL, Exported, ExportError, Reader, locate, newest
 from .pretrained import CONFIG, INDEX, READY_FILE, SINGLE_WEIGHTS, SUMS, Checked, fetch
@@ -139,9 +139,8 @@ class _Weights:
         self.path = path
         self.plain = state
         if state is None:
-            from torch.distributed.checkpoint import FileSystemReader
-
-            metadata = FileSystemReader(str(path)).read_metadata()
+            # Through the restricted reader: the checkpoint may be a copy of a bucket another job can write.
+            metadata = dcp_reader.Reader(path, sharded.Commit.read(path).lengths).read_metadata()
             self.sizes = {key.removeprefix("model."): _numel_bytes(meta) for key, meta in
                           metadata.state_dict_metadata.items() if key.startswith("model.")}
         else:
@@ -153,11 +152,7 @@ class _Weights:
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         if self.plain is not None:
             return {name: self.plain[name] for name in names}
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-        with sharded.alone_is_meant():
-            loaded = _load_state_dict_from_keys(keys={f"model.{name}" for name in names},
-                                                checkpoint_id=str(self.path))
+        loaded = sharded.load_whole(self.path, keys={f"model.{name}" for name in names})
         return {name: loaded["model"][name] for name in names}
 
 
@@ -306,7 +301,8 @@ def _copy_pretrained_files(source: Path, directory: Path, adapter: bool) -> None
     """The config and the tokenizer's files (every file that is not weights); an adapter takes the tokenizer
     only (its base's config stays the base's)."""
     for file in sorted(source.iterdir()):
-        if not file.is_file() or file.name in NOT_COPIED or file.name.endswith(".safetensors"):
+        # Regular files only: a link in a claim's model directory could point anywhere on the machine.
+        if file.is_symlink() or not file.is_file() or file.name in NOT_COPIED or file.name.endswith(".safetensors"):
             continue
         if adapter and file.name in (CONFIG, "generation_config.json"):
             continue

@@ -231,6 +231,10 @@ class TrainerMetrics:
         "Time to upload one checkpoint to object storage and commit it (spec.checkpoint.storage.uri), after its "
         "local write.", SLOW_SECONDS,
     )
+    checkpoints_set_aside_total = counter(
+        "checkpoints_set_aside",
+        "Checkpoints a restore of this process found damaged (a file or object missing, short or changed, a "
+        "header or metadata that does not parse) and set aside, kept, to resume from the one before.")
     # Object storage (data, checkpoints, exports)
     object_store_bytes_total = counter(
         "object_store_bytes", "Bytes this replica uploaded to or downloaded from object storage.", "direction")

@@ -694,10 +694,20 @@ class ObjectStore:
                 log.warning("%s: the failed upload could not be aborted now (%s)", uri, err)
             raise
 
-    def put_bytes(self, uri: ObjectURI, data: bytes) -> None:
-        """A small object (a commit, an index, a manifest) in one request."""
-        self._call(uri, "write", self.request, "PUT", uri, body=data)
+    def put_bytes(self, uri: ObjectURI, data: bytes, if_absent: bool = False) -> bool:
+        """A small object (a commit, an index, a manifest) in one request; True once written. `if_absent`: only
+        when no object has the key (a conditional write, `If-None-Match: *`): False when one has."""
+        headers = {"If-None-Match": "*"} if if_absent else None
+        try:
+            self.request("PUT", uri, body=data, headers=headers)
+        except StoreError as err:
+            if if_absent and (err.status == 412 or err.code == "PreconditionFailed"):
+                return False
+            raise translate(err, uri, "write", self.endpoint) from None
+        except OSError as err:
+            raise translate(err, uri, "write", self.endpoint) from None
         self._uploaded(len(data))
+        return True
 
     def delete(self, uris: builtins.list[ObjectURI]) -> None:
         """Delete objects (DELETE_BATCH a request); a key already gone is no error."""

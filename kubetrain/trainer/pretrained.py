@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubetrain.shared.files import atomic_write
-from kubetrain.shared.launch import MODEL_DIR_VAR, PRETRAINED_CLAIM_MOUNT, pretrained_in_place
+from kubetrain.shared.files import PLAIN_NAME, OutsideFolder, atomic_write, confined
+from kubetrain.shared.launch import MODEL_DIR_VAR, MODEL_MAX_BYTES_VAR, PRETRAINED_CLAIM_MOUNT, pretrained_in_place
 
 from .errors import EXIT_OK, ConfigError, LoadError
 
@@ -74,13 +74,23 @@ class Checked:
     config: dict[str, Any]
 
 
+def inside(directory: Path, name: Any, uri: str, what: str) -> Path:
+    """`directory / name` for a file name read from the model directory itself (an index's shard, a SHA256SUMS
+    line): LoadError unless it is one plain name that stays inside (no '/', '..', absolute path, or a link that
+    leads out)."""
+    try:
+        return confined(directory, name)
+    except OutsideFolder as err:
+        raise LoadError(f"{uri}: {what} names a file outside the model directory: {err}") from None
+
+
 def read_json(path: Path, uri: str) -> Any:
     if path.stat().st_size > MAX_SMALL_FILE_BYTES:
         raise LoadError(f"{uri}: {path.name} is larger than {MAX_SMALL_FILE_BYTES} bytes")
     try:
         return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise LoadError(f"{uri}: {path.name} is not valid JSON ({err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise LoadError(f"{uri}: {path.name} is not valid JSON ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 def safetensors_tensors(path: Path, uri: str) -> dict[str, Any]:
@@ -102,7 +112,14 @@ def safetensors_tensors(path: Path, uri: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise LoadError(f"{uri}: {path.name}: the safetensors header is not a JSON object")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    end = max((int(v["data_offsets"][1]) for v in tensors.values() if isinstance(v, dict)), default=0)
+    for name, entry in tensors.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
+                and offsets[0] <= offsets[1] and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("shape"), list)):
+            raise LoadError(f"{uri}: {path.name}: the safetensors header's entry for {str(name)[:100]!r} is not a "
+                            "tensor's (dtype, shape and two data_offsets)")
+    end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if 8 + length + end != size:
         raise LoadError(f"{uri}: {path.name} is {size} bytes, its header says {8 + length + end}: truncated or "
                         "damaged")
@@ -129,6 +146,7 @@ def read_sums(path: Path, uri: str) -> dict[str, str]:
         name = name.strip().lstrip("*")
         if len(digest) != 64 or not name or any(c not in "0123456789abcdef" for c in digest.lower()):
             raise LoadError(f"{uri}: {SUMS} line {number}: expected '<sha256>  <file>', got {line[:80]!r}")
+        inside(path.parent, name, uri, f"{SUMS} line {number}")
         sums[name] = digest.lower()
     return sums
 
@@ -151,7 +169,7 @@ def check(path: Path, uri: str, digests: dict[str, str] | None = None) -> Checke
         if not isinstance(weight_map, dict) or not weight_map:
             raise LoadError(f"{uri}: {INDEX} has no weight_map")
         weights = sorted(set(map(str, weight_map.values())))
-        missing = [name for name in weights if not (path / name).is_file()]
+        missing = [name for name in weights if not inside(path, name, uri, INDEX).is_file()]
         if missing:
             raise LoadError(f"{uri}: {INDEX} names {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, "
                             "not in the directory")
@@ -170,7 +188,7 @@ def check(path: Path, uri: str, digests: dict[str, str] | None = None) -> Checke
     if (path / SUMS).is_file():
         known = digests or {}
         for name, digest in read_sums(path / SUMS, uri).items():
-            file = path / name
+            file = inside(path, name, uri, SUMS)
             if not file.is_file():
                 raise LoadError(f"{uri}: {SUMS} lists {name}, not in the directory")
             if (known.get(name) or file_sha256(file)) != digest:
@@ -218,10 +236,13 @@ def _ready(cache: Path, uri: str) -> Checked | None:
         ready = json.loads((cache / READY_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if ready.get("uri") != uri:
+    if not isinstance(ready, dict) or ready.get("uri") != uri or not isinstance(ready.get("files"), dict):
         return None
-    for name, size in ready.get("files", {}).items():
-        file = cache / name
+    for name, size in ready["files"].items():
+        try:
+            file = confined(cache, name)
+        except OutsideFolder:
+            return None
         if not file.is_file() or file.stat().st_size != size:
             return None
     config = read_json(cache / CONFIG, uri)
@@ -237,7 +258,18 @@ def _fetch_object_store(uri: str, cache: Path) -> dict[str, str]:
     store = shared_store()
     prefix = parse_uri(uri, "spec.model.pretrained").prefix()
     store.check_bucket(prefix)
-    found = [info for info in store.list(prefix) if "/" not in info.uri.key[len(prefix.key):]]
+    # The objects directly under the prefix: not a "folder" (a zero-byte key ending in '/', as consoles make
+    # them, the prefix's own included), not one below. A name that is not one plain file name is not a
+    # Hugging Face file, and would not stay in the cache: left out, with a warning.
+    found = []
+    for info in store.list(prefix):
+        name = info.uri.key[len(prefix.key):]
+        if not name or "/" in name:
+            continue
+        if PLAIN_NAME.fullmatch(name) is None:
+            log.warning("pretrained %s: %r is not a plain file name; left out", uri, name[:100])
+            continue
+        found.append(info)
     if not found:
         raise LoadError(f"{uri}: no objects under this prefix")
     if len(found) > MAX_FILES:
@@ -246,12 +278,29 @@ def _fetch_object_store(uri: str, cache: Path) -> dict[str, str]:
     if CONFIG not in names:
         raise LoadError(f"{uri}: no {CONFIG}: not a Hugging Face model directory")
     total = sum(info.size for info in found)
+    check_disk(uri, total)
     log.info("pretrained %s: %d objects, %d bytes, into %s", uri, len(found), total, cache)
     digests = {}
     for info in found:
         name = info.uri.key[len(prefix.key):]
-        digests[name] = store.download(info.uri, cache / name, size=info.size)[1]
+        digests[name] = store.download(info.uri, confined(cache, name), size=info.size)[1]
     return digests
+
+
+def check_disk(uri: str, total: int) -> None:
+    """LoadError, before anything is downloaded, when the model is larger than the disk its copy may take
+    (spec.model.diskSize, as KUBETRAIN_MODEL_MAX_BYTES: a pod's `model` volume is bounded to it, and a larger
+    copy would be evicted for it, or fill a node shared with other tenants)."""
+    raw = os.environ.get(MODEL_MAX_BYTES_VAR, "")
+    if not raw:
+        return
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise ConfigError(f"{MODEL_MAX_BYTES_VAR}: expected a number of bytes, got {raw!r}") from None
+    if total > limit:
+        raise LoadError(f"{uri}: the model is {total} bytes ({total / 2**30:.2f} GiB), more than spec.model.diskSize "
+                        f"allows its copy ({limit} bytes, {limit / 2**30:.2f} GiB): raise spec.model.diskSize")
 
 
 def _fetch_hub(uri: str, cache: Path) -> dict[str, str]:  # pragma: no cover - the Hub is unreachable in tests

@@ -22,15 +22,17 @@ from datetime import timedelta
 from numbers import Real
 from typing import Any
 
+from kubetrain.api.identity import JobIdentity
 from kubetrain.api.spec import MAX_REPORTED_METRICS
 
-from .checkpoint import CheckpointInfo, CheckpointStore, spec_hash
+from .checkpoint import CheckpointInfo, CheckpointStore, Store
 from .sharded import ShardedCheckpointError, ShardedStore, fill_template, has_dtensors
 from .sharded import complete as sharded_complete
 from .context import ReplicaContext
 from .events import EventLog
 from .metrics import TrainerMetrics, attach_metrics
-from .object_checkpoints import ObjectCheckpoints, ObjectCheckpointStore, ObjectShardedStore, job_root, write_job
+from .object_checkpoints import (ObjectCheckpoints, ObjectCheckpointStore, ObjectShardedStore, Owner, claim, job_root,
+                                 write_job)
 from .objstore import parse_uri, shared_store
 
 log = logging.getLogger(__name__)
@@ -71,20 +73,25 @@ class JobCheckpoints:
         self.reader, self.writer, self.nodes = reader, writer, nodes  # this rank's part in the job's checkpoints
         self.sharded: ShardedStore | None = None
         """The job's sharded checkpoints, made at the first sharded save or restore (on every rank)."""
+        self.identity = JobIdentity.of(ctx.spec)
+        """What every checkpoint of this job records of it, and what a checkpoint must match to be resumed."""
         self.uri = parse_uri(ctx.checkpoint_uri, "KUBETRAIN_CHECKPOINT_URI") if ctx.checkpoint_uri else None
         """The replica's prefix in object storage (spec.checkpoint.storage.uri), or None: a volume."""
         if self.uri is not None:
             attach_metrics(shared_store(), metrics)
             shared_store().check_bucket(self.uri, "checkpoints")
+            # Before anything under the URI is read for a restore or cleaned: another job's prefix is refused
+            # untouched, and the first writer records this job as its owner.
+            claim(job_root(self.uri), Owner(ctx.namespace, ctx.job_name), self.identity, writer)
         self.store: CheckpointStore | None = None
         if reader or writer:
             if self.uri is not None:
                 self.store = ObjectCheckpointStore(
-                    ctx.checkpoint_dir, self.uri, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec),
+                    ctx.checkpoint_dir, self.uri, ctx.spec.checkpoint.keep_last, self.identity,
                     background=background, on_persisted=self._persisted, mid_save=ctx.maybe_fault_in_save,
-                    on_upload=metrics.checkpoint_upload_seconds.observe)
+                    on_upload=metrics.checkpoint_upload_seconds.observe, writer=writer)
             else:
-                self.store = CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec),
+                self.store = CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, self.identity,
                                              background=background, on_persisted=self._persisted,
                                              mid_save=ctx.maybe_fault_in_save)
         if writer and self.uri is not None and ctx.job_file is not None:
@@ -96,7 +103,19 @@ class JobCheckpoints:
 
     def load_local(self) -> tuple[int, dict[str, Any]] | None:
         """(step, state) of the newest valid checkpoint in this process's own directory."""
-        return self.store.load_latest() if self.store is not None else None
+        if self.store is None:
+            return None
+        try:
+            return self.store.load_latest()
+        finally:
+            self._report_set_aside(self.store)
+
+    def _report_set_aside(self, store: Store) -> None:
+        """Each checkpoint the restore set aside, as an event and a count: which, and why."""
+        for checkpoint, reason in store.set_aside_log:
+            self.metrics.checkpoints_set_aside_total.inc()
+            self.events.write("checkpoint_set_aside", checkpoint=checkpoint, reason=reason)
+        store.set_aside_log.clear()
 
     @property
     def shared(self) -> bool:
@@ -168,18 +187,24 @@ class JobCheckpoints:
         """The newest sharded checkpoint loaded into `template` when it is newer than `plain_step`, else None."""
         if not self.shared:
             raise ShardedCheckpointError(self._not_shared("restore"))
-        newest = self._sharded_store().newest()
-        if newest is None or (plain_step is not None and plain_step >= newest[0]):
-            return None
-        step, path = newest
-        if template is None:
-            raise ShardedCheckpointError(
-                f"kubetrain.restore: the newest checkpoint (step {step}, {path.name}) is sharded: pass a template "
-                "to load it into, of the structure saved, e.g. kubetrain.restore({'model': model_sd, 'optimizer': "
-                "optim_sd}) with get_state_dict(model, optimizer) of the freshly built, sharded model"
-            )
-        assert self.sharded is not None
-        self.sharded.load(path, template)
+        store = self._sharded_store()
+        try:
+            while True:
+                newest = store.newest()
+                if newest is None or (plain_step is not None and plain_step >= newest[0]):
+                    return None
+                step, path = newest
+                if template is None:
+                    raise ShardedCheckpointError(
+                        f"kubetrain.restore: the newest checkpoint (step {step}, {path.name}) is sharded: pass a "
+                        "template to load it into, of the structure saved, e.g. kubetrain.restore({'model': "
+                        "model_sd, 'optimizer': optim_sd}) with get_state_dict(model, optimizer) of the freshly "
+                        "built, sharded model"
+                    )
+                if store.load_or_set_aside(path, template):
+                    break
+        finally:
+            self._report_set_aside(store)
         self.step = step
         self.events.write("resume", step=step, source_rank=None, sharded=True, path=str(path))
         return step, template, None
@@ -189,12 +214,12 @@ class JobCheckpoints:
             timeout = timedelta(seconds=self.ctx.spec.run_policy.progress_deadline_seconds)
             if self.uri is not None:
                 self.sharded = ObjectShardedStore(
-                    self.ctx.checkpoint_dir, self.uri, self.ctx.spec.checkpoint.keep_last, spec_hash(self.ctx.spec),
+                    self.ctx.checkpoint_dir, self.uri, self.ctx.spec.checkpoint.keep_last, self.identity,
                     timeout=timeout, on_persisted=self._persisted, mid_save=self.ctx.maybe_fault_in_save,
                     on_upload=self.metrics.checkpoint_upload_seconds.observe)
             else:
                 self.sharded = ShardedStore(
-                    self.ctx.checkpoint_dir, self.ctx.spec.checkpoint.keep_last, spec_hash(self.ctx.spec),
+                    self.ctx.checkpoint_dir, self.ctx.spec.checkpoint.keep_last, self.identity,
                     timeout=timeout, on_persisted=self._persisted, mid_save=self.ctx.maybe_fault_in_save,
                 )
         return self.sharded

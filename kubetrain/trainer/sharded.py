@@ -59,9 +59,11 @@ import torch.distributed as dist
 
 from kubetrain.shared.checkpoints import (COMMIT, CORRUPT_SUFFIX, LATEST, SHARDED_PATTERN, SHARDED_TMP_PATTERN,
                                           sharded_name, sharded_tmp_name)
-from kubetrain.shared.files import atomic_write, fsync_dir, read_regular, unreadable
+from kubetrain.shared.files import PLAIN_NAME, OutsideFolder, atomic_write, confined, fsync_dir, read_regular, unreadable
+from kubetrain.api.identity import JobIdentity
 
-from .checkpoint import CheckpointInfo, Store, another_spec, drop_cache
+from . import dcp_reader
+from .checkpoint import CheckpointInfo, Store, Written, another_spec, drop_cache
 from .errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,8 @@ log = logging.getLogger(__name__)
 COMMIT_VERSION = 1
 # DCP's own names: one data file per rank (single_file_per_rank) and the
 # coordinator's index of every piece.
-METADATA = ".metadata"
+METADATA = dcp_reader.METADATA
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 RANK_FILE = re.compile(r"__([0-9]+)_([0-9]+)\.distcp")
 # The largest COMMIT read back: it lists a file per rank (about 120 bytes
 # each), so 4 MiB holds some 30,000 ranks; anything larger is not ours.
@@ -86,18 +89,51 @@ class ShardedCheckpointError(ConfigError):
 
 @dataclass(frozen=True)
 class Commit:
-    """What COMMIT records: the step, the job it was written for, and every file with its length and sha256."""
+    """What COMMIT records: the step, the job it was written for (kubetrain.api.identity: its hash, and since
+    0.2.0 its identity and the release), and every file with its length and sha256."""
 
-    step: int
-    spec_hash: str
+    written: Written
     world_size: int
     files: dict[str, tuple[int, str]]
 
+    @property
+    def step(self) -> int:
+        return self.written.step
+
+    @property
+    def spec_hash(self) -> str:
+        return self.written.spec_hash
+
+    @property
+    def lengths(self) -> dict[str, int]:
+        return {name: n for name, (n, _) in self.files.items()}
+
     def to_json(self) -> bytes:
-        return json.dumps({"version": COMMIT_VERSION, "step": self.step, "spec_hash": self.spec_hash,
-                           "world_size": self.world_size,
+        return json.dumps({"version": COMMIT_VERSION, **self.written.to_json(), "world_size": self.world_size,
                            "files": {name: {"length": n, "sha256": h} for name, (n, h) in sorted(self.files.items())}},
                           indent=1).encode() + b"\n"
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "Commit":
+        """A COMMIT's bytes (untrusted: a shared claim); CorruptSharded naming the fault."""
+        if len(raw) > MAX_COMMIT_BYTES:
+            raise CorruptSharded(f"COMMIT is larger than {MAX_COMMIT_BYTES} bytes")
+        try:
+            doc = json.loads(raw)
+            written = Written.from_json(doc)
+            files = {name: (f["length"], f["sha256"]) for name, f in doc["files"].items()}
+            world_size = doc["world_size"]
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+            raise CorruptSharded(f"COMMIT is unreadable: {type(err).__name__}: {str(err)[:200]}") from None
+        if type(world_size) is not int or world_size < 1:
+            raise CorruptSharded(f"COMMIT gives a world size of {world_size!r}")
+        for name, (length, digest) in files.items():
+            if PLAIN_NAME.fullmatch(name) is None:
+                raise CorruptSharded(f"COMMIT lists {name[:100]!r}, which is not a plain file name (refused: a name "
+                                     "with '/' or '..' would lead outside the checkpoint)")
+            if type(length) is not int or length < 0 or not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+                raise CorruptSharded(f"COMMIT gives {name} a length {length!r} and sha256 {str(digest)[:70]!r}")
+        return cls(written, world_size, files)
 
     @classmethod
     def read(cls, directory: Path) -> "Commit":
@@ -109,14 +145,7 @@ class Commit:
             raise CorruptSharded("no COMMIT (the save did not finish)") from None
         except OSError as err:
             raise CorruptSharded(f"COMMIT {unreadable(err)}") from None
-        if len(raw) > MAX_COMMIT_BYTES:
-            raise CorruptSharded(f"COMMIT is larger than {MAX_COMMIT_BYTES} bytes")
-        try:
-            doc = json.loads(raw)
-            files = {str(name): (int(f["length"]), str(f["sha256"])) for name, f in doc["files"].items()}
-            return cls(int(doc["step"]), str(doc["spec_hash"]), int(doc["world_size"]), files)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise CorruptSharded(f"COMMIT is unreadable: {type(err).__name__}: {err}") from None
+        return cls.parse(raw)
 
 
 class CorruptSharded(Exception):
@@ -194,7 +223,10 @@ def verify(path: Path, commit: Commit, names: list[str] | None = None) -> None:
 
     for name in names if names is not None else sorted(commit.files):
         length, digest = commit.files[name]
-        file = path / name
+        try:
+            file = confined(path, name)
+        except OutsideFolder as err:
+            raise CorruptSharded(str(err)) from None
         try:
             info = file.lstat()
         except FileNotFoundError:
@@ -219,14 +251,17 @@ class ShardedStore(Store):
     raised by the next `save` or `wait`).
     """
 
-    def __init__(self, directory: str | Path, keep_last: int, spec_hash: str, *,
+    def __init__(self, directory: str | Path, keep_last: int, identity: JobIdentity | str, *,
                  timeout: timedelta = timedelta(minutes=10),
                  on_persisted: Callable[[CheckpointInfo, float], None] | None = None,
                  mid_save: Callable[[int], None] | None = None):
-        super().__init__(directory, keep_last, spec_hash, on_persisted, mid_save)
+        super().__init__(directory, keep_last, identity, on_persisted, mid_save)
         self.timeout = timeout
         self._group: Any = None
         self._stager: Any = None
+        self._unusable: set[str] = set()
+        """Rank 0: checkpoints found damaged that could not be renamed (a read-only volume): never tried again
+        by this process, never deleted."""
 
     # --- the group ---------------------------------------------------------------
 
@@ -362,7 +397,7 @@ class ShardedStore(Store):
 
     def _commit(self, step: int, tmp: Path, everyone: list[Any], started: float) -> None:
         files = self.merged(step, everyone)
-        commit = Commit(step, self.spec_hash, len(everyone), files)
+        commit = Commit(Written.of(step, self.identity), len(everyone), files)
         atomic_write(tmp / COMMIT, commit.to_json())
         final = self.directory / sharded_name(step)
         if final.exists():  # the same step saved again (a resumed script): the new one replaces it whole
@@ -411,65 +446,93 @@ class ShardedStore(Store):
         """Every rank: (step, path) of the newest complete checkpoint whose files all verify; None if none.
 
         Rank 0 names a candidate, every rank hashes its share of the files
-        (rank r every world-size-th), and a candidate any rank finds damaged
-        is set aside as `.corrupt` by rank 0 and the previous one tried. A
-        checkpoint of another spec hash is refused with ConfigError.
+        (rank r every world-size-th) and reads DCP's `.metadata` through the
+        restricted reader (dcp_reader), and a candidate any rank finds damaged
+        is set aside as `.corrupt` by rank 0 (kept, never deleted) and the
+        previous one tried. A checkpoint of another job's spec is refused with
+        ConfigError, before anything in the directory is touched; saves cut
+        short are removed only once the directory is known to be this job's.
         """
-        self.remove_incomplete()
         while True:
             candidate = None
             if self.rank == 0:
-                found = complete(self.directory)
+                found = [(step, path) for step, path in complete(self.directory) if path.name not in self._unusable]
                 candidate = (found[-1][0], str(found[-1][1])) if found else None
             candidate = self._broadcast(candidate)
             if candidate is None:
+                self.remove_incomplete()
                 return None
             step, path = candidate[0], Path(candidate[1])
             problem = self._check(path)
             problems = [p for p in self._all_gather(problem) if p]
             if not problems:
+                self.remove_incomplete()
                 self.durable_step = step
                 return step, path
             if self.rank == 0:
-                log.warning("sharded checkpoint %s is unusable (%s); falling back to the previous one", path,
-                            "; ".join(problems))
-                try:
-                    os.rename(path, path.with_name(path.name + CORRUPT_SUFFIX))
-                except OSError:
-                    shutil.rmtree(path, ignore_errors=True)
+                self.set_aside_dir(path, "; ".join(problems))
             if self.distributed:
                 dist.barrier(group=self.group())
+
+    def set_aside_dir(self, path: Path, reason: str) -> None:
+        """Rank 0: a damaged sharded checkpoint renamed `.corrupt` (kept for a person to look at), or, where it
+        cannot be renamed, remembered as unusable for this process's life; never deleted."""
+        log.warning("sharded checkpoint %s is unusable (%s); falling back to the previous one", path, reason)
+        self.set_aside_log.append((str(path), reason))
+        try:
+            os.rename(path, path.with_name(path.name + CORRUPT_SUFFIX))
+        except OSError:
+            self._unusable.add(path.name)
 
     def _check(self, path: Path) -> str | None:
         try:
             commit = Commit.read(path)
+            named = SHARDED_PATTERN.fullmatch(path.name)
+            if named and int(named.group(1)) != commit.step:
+                raise CorruptSharded(f"its COMMIT says step {commit.step}, its name step {int(named.group(1))}")
         except CorruptSharded as err:
             return str(err)
-        if commit.spec_hash != self.spec_hash:
-            raise another_spec(path, commit.spec_hash, self.spec_hash,
-                               f"Delete {self.directory} or use a new run directory")
+        verdict = commit.written.judge(self.identity)
+        if not verdict.ok:
+            raise another_spec(path, verdict, f"Delete {self.directory} or use a new run directory")
         names = sorted(commit.files)[self.rank :: self.world_size]
         try:
             verify(path, commit, names)
+            check_contents(dcp_reader.Reader(path, commit.lengths), commit, names)
         except CorruptSharded as err:
             return str(err)
         return None
 
     def load(self, path: Path, template: dict[str, Any]) -> None:
         """Every rank: load checkpoint `path` into `template` in place, each rank reading only its pieces."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
+            reader = dcp_reader.Reader(path, Commit.read(path).lengths)
             with alone_is_meant():
-                dcp.load(template, storage_reader=dcp.FileSystemReader(path), process_group=self.group(),
-                         no_dist=not self.distributed)
+                dcp_reader.load(template, reader, self.group(), no_dist=not self.distributed)
+        except CorruptSharded:
+            raise
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            raise ShardedCheckpointError(
-                f"kubetrain.restore: the checkpoint {path} does not fit the template given: "
-                f"{cause_of(err)}. Pass a template of the same structure as the state saved (for a model "
-                "and optimizer: get_state_dict(model, optimizer) after building and sharding them)"
-            ) from None
+            raise unfit(path, err) from None
+
+    def load_or_set_aside(self, path: Any, template: dict[str, Any]) -> bool:
+        """Every rank: `load` checkpoint `path` into `template`; True once every rank has. A checkpoint whose pieces
+        do not load on some rank (bytes that verify against a commit its writer rewrote too) is set aside by
+        rank 0, kept, and False returned on every rank: the caller takes the one before (`newest` again)."""
+        problem = None
+        try:
+            self.load(path, template)
+        except CorruptSharded as err:
+            problem = f"rank {self.rank}: {err}"
+        problems = [p for p in self._all_gather(problem) if p]
+        if not problems:
+            return True
+        if self.rank == 0:
+            self.set_aside_dir(path, "; ".join(problems))
+        if self.distributed:
+            dist.barrier(group=self.group())
+        return False
 
 
 _STORES: "weakref.WeakSet[ShardedStore]" = weakref.WeakSet()
@@ -564,24 +627,67 @@ def cause_of(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+def _inner(err: BaseException) -> BaseException:
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = sorted(failures.items())[0][1]
+        return failure[0] if isinstance(failure, tuple) else failure
+    return err
+
+
+def unfit(where: object, err: BaseException) -> Exception:
+    """A load of a verified checkpoint that failed: CorruptSharded when a piece's bytes do not load as a tensor
+    or value (pickled code refused by the weights-only loader, a piece not of the size its metadata says: a
+    writer that rewrote the commit too), so that the restore sets it aside; else ShardedCheckpointError (the
+    template given does not fit the state saved, exit 2)."""
+    import pickle
+    import zipfile
+
+    inner = _inner(err)
+    text = str(inner).strip().splitlines()
+    if isinstance(inner, (pickle.UnpicklingError, EOFError, AssertionError, zipfile.BadZipFile)) or (
+            isinstance(inner, RuntimeError) and "PytorchStreamReader" in str(inner)):
+        return CorruptSharded(f"a piece does not load: {type(inner).__name__}: {text[0][:200] if text else ''}")
+    return ShardedCheckpointError(
+        f"kubetrain.restore: the checkpoint {where} does not fit the template given: {cause_of(err)}. Pass a template "
+        "of the same structure as the state saved (for a model and optimizer: get_state_dict(model, optimizer) after "
+        "building and sharding them)")
+
+
 # --- read-only access, for tools (export, verify) that read a copy they do not own -----------------------
 
 
-def check(path: Path, expected_hash: str | None = None) -> Commit:
-    """The COMMIT of checkpoint directory `path` once every file it lists verifies; CorruptSharded if not.
+def check(path: Path, expected: JobIdentity | None = None) -> Commit:
+    """The COMMIT of checkpoint directory `path` once every file it lists verifies and its `.metadata` reads
+    as DCP's (dcp_reader); CorruptSharded if not.
 
-    Reads only; nothing is renamed (the copy may be read-only). `expected_hash`:
-    a COMMIT of another spec hash is CorruptSharded too ("written for another job").
+    Reads only; nothing is renamed (the copy may be read-only). `expected`: a
+    COMMIT of another job's spec is CorruptSharded too ("written for another job").
     """
     commit = Commit.read(path)
     match = SHARDED_PATTERN.fullmatch(path.name)
     if match and int(match.group(1)) != commit.step:
         raise CorruptSharded(f"its COMMIT says step {commit.step}, its name step {int(match.group(1))}")
-    if expected_hash is not None and commit.spec_hash != expected_hash:
-        raise CorruptSharded(f"written for another job: spec hash {commit.spec_hash}, this job's is {expected_hash} "
-                             "(model, dataset, training or topology differ)")
+    if expected is not None:
+        verdict = commit.written.judge(expected)
+        if not verdict.ok:
+            raise CorruptSharded(f"written for another job: {verdict.reason}")
     verify(path, commit)
+    check_contents(dcp_reader.Reader(path, commit.lengths), commit)
     return commit
+
+
+def check_contents(reader: Any, commit: Commit, names: list[str] | None = None) -> None:
+    """What a hash cannot tell (a writer of the directory or bucket rewrites a commit too): `.metadata` reads as
+    DCP's metadata of the commit's files (dcp_reader: nothing unpickled), and every non-tensor value in `names`
+    (all files when None) loads weights-only; CorruptSharded naming the fault."""
+    if METADATA not in commit.files:
+        raise CorruptSharded(f"COMMIT lists no {METADATA}")
+    try:
+        metadata = reader.read_metadata()
+        dcp_reader.check_values(reader, metadata, names)
+    except dcp_reader.MetadataError as err:
+        raise CorruptSharded(f"{METADATA}: {err}") from None
 
 
 def incomplete(directory: Path) -> list[Path]:
@@ -592,15 +698,12 @@ def incomplete(directory: Path) -> list[Path]:
         return []
 
 
-def load_whole(path: Path) -> dict[str, Any]:
-    """Every tensor of checkpoint `path` whole, in one process (export, verify's eval): the model gathered.
-
-    Plain tensors, nested as saved (DCP's own reader, no process group).
-    """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
+def load_whole(path: Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """Every tensor of checkpoint `path` (under `keys` only, when given) whole, in one process (export, verify's
+    eval): the model gathered. Plain tensors, nested as saved, read through dcp_reader (nothing unpickled)."""
+    reader = dcp_reader.Reader(path, Commit.read(path).lengths)
     with alone_is_meant():
-        return _load_state_dict_from_keys(checkpoint_id=str(path))
+        return dcp_reader.load_whole(reader, keys)
 
 
 @contextlib.contextmanager

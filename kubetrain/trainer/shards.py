@@ -165,11 +165,16 @@ class ShardMeta:
                    tuple(doc["y_shape"]), str(doc["y_dtype"]), float(doc["y_max"]))
 
 
+RangeRead = Callable[[int, int], "bytes | bytearray"]
+"""`read(start, n)`: n bytes of a shard from byte `start` (fewer at its end); a bytearray where the array read
+from it should be writable in place."""
+
+
 class BadShard(Exception):
     """A shard that is not an .npz of x and y, nor a Parquet file of the columns asked for."""
 
 
-def _zip_members(read: Callable[[int, int], bytes], size: int) -> dict[str, tuple[int, int, int]]:
+def _zip_members(read: RangeRead, size: int) -> dict[str, tuple[int, int, int]]:
     """{member name: (local header offset, compressed size, method)} from a zip's central directory."""
     tail_start = max(0, size - ZIP_TAIL_BYTES)
     tail = read(tail_start, size - tail_start)
@@ -206,7 +211,7 @@ def _zip_members(read: Callable[[int, int], bytes], size: int) -> dict[str, tupl
     return members
 
 
-def _zip64_extra(extra: bytes, comp: int, uncomp: int, offset: int) -> tuple[int, int]:
+def _zip64_extra(extra: bytes | bytearray, comp: int, uncomp: int, offset: int) -> tuple[int, int]:
     pos = 0
     while pos + 4 <= len(extra):
         tag, length = struct.unpack("<HH", extra[pos:pos + 4])
@@ -223,7 +228,7 @@ def _zip64_extra(extra: bytes, comp: int, uncomp: int, offset: int) -> tuple[int
     raise BadShard("a zip64 member without its sizes")
 
 
-def _member_start(read: Callable[[int, int], bytes], offset: int) -> tuple[int, bytes]:
+def _member_start(read: RangeRead, offset: int) -> tuple[int, bytes | bytearray]:
     """(where the member's data starts, its first bytes) from its local header."""
     head = read(offset, 30 + NPY_HEADER_BYTES)
     if head[:4] != b"PK\x03\x04":
@@ -240,7 +245,7 @@ AST constructor recursion depth mismatch" (tests/trainer/test_shards.py, 2026-12
 microseconds each."""
 
 
-def _npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
+def _npy_header(data: bytes | bytearray) -> tuple[tuple[int, ...], np.dtype, int]:
     """(shape, dtype, header length) of an .npy file's first bytes."""
     f = io.BytesIO(data)
     try:
@@ -257,9 +262,21 @@ def _npy_header(data: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
     return tuple(shape), dtype, f.tell()
 
 
-def _npz_member(read: Callable[[int, int], bytes], members: dict[str, tuple[int, int, int]], name: str,
+MAX_DEFLATE_RATIO = 1032
+"""The most bytes deflate can expand one byte of input to (zlib's own bound: 258-byte matches from 2-bit
+codes): a member that declares more than its compressed size times this is lying, and is refused before any
+byte is inflated."""
+
+
+def _npz_member(read: RangeRead, members: dict[str, tuple[int, int, int]], name: str,
                 whole: bool) -> tuple[tuple[int, ...], np.dtype, np.ndarray | None]:
-    """The shape and dtype of member `name` (`x.npy`), and with `whole` its array."""
+    """The shape and dtype of member `name` (`x.npy`), and with `whole` its array.
+
+    The shard is untrusted (anyone who writes the bucket or the directory writes it): its header's shape is
+    checked against what the member's bytes can hold before anything is inflated, and inflating stops at the
+    size that shape declares, so a small shard never becomes a large allocation (a 509 KiB shard whose y.npy
+    inflated to 1 GiB is refused).
+    """
     if name not in members:
         raise BadShard(f"has no array {name.removesuffix('.npy')!r} (found "
                        f"{', '.join(sorted(m.removesuffix('.npy') for m in members)) or 'none'})")
@@ -267,20 +284,36 @@ def _npz_member(read: Callable[[int, int], bytes], members: dict[str, tuple[int,
     start, first = _member_start(read, offset)
     if method not in (0, 8):
         raise BadShard(f"{name}: zip compression method {method} (numpy writes stored or deflated members)")
-    raw = read(start, comp) if whole else first
-    if method == 8:
-        try:
-            raw = zlib.decompressobj(-15).decompress(raw, 0 if whole else NPY_HEADER_BYTES)
-        except zlib.error as err:
-            raise BadShard(f"{name}: damaged: {err}") from None
-    shape, dtype, header = _npy_header(raw[:NPY_HEADER_BYTES] if not whole else raw)
+    try:
+        head = zlib.decompressobj(-15).decompress(first, NPY_HEADER_BYTES) if method == 8 else first
+    except zlib.error as err:
+        raise BadShard(f"{name}: damaged: {err}") from None
+    shape, dtype, header = _npy_header(head[:NPY_HEADER_BYTES])
     if not whole:
         return shape, dtype, None
-    count = int(np.prod(shape)) if shape else 1
-    body = raw[header:header + count * dtype.itemsize]
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    want = header + count * dtype.itemsize
+    most = comp if method == 0 else comp * MAX_DEFLATE_RATIO
+    if want > most:
+        raise BadShard(f"{name}: its header declares {want} bytes ({shape} of {dtype}), more than its {comp} "
+                       f"{'stored' if method == 0 else 'compressed'} bytes can hold")
+    raw = read(start, comp)
+    if method == 8:
+        inflate = zlib.decompressobj(-15)
+        try:
+            raw = inflate.decompress(raw, want)
+            beyond = inflate.decompress(inflate.unconsumed_tail, 1) if len(raw) == want else b""
+        except zlib.error as err:
+            raise BadShard(f"{name}: damaged: {err}") from None
+        if beyond:
+            raise BadShard(f"{name}: inflates past the {want} bytes its header declares ({shape} of {dtype}): refused")
+    body = memoryview(raw)[header:want]
     if len(body) != count * dtype.itemsize:
         raise BadShard(f"{name}: truncated")
-    return shape, dtype, np.frombuffer(body, dtype=dtype).reshape(shape)
+    array = np.frombuffer(body, dtype=dtype).reshape(shape)
+    # Writable, as np.load's are (torch warns of a tensor over read-only memory): in place over a bytearray
+    # (a stored member read by decode_shard), a copy of what inflating made.
+    return shape, dtype, array if array.flags.writeable else array.copy()
 
 
 @dataclass(frozen=True)
@@ -634,18 +667,33 @@ class _Prefetcher:
                     self._wake.wait(5.0)
 
 
+def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """x and y of an .npz file, through the index's bounded reader (_npz_member), not np.load: numpy allocates
+    what a member's header declares and zipfile inflates what its directory declares, both written by whoever
+    wrote the file. BadShard naming the fault."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+
+            def read(start: int, n: int) -> bytearray:
+                buffer = bytearray(max(0, min(n, size - start)))
+                got = os.preadv(f.fileno(), [buffer], start) if buffer else 0
+                return buffer if got == len(buffer) else buffer[:got]
+
+            members = _zip_members(read, size)
+            _, _, x = _npz_member(read, members, "x.npy", whole=True)
+            _, _, y = _npz_member(read, members, "y.npy", whole=True)
+    except OSError as err:
+        raise BadShard(f"cannot be read: {err.strerror or err}") from None
+    except struct.error as err:
+        raise BadShard(f"a damaged zip file: {err}") from None
+    assert x is not None and y is not None
+    return x, y
+
+
 def decode_shard(path: Path, columns: Columns, where: str) -> tuple[np.ndarray, np.ndarray]:
     if path.name.endswith(".npz"):
-        try:
-            with np.load(path, allow_pickle=False) as arrays:
-                missing = [k for k in ("x", "y") if k not in arrays.files]
-                if missing:
-                    raise BadShard(f"has no array {' or '.join(map(repr, missing))}")
-                return arrays["x"], arrays["y"]
-        except BadShard:
-            raise
-        except Exception as err:  # noqa: BLE001 - zipfile.BadZipFile, ValueError, OSError
-            raise BadShard(f"not a readable .npz file: {type(err).__name__}: {err}") from None
+        return read_npz(path)
     import pyarrow.parquet as pq
 
     try:

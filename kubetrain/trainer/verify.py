@@ -27,13 +27,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kubetrain.shared.checkpoints import (FILE_PATTERN, LATEST, RUN_JOB_FILE, SHARDED_PATTERN, read_latest,
-                                          replica_dirs)
+from kubetrain.shared.checkpoints import (FILE_PATTERN, LATEST, MIRROR_PROBLEMS, RUN_JOB_FILE, SHARDED_PATTERN,
+                                          read_latest, replica_dirs, step_of)
 from kubetrain.shared.files import unreadable
 from kubetrain.api import InvalidSpec, TrainingJob, load_one
 
 from . import sharded
-from .checkpoint import CheckpointStore, CorruptCheckpoint, spec_hash
+from kubetrain.api.identity import JobIdentity
+
+from .checkpoint import CheckpointStore, CorruptCheckpoint
 from .errors import TrainerError
 from .models import evaluate, model_and_data
 
@@ -93,39 +95,38 @@ def layout(directory: str | Path, job_file: str | Path | None = None) -> Layout:
     return Layout(directory, job, Path(job_file) if job_file else None, replicas)
 
 
-def check_file(path: Path, expected_hash: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def check_file(path: Path, expected: JobIdentity | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The verdict on one checkpoint file, and its state when it is usable."""
     match = FILE_PATTERN.fullmatch(path.name)
     # lstat: a link is judged (and refused) itself, never the file it points to.
     entry: dict[str, Any] = {"file": str(path), "step": int(match.group(1)) if match else None,
                              "bytes": path.lstat().st_size, "spec_hash": None, "ok": False, "error": None}
     try:
-        step, written_hash, state = CheckpointStore._read(path)
+        written, state = CheckpointStore._read(path)
     except CorruptCheckpoint as err:
         entry["error"] = f"corrupt: {err}"
         return entry, None
     except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file does not load
         entry["error"] = f"does not load: {type(err).__name__}: {err}"
         return entry, None
-    entry["spec_hash"] = written_hash
-    if entry["step"] is not None and step != entry["step"]:
-        entry["error"] = f"its header says step {step}, its name step {entry['step']}"
-    elif expected_hash is not None and written_hash != expected_hash:
-        entry["error"] = (f"written for another job: spec hash {written_hash}, this job's is {expected_hash} "
-                          "(model, dataset, training or topology differ)")
+    entry["spec_hash"] = written.spec_hash
+    entry["written_by"] = written.release or "0.1.0 or earlier"
+    verdict = written.judge(expected) if expected is not None else None  # (a header's step off its name: corrupt)
+    if verdict is not None and not verdict.ok:
+        entry["error"] = f"written for another job: {verdict.reason}"
     else:
         entry["ok"] = True
         return entry, state
     return entry, None
 
 
-def check_sharded(path: Path, expected_hash: str | None, load: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def check_sharded(path: Path, expected: JobIdentity | None, load: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The verdict on one sharded checkpoint (its COMMIT and every file), and its whole state when `load`."""
     match = SHARDED_PATTERN.fullmatch(path.name)
     entry: dict[str, Any] = {"directory": str(path), "step": int(match.group(1)) if match else None, "files": 0,
                              "bytes": 0, "spec_hash": None, "world_size": None, "ok": False, "error": None}
     try:
-        commit = sharded.check(path, expected_hash)
+        commit = sharded.check(path, expected)
     except sharded.CorruptSharded as err:
         entry["error"] = f"corrupt: {err}"
         return entry, None
@@ -178,10 +179,11 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
     """
     where = layout(directory, job_file)
     job = where.job
-    expected = spec_hash(job.spec) if job else None
+    expected = JobIdentity.of(job.spec) if job else None
     report: dict[str, Any] = {
         "directory": str(where.directory), "job_file": str(where.job_file) if where.job_file else None,
-        "job": job.name if job else None, "mode": job.spec.mode if job else None, "spec_hash": expected,
+        "job": job.name if job else None, "mode": job.spec.mode if job else None,
+        "spec_hash": expected.spec_hash if expected else None,
         "replicas": {}, "evaluations": [], "problems": [], "notes": [],
     }
     usable: dict[int, dict[str, dict[str, Any]]] = {}  # step -> replica -> state
@@ -216,9 +218,12 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
         except OSError as err:  # a link or FIFO in its place (reading a FIFO would hang)
             latest = None
             report["problems"].append(f"{path / LATEST}: {unreadable(err)}")
-        if latest is not None and not (path / latest).exists():
+        if latest is not None and step_of(latest) is None:  # never a path: `latest` is as untrusted as the rest
+            report["problems"].append(f"{path / LATEST}: holds {latest[:80]!r}, not a checkpoint's name")
+        elif latest is not None and not (path / latest).exists():
             report["problems"].append(f"{path / LATEST}: points to {latest}, which does not exist")
         report["replicas"][replica] = {"directory": str(path), "latest": latest, "checkpoints": entries}
+    report["problems"].extend(mirror_problems(where.directory))
     if job is None:
         report["notes"].append("no job file: the spec hash and the eval were not checked (pass the job's manifest)")
     elif job.spec.script is not None:
@@ -241,6 +246,16 @@ def verify_checkpoints(directory: str | Path, job_file: str | Path | None = None
     return report
 
 
+def mirror_problems(directory: Path) -> list[str]:
+    """What a copy of a bucket's checkpoints (object_checkpoints.mirror) found and left out: objects missing, or
+    not what their commits say."""
+    try:
+        found = json.loads((directory / MIRROR_PROBLEMS).read_text())
+    except (OSError, ValueError):
+        return []
+    return [str(p) for p in found] if isinstance(found, list) else []
+
+
 def _model_replicas(job: TrainingJob, where: Layout) -> set[str]:
     """The replicas whose checkpoints hold the model: every shard of a PS job, else the one directory."""
     if job.spec.mode == "ParameterServer":
@@ -255,7 +270,7 @@ def final_parameters(directory: str | Path, job_file: str | Path | None = None) 
     where = layout(directory, job_file)
     if where.job is None:
         raise VerifyError(f"{directory}: no job.yaml here; pass the job's manifest to know its model")
-    expected = spec_hash(where.job.spec)
+    expected = JobIdentity.of(where.job.spec)
     replicas = _model_replicas(where.job, where)
     by_step: dict[int, dict[str, dict[str, Any]]] = {}
     for replica in replicas:
@@ -272,9 +287,10 @@ def final_parameters(directory: str | Path, job_file: str | Path | None = None) 
                 break
     complete = [step for step, states in by_step.items() if set(states) == replicas]
     if not complete:
-        raise VerifyError(f"{directory}: no valid checkpoint of job {where.job.name} (spec hash {expected})")
+        raise VerifyError(f"{directory}: no valid checkpoint of job {where.job.name} (spec hash "
+                          f"{expected.spec_hash})")
     step = max(complete)
-    return {"directory": str(where.directory), "step": step, "spec_hash": expected, "job": where.job,
+    return {"directory": str(where.directory), "step": step, "spec_hash": expected.spec_hash, "job": where.job,
             "mode": where.job.spec.mode, "params": model_parameters(where.job, by_step[step])}
 
 

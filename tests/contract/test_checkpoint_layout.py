@@ -21,7 +21,7 @@ def test_step_of_names_only_checkpoints(name, step):
 
 def test_the_supervisor_reads_the_step_the_trainer_wrote(tmp_path):
     assert latest_step(tmp_path) is None  # no checkpoint yet
-    store = CheckpointStore(tmp_path, keep_last=2, spec_hash="h", background=False)
+    store = CheckpointStore(tmp_path, keep_last=2, identity="h", background=False)
     store.save(30, {"w": torch.zeros(3)})
     store.save(40, {"w": torch.ones(3)})
     assert (read_latest(tmp_path), latest_step(tmp_path)) == (file_name(40), 40)

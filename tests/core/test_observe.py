@@ -61,6 +61,15 @@ def test_unmeasured_gauges_are_nan_and_are_left_out_of_the_progress():
     assert progress.eval_accuracy is None and progress.checkpoint_step is None
 
 
+def test_checkpoints_the_chief_set_aside_are_read_from_its_counter():
+    text = "\n".join(['kubetrain_training_step{job="j"} 40.0',
+                      'kubetrain_checkpoints_set_aside_total{job="j",role="single",replica="single-0"} 2.0',
+                      'kubetrain_checkpoints_set_aside_created{job="j",role="single",replica="single-0"} 1.8e9'])
+    progress = progress_from(parse_metrics(text))
+    assert progress is not None and progress.set_aside == 2 and progress.set_aside_detail is None
+    assert progress_from(parse_metrics('kubetrain_training_step{job="j"} 40.0')).set_aside is None
+
+
 def test_a_scripts_reported_values_come_by_name_and_stay_bounded():
     from kubetrain.api.spec import MAX_REPORTED_METRICS
 

@@ -501,3 +501,23 @@ def test_a_fine_tune_s_final_evaluation_reaches_the_status_loss_and_perplexity()
     old = {"state": "Running", "startTime": iso(T0), "progress": {"step": 20, "totalSteps": 30, "evalLoss": 4.1}}
     progress = to_dict(reconcile(j, "u", "t", pods, old, T0 + 1).status)["progress"]
     assert (progress["evalLoss"], progress["evalPerplexity"]) == (3.9, 49.4)
+
+
+def test_checkpoints_set_aside_at_a_restore_are_one_warning_per_process_naming_which_and_why():
+    j = job()
+    pods = {n: Pod(n, "Running") for n in ("ps-0", "worker-0", "worker-1")}
+    status = {"state": "Running", "startTime": iso(0)}
+    reading = ProgressReading(step=21, checkpoint_step=20, set_aside=1,
+                              set_aside_detail="ckpt-00000030.pt: sha256 mismatch")
+    act = reconcile(j, "u", "t", pods, status, 10.0, reading)
+    warnings = [e for e in act.events if e[1] == "CheckpointSetAside"]
+    assert len(warnings) == 1 and warnings[0][0] == "Warning"
+    assert "1 damaged checkpoint(s) set aside" in warnings[0][2] and "ckpt-00000030.pt: sha256 mismatch" in warnings[0][2]
+    again = reconcile(j, "u", "t", pods, to_dict(act.status), 20.0, ProgressReading(step=22, set_aside=1))
+    assert not [e for e in again.events if e[1] == "CheckpointSetAside"], "once per process"
+    # A cluster reads only the count: the chief's log names them.
+    later = to_dict(again.status)
+    later["restarts"] = 1
+    restarted = reconcile(j, "u", "t", pods, later, 30.0, ProgressReading(step=23, set_aside=1))
+    [(_, _, message)] = [e for e in restarted.events if e[1] == "CheckpointSetAside"]
+    assert "the chief replica's log names each" in message

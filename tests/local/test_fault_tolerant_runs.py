@@ -47,7 +47,8 @@ from helpers.jsonl import read_events
 from helpers.wait import wait_for
 from kubetrain.api import load_one
 from kubetrain.shared.launch import FT_COUNT_VAR, FT_HOLD_VAR, FT_JOIN_DELAY_VAR, SLOWDOWN_VAR
-from kubetrain.trainer.checkpoint import CheckpointStore, spec_hash
+from kubetrain.api.identity import JobIdentity
+from kubetrain.trainer.checkpoint import CheckpointStore
 from support import EXAMPLES, job_doc, kubetrain
 
 GROUPS = ("ddp-0", "ddp-1", "ddp-2")
@@ -150,7 +151,7 @@ def final_models(run: Path, groups: tuple[str, ...]) -> dict[str, dict[str, torc
     last = json.loads((run / "summary.json").read_text())["steps"]
     out = {}
     for group in groups:
-        step, state = CheckpointStore(run / "checkpoints" / group, 3, spec_hash(job.spec)).load_latest()
+        step, state = CheckpointStore(run / "checkpoints" / group, 3, JobIdentity.of(job.spec)).load_latest()
         assert step == last, (group, step, last)
         out[group] = state["model"]
     return out

@@ -20,7 +20,7 @@ from helpers.jsonl import read_events
 from objstorelib import DIGITS_SHARDS, put_digits, secret_free, tree
 from support import EXAMPLES, ROOT, job_doc, kubetrain
 from kubetrain.api import load_one
-from kubetrain.trainer.checkpoint import spec_hash
+from kubetrain.api.identity import JobIdentity
 from kubetrain.trainer.object_checkpoints import ObjectCheckpointStore
 from kubetrain.trainer.objstore import ObjectURI
 from kubetrain.trainer.shards import eval_shards
@@ -42,7 +42,7 @@ def run(tmp_path: Path, s3, doc: dict, name: str, *args: str):
 def newest_state(s3, uri: str, replica: str, run_dir: Path) -> tuple[int, dict]:
     """The newest committed checkpoint of `replica` under the job's URI, read back as a restart reads it."""
     spec = load_one(run_dir / "job.yaml").spec
-    store = ObjectCheckpointStore(run_dir / "reread" / replica, _prefix(uri, replica), 100, spec_hash(spec),
+    store = ObjectCheckpointStore(run_dir / "reread" / replica, _prefix(uri, replica), 100, JobIdentity.of(spec),
                                   store=s3.store())
     return store.load_latest()
 

@@ -16,12 +16,13 @@ from helpers.jsonl import read_events
 from support import EXAMPLES, job_doc, kubetrain
 from kubetrain.drivers.local.summary import SUMMARY_KEYS
 from kubetrain.api import load_one
-from kubetrain.trainer.checkpoint import CheckpointStore, spec_hash
+from kubetrain.api.identity import JobIdentity
+from kubetrain.trainer.checkpoint import CheckpointStore
 
 
 def final_parameters(run_dir, replica="single-0"):
     spec = load_one(run_dir / "job.yaml").spec
-    store = CheckpointStore(run_dir / "checkpoints" / replica, keep_last=100, spec_hash=spec_hash(spec))
+    store = CheckpointStore(run_dir / "checkpoints" / replica, keep_last=100, identity=JobIdentity.of(spec))
     step, state = store.load_latest()
     return step, state["model"]
 

@@ -100,7 +100,7 @@ def damaged_copy(runs, tmp_path: Path, damage: str) -> tuple[Path, str]:
         ("truncated", "corrupt: payload is"),
         ("flipped byte", "corrupt: sha256 mismatch"),
         ("not a checkpoint", "corrupt: not a kubetrain checkpoint"),
-        ("another job", "written for another job: spec hash"),
+        ("another job", "written for another job: training.optimizer.learningRate: 0.1 in the checkpoint, 0.05 in this job"),
         ("renamed", "its header says step 40, its name step 60"),
     ],
 )

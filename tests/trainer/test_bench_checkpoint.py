@@ -23,6 +23,8 @@ def test_bench_checkpoint_measures_sync_and_background_saves_in_one_run(tmp_path
     assert result["ratio_stall_to_sync"] == pytest.approx(result["stall_seconds"] / result["sync_write_seconds"],
                                                           rel=0.01, abs=1e-4)
     assert set(result["step_seconds"]) == {"none", "checkpoints"}
+    assert result["restore_seconds"] > 0 and result["ratio_restore_to_sync"] == pytest.approx(
+        result["restore_seconds"] / result["sync_write_seconds"], rel=0.01, abs=1e-4)
     assert list(tmp_path.iterdir()) == [out], "the checkpoints go into a temporary directory that is removed"
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kubetrain.api import from_spec_dict
-from kubetrain.trainer.checkpoint import CheckpointStore, capture_rng_state, restore_rng_state, spec_hash
+from kubetrain.api.identity import spec_hash
+from kubetrain.trainer.checkpoint import CheckpointStore, capture_rng_state, restore_rng_state
 from kubetrain.trainer.errors import ConfigError, TransientError
 
 
@@ -21,7 +22,7 @@ def state(step: int) -> dict:
 
 def test_save_writes_a_verified_file_then_the_latest_pointer(tmp_path: Path) -> None:
     persisted = []
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", on_persisted=lambda info, s: persisted.append(info))
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h", on_persisted=lambda info, s: persisted.append(info))
     store.save(7, state(7))
     store.wait()
     assert [p.name for p in sorted(tmp_path.iterdir())] == ["ckpt-00000007.pt", "latest"]
@@ -34,7 +35,7 @@ def test_save_writes_a_verified_file_then_the_latest_pointer(tmp_path: Path) -> 
 
 
 def test_save_snapshots_state_before_returning(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h")
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h")
     weights = torch.zeros(1000)
     store.save(1, {"weights": weights})
     weights += 1  # the training loop moves on while the file is written
@@ -43,21 +44,30 @@ def test_save_snapshots_state_before_returning(tmp_path: Path) -> None:
 
 
 def test_keep_last_prunes_older_checkpoints(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=2, spec_hash="h")
+    store = CheckpointStore(tmp_path, keep_last=2, identity="h")
     for step in (10, 20, 30, 40):
         store.save(step, state(step))
     store.wait()
     assert [i.step for i in store.list()] == [30, 40]
 
 
-def test_temporary_files_of_a_killed_writer_are_removed_and_ignored(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h")
+def test_temporary_files_of_a_killed_writer_are_removed_at_the_restore_and_ignored(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h")
     store.save(10, state(10))
     store.wait()
     (tmp_path / ".ckpt-00000020.pt.tmp").write_bytes(b"half a checkpoint")
-    reopened = CheckpointStore(tmp_path, keep_last=3, spec_hash="h")
-    assert not (tmp_path / ".ckpt-00000020.pt.tmp").exists()
+    reopened = CheckpointStore(tmp_path, keep_last=3, identity="h")
     assert reopened.load_latest()[0] == 10
+    assert not (tmp_path / ".ckpt-00000020.pt.tmp").exists()
+
+
+def test_a_directory_of_another_jobs_checkpoints_is_refused_with_nothing_removed(tmp_path: Path) -> None:
+    CheckpointStore(tmp_path, keep_last=3, identity="theirs", background=False).save(10, state(10))
+    (tmp_path / ".ckpt-00000020.pt.tmp").write_bytes(b"their write in flight")
+    with pytest.raises(ConfigError, match="different spec"):
+        CheckpointStore(tmp_path, keep_last=3, identity="mine").load_latest()
+    assert (tmp_path / ".ckpt-00000020.pt.tmp").read_bytes() == b"their write in flight"
+    assert (tmp_path / "ckpt-00000010.pt").is_file()
 
 
 @pytest.mark.parametrize(
@@ -72,7 +82,7 @@ def test_temporary_files_of_a_killed_writer_are_removed_and_ignored(tmp_path: Pa
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage
 ) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h", background=False)
     store.save(10, state(10))
     store.save(20, state(20))
     newest = tmp_path / "ckpt-00000020.pt"
@@ -85,18 +95,18 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path / "new", keep_last=3, spec_hash="h")
+    store = CheckpointStore(tmp_path / "new", keep_last=3, identity="h")
     assert store.load_latest() is None and store.latest_step() is None
 
 
 def test_a_checkpoint_of_another_spec_is_refused(tmp_path: Path) -> None:
-    CheckpointStore(tmp_path, keep_last=3, spec_hash="aaaa", background=False).save(5, state(5))
-    with pytest.raises(ConfigError, match=r"different spec \(hash aaaa, this job bbbb\)"):
-        CheckpointStore(tmp_path, keep_last=3, spec_hash="bbbb").load_latest()
+    CheckpointStore(tmp_path, keep_last=3, identity="aaaa", background=False).save(5, state(5))
+    with pytest.raises(ConfigError, match=r"different spec: its hash is aaaa, this store's bbbb"):
+        CheckpointStore(tmp_path, keep_last=3, identity="bbbb").load_latest()
 
 
 def test_a_failed_write_surfaces_as_transient_error(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path / "ckpt", keep_last=3, spec_hash="h")
+    store = CheckpointStore(tmp_path / "ckpt", keep_last=3, identity="h")
     (tmp_path / "ckpt").rmdir()
     (tmp_path / "ckpt").write_text("a file where the directory was")
     store.save(1, state(1))
@@ -126,7 +136,7 @@ def test_spec_hash_follows_the_fields_that_change_the_math(change: dict, same: b
 
 def test_rng_states_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
     torch.manual_seed(1), np.random.seed(1), random.seed(1)
-    store = CheckpointStore(tmp_path, keep_last=1, spec_hash="h", background=False)
+    store = CheckpointStore(tmp_path, keep_last=1, identity="h", background=False)
     store.save(1, {"rng": capture_rng_state()})
     expected = (torch.rand(3), np.random.rand(3), random.random())
     restore_rng_state(store.load_latest()[1]["rng"])
@@ -140,7 +150,7 @@ def test_a_payload_that_hashes_right_but_does_not_load_is_set_aside(tmp_path: Pa
 
     from kubetrain.trainer.checkpoint import MAGIC
 
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h", background=False)
     store.save(10, state(10))
     payload = b"not a torch file at all"
     header = {"step": 20, "spec_hash": "h", "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
@@ -153,11 +163,11 @@ def test_a_payload_that_hashes_right_but_does_not_load_is_set_aside(tmp_path: Pa
 def test_a_fifo_or_a_symlink_named_like_a_checkpoint_is_skipped(tmp_path: Path, caplog) -> None:
     import os
 
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h", background=False)
     store.save(10, state(10))
     os.mkfifo(tmp_path / "ckpt-00000030.pt")  # reading it would block the start for ever
     elsewhere = tmp_path.parent / f"{tmp_path.name}-outside.pt"
-    CheckpointStore(tmp_path.parent / "other", keep_last=3, spec_hash="h", background=False).save(40, state(40))
+    CheckpointStore(tmp_path.parent / "other", keep_last=3, identity="h", background=False).save(40, state(40))
     elsewhere.write_bytes((tmp_path.parent / "other" / "ckpt-00000040.pt").read_bytes())
     (tmp_path / "ckpt-00000040.pt").symlink_to(elsewhere)
     (tmp_path / "latest").unlink()

@@ -59,7 +59,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
 
 
 def test_a_save_while_a_write_is_in_flight_waits_for_it(tmp_path: Path, gate: Gate) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h")
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h")
     store.save(1, state(1))
     assert gate.entered.wait(30) and store.in_flight
     second = threading.Thread(target=store.save, args=(2, state(2)))
@@ -81,11 +81,11 @@ def test_the_reported_step_only_ever_names_a_durable_verified_file(tmp_path: Pat
         # What the metrics and the event log are told: the file is in place,
         # `latest` names it, it verifies, and no temporary file is left.
         assert (tmp_path / "latest").read_text().strip() == info.path.name
-        assert CheckpointStore._read(info.path)[0] == info.step
+        assert CheckpointStore._read(info.path)[0].step == info.step
         assert not list(tmp_path.glob(".ckpt-*.tmp"))
         reported.append(info.step)
 
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", on_persisted=on_persisted)
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h", on_persisted=on_persisted)
     gate.release.set()
     store.save(1, state(1))
     store.wait()
@@ -114,7 +114,7 @@ def test_a_file_that_reads_back_wrong_is_never_named_and_fails_the_next_save(
             f.write(bytes([byte[0] ^ 0xFF]))
         real(path, *args)
 
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h")
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h")
     store.save(1, state(1))
     store.wait()
     monkeypatch.setattr(checkpoint, "_verify_written", bad_disk)
@@ -131,7 +131,7 @@ def test_a_file_that_reads_back_wrong_is_never_named_and_fails_the_next_save(
 
 def test_a_failed_background_write_surfaces_at_the_next_save_which_writes_nothing(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
-    store = CheckpointStore(directory, keep_last=3, spec_hash="h")
+    store = CheckpointStore(directory, keep_last=3, identity="h")
     directory.rmdir()  # the volume went away under the writer
     store.save(1, state(1))
     with pytest.raises(TransientError, match="could not be written"):
@@ -144,7 +144,7 @@ def test_a_failed_background_write_surfaces_at_the_next_save_which_writes_nothin
 
 
 def test_the_copy_is_deep_and_its_buffers_are_reused_without_leaking_into_earlier_files(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=5, spec_hash="h")
+    store = CheckpointStore(tmp_path, keep_last=5, identity="h")
     weights, history, meta = torch.zeros(1000), [0.5], {"epoch": 1, "names": ["a"]}
     user_state = {"weights": weights, "history": history, "meta": meta, "shape": torch.Size([2, 3])}
     store.save(1, user_state)
@@ -158,7 +158,7 @@ def test_the_copy_is_deep_and_its_buffers_are_reused_without_leaking_into_earlie
     user_state["extra"] = torch.arange(4)  # a new entry gets a buffer of its own
     store.save(3, user_state)
     store.wait()
-    one, two, three = (CheckpointStore._read(store.path_of(s))[2] for s in (1, 2, 3))
+    one, two, three = (CheckpointStore._read(store.path_of(s))[1] for s in (1, 2, 3))
     assert float(one["weights"].sum()) == 0.0 and one["history"] == [0.5] and one["meta"] == {"epoch": 1, "names": ["a"]}
     assert float(two["weights"].sum()) == 1000.0 and two["history"] == [0.5, 0.25]
     assert two["meta"] == {"epoch": 2, "names": ["a", "b"]} and two["shape"] == torch.Size([2, 3])
@@ -176,7 +176,7 @@ def test_snapshot_buffers_follow_changed_shapes_and_release_removed_entries() ->
 
 
 def test_a_synchronous_store_is_durable_when_save_returns(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path, keep_last=3, spec_hash="h", background=False)
+    store = CheckpointStore(tmp_path, keep_last=3, identity="h", background=False)
     store.save(4, state(4))
     assert not store.in_flight and store.durable_step == 4 and store.latest_step() == 4
 
@@ -191,7 +191,7 @@ def test_files_with_the_earlier_unpadded_header_still_load(tmp_path: Path) -> No
     data = payload.getvalue()
     header = {"step": 9, "spec_hash": "h", "length": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (tmp_path / "ckpt-00000009.pt").write_bytes(MAGIC + json.dumps(header).encode() + b"\n" + data)
-    step, loaded = CheckpointStore(tmp_path, keep_last=3, spec_hash="h").load_latest()
+    step, loaded = CheckpointStore(tmp_path, keep_last=3, identity="h").load_latest()
     assert step == 9 and float(loaded["weights"][0, 0]) == 9.0
 
 
@@ -233,7 +233,7 @@ KILLED_WRITER = textwrap.dedent("""
             return real_atomic(path, write, verify)
         checkpoint.atomic_write = atomic
 
-    store = checkpoint.CheckpointStore(directory, keep_last=3, spec_hash="h")
+    store = checkpoint.CheckpointStore(directory, keep_last=3, identity="h")
     store.save(1, {"w": torch.full((1 << 20,), 1.0), "step": 1})
     store.wait()
     armed.set()
@@ -270,8 +270,8 @@ def test_a_process_killed_during_a_background_write_resumes_from_the_newest_vali
     assert child.returncode == -9
     leftovers = list(directory.glob(".ckpt-*.tmp"))
     assert bool(leftovers) == (stage != "before-latest")
-    store = CheckpointStore(directory, keep_last=3, spec_hash="h")  # the restarted process
-    assert not list(directory.glob(".ckpt-*.tmp"))
+    store = CheckpointStore(directory, keep_last=3, identity="h")  # the restarted process
     step, loaded = store.load_latest()
+    assert not list(directory.glob(".ckpt-*.tmp"))  # removed once the restore knows the directory is its job's
     assert step == resumed and loaded["step"] == resumed
     assert torch.equal(loaded["w"], torch.full((1 << 20,), float(resumed)))

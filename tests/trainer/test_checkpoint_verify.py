@@ -22,7 +22,7 @@ def state(step: int) -> dict:
 
 def store_with(tmp_path: Path, *steps: int) -> tuple[Path, CheckpointStore]:
     directory = tmp_path / "single-0"
-    store = CheckpointStore(directory, keep_last=5, spec_hash="h", background=False)
+    store = CheckpointStore(directory, keep_last=5, identity="h", background=False)
     for step in steps:
         store.save(step, state(step))
     return directory, store

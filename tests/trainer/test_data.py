@@ -146,7 +146,7 @@ class BadInput:
 BAD_INPUTS = [
     BadInput("missing npz", {"path": "{tmp}/none.npz"}, LoadError, "spec.dataset.path: {tmp}/none.npz: no such file"),
     BadInput("npz without y", {"path": "{tmp}/no_y.npz"}, LoadError, "has no array 'y' (found x)"),
-    BadInput("not an npz", {"path": "{tmp}/text.npz"}, LoadError, "not a readable .npz file"),
+    BadInput("not an npz", {"path": "{tmp}/text.npz"}, LoadError, "not a zip file (an .npz is one)"),
     BadInput("entrypoint module missing", {"entrypoint": "nosuchmodule:make"}, LoadError,
              "spec.dataset.entrypoint: nosuchmodule:make: cannot import 'nosuchmodule'"),
     BadInput("entrypoint not callable", {"entrypoint": "math:pi"}, LoadError, "'pi' is a float, not callable"),

@@ -125,7 +125,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(single_run: Pa
     assert "step 20" in result.out
     assert f"skipped {newest}: corrupt: payload is" in result.err
     assert newest.exists()  # read only: the copy is not ours to rename
-    _, _, previous = CheckpointStore._read(replica / "ckpt-00000020.pt")
+    _, previous = CheckpointStore._read(replica / "ckpt-00000020.pt")
     torch.testing.assert_close(outputs(run, torch.load(tmp_path / "model.pt", weights_only=True)),
                                outputs(run, previous["model"]), rtol=0, atol=0)
 
@@ -192,7 +192,7 @@ def test_script_checkpoint_exports_the_saved_state_as_it_is(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     state = {"net": {"w": torch.randn(3, 2), "b": torch.zeros(2)}, "epoch": 4, "tag": "best",
              "history": [1.5, 0.25]}
-    store = CheckpointStore(tmp_path / "ckpt", keep_last=3, spec_hash="any", background=False)
+    store = CheckpointStore(tmp_path / "ckpt", keep_last=3, identity="any", background=False)
     store.save(3, {"net": {"w": torch.ones(1)}})
     store.save(8, state)
     result = export(capsys, tmp_path / "ckpt", "--out", tmp_path / "state.pt")

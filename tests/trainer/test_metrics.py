@@ -60,6 +60,7 @@ CONTRACT = {
     "kubetrain_ft_heals": "counter",
     "kubetrain_ft_heal_duration_seconds": "histogram",
     "kubetrain_checkpoint_upload_seconds": "histogram",
+    "kubetrain_checkpoints_set_aside": "counter",
     "kubetrain_object_store_bytes": "counter",
     "kubetrain_object_store_retries": "counter",
     "kubetrain_data_shard_reads": "counter",

@@ -85,8 +85,9 @@ def test_a_damaged_object_sets_its_commit_aside_and_the_previous_one_is_used(tmp
     after = tree(store.remote.store, ObjectURI(bucket, "job/single-0/"))
     assert "commits/ckpt-00000020.pt.json.corrupt" in after and "commits/ckpt-00000020.pt.json" not in after
     assert elsewhere.load_latest()[0] == 10  # and stays so
-    # The damaged object no commit names any more is a leftover: gone at the next start.
-    assert newest not in tree(store.remote.store, ObjectURI(bucket, "job/single-0/"))
+    # Set aside, never deleted: the damaged object stays for a person to look at, through later cleanups too.
+    assert tree(store.remote.store, ObjectURI(bucket, "job/single-0/"))[newest] == len(b"bit rot")
+    assert elsewhere.set_aside_log and "sha256" in elsewhere.set_aside_log[0][1]
 
 
 def test_a_checkpoint_of_another_spec_is_refused(tmp_path, s3, bucket):
@@ -194,3 +195,31 @@ def test_a_sharded_save_that_never_committed_is_never_restored_and_goes_at_the_n
     assert step == 10
     assert not [k for k in tree(s3.store(), prefix) if k.startswith("sharded-00000020")]
 
+
+
+def test_a_hash_only_checkpoint_of_0_1_0_under_a_changed_spec_is_refused_naming_the_fields(tmp_path, s3, bucket):
+    """A prefix an earlier release wrote holds commits with a hash only; the job.yaml its first writer left beside
+    them says which fields the job changed since."""
+    import yaml
+
+    from kubetrain.api import from_spec_dict
+    from kubetrain.api.identity import JobIdentity, spec_hash
+    from kubetrain.trainer.object_checkpoints import write_job
+
+    doc = {"mode": "Single", "model": {"name": "mlp", "args": {"hidden": 32}},
+           "training": {"optimizer": {"learningRate": 0.05}}}
+    old = from_spec_dict("job", doc).spec
+    client = s3.store()
+    root = ObjectURI(bucket, "old/")
+    write_job(root, yaml.safe_dump({"apiVersion": "kubetrain.dev/v1alpha1", "kind": "TrainingJob",
+                                    "metadata": {"name": "job"}, "spec": doc}).encode(), client)
+    written = ObjectCheckpointStore(tmp_path / "a", root.child("single-0/"), 3, spec_hash(old), store=client)
+    written.save(10, state(10))  # a bare hash: what 0.1.0 wrote, no identity
+    written.wait()
+    changed = from_spec_dict("job", {**doc, "training": {"optimizer": {"learningRate": 0.1}}}).spec
+    with pytest.raises(ConfigError, match=r"the manifest it was written with differs: "
+                                          r"training.optimizer.learningRate: 0.05 in the checkpoint, 0.1 in this job"):
+        ObjectCheckpointStore(tmp_path / "b", root.child("single-0/"), 3, JobIdentity.of(changed),
+                              store=client).load_latest()
+    same = ObjectCheckpointStore(tmp_path / "c", root.child("single-0/"), 3, JobIdentity.of(old), store=client)
+    assert same.load_latest()[0] == 10

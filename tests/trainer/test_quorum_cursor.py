@@ -118,3 +118,16 @@ def test_bad_states_and_sizes_are_refused_with_the_field_named():
     cursor.advance(block)
     with pytest.raises(ValueError, match="not the cursor's next"):
         cursor.share(block, 0)
+
+
+@pytest.mark.parametrize(("num_samples", "nominal", "batch"), [(1438, 2, 32), (100, 3, 7), (64, 2, 32)])
+def test_seek_puts_a_cursor_where_a_fault_free_run_is_after_that_many_steps(num_samples, nominal, batch):
+    """The migration of a fault-tolerant checkpoint of 2026-12-04 (no cursor in it: its place followed from the
+    step): seek(step) is the state a cursor reaches by `step` committed steps of every nominal rank."""
+    walked = QuorumCursor(num_samples, batch, seed=3, nominal=nominal)
+    for step in range(3 * walked.steps_per_epoch + 2):
+        sought = QuorumCursor(num_samples, batch, seed=3, nominal=nominal)
+        sought.seek(step)
+        assert sought.state_dict() == walked.state_dict(), step
+        assert sought.nominal_step == walked.nominal_step == step
+        walked.advance(walked.block(nominal))

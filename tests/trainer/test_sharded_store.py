@@ -13,6 +13,7 @@ import torch
 from kubetrain.trainer import sharded
 from kubetrain.trainer.errors import ConfigError, TransientError
 from kubetrain.shared.checkpoints import COMMIT, SHARDED_TMP_PATTERN
+from kubetrain.trainer.checkpoint import Written
 from kubetrain.trainer.sharded import Commit, CorruptSharded, ShardedCheckpointError, ShardedStore
 
 
@@ -149,5 +150,5 @@ def test_load_whole_gives_plain_tensors_nested_as_saved(tmp_path):
 
 
 def test_a_commit_round_trips():
-    commit = Commit(7, "h", 2, {"a": (1, "0" * 64), ".metadata": (2, "f" * 64)})
+    commit = Commit(Written(7, "h"), 2, {"a": (1, "0" * 64), ".metadata": (2, "f" * 64)})
     assert json.loads(commit.to_json())["files"]["a"] == {"length": 1, "sha256": "0" * 64}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from helpers.jsonl import read_events
-from kubetrain.trainer.checkpoint import CheckpointStore, spec_hash
+from kubetrain.api.identity import JobIdentity
+from kubetrain.trainer.checkpoint import CheckpointStore
 from kubetrain.trainer.errors import EXIT_OK, EXIT_TERMINATED
 from kubetrain.trainer.single import run_single
 
@@ -30,7 +31,7 @@ def events(run_dir: Path, name: str | None = None) -> list[dict]:
 
 
 def final_parameters(ctx) -> tuple[int, dict[str, torch.Tensor]]:
-    store = CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, spec_hash(ctx.spec))
+    store = CheckpointStore(ctx.checkpoint_dir, ctx.spec.checkpoint.keep_last, JobIdentity.of(ctx.spec))
     step, state = store.load_latest()
     return step, state["model"]
 

@@ -259,6 +259,7 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
     prefix = f"{REPORTED}/"
     reported = {k[len(prefix):]: v for k, v in samples.items() if k.startswith(prefix) and math.isfinite(v)}
     quorum = get(samples, "ft_quorum_participants")  # fault-tolerant DDP only
+    set_aside = get(head, "checkpoints_set_aside_total")
     return ProgressReading(
         step=int(get(head, "training_step") or 0),
         total_steps=int(total) if total else None,
@@ -271,6 +272,7 @@ def progress_from(samples: dict[str, float], checkpoint_samples: dict[str, float
         checkpoint_time=ckpt_time if ckpt_time else None,
         metrics=reported or None,
         quorum=int(quorum) if quorum is not None else None,
+        set_aside=int(set_aside) if set_aside else None,
     )
 
 

@@ -61,6 +61,8 @@ class JobProgress:
     last_step_time: float = field(default_factory=time.monotonic)
     quorum: int | None = None  # fault-tolerant DDP: replica groups in the newest quorum any group reported
     quorum_time: float = 0.0
+    set_aside: list[tuple[float, str, str]] = field(default_factory=list)
+    """(time, replica, "checkpoint: reason") of each checkpoint a restore set aside."""
 
     def fold(self, replica: str, event: dict[str, Any]) -> None:
         if "total_steps" in event and event["total_steps"]:
@@ -86,6 +88,9 @@ class JobProgress:
             for name in ("eval_accuracy", "eval_loss", "eval_perplexity"):
                 if isinstance(event.get(name), (int, float)) and math.isfinite(event[name]):
                     setattr(self, name, float(event[name]))
+        elif kind == "checkpoint_set_aside":
+            self.set_aside.append((float(event.get("time", 0.0)), replica,
+                                   f"{event.get('checkpoint')}: {event.get('reason')}"))
         elif kind == "checkpoint" and event.get("step") is not None:
             self.checkpoint_step = max(self.checkpoint_step or 0, int(event["step"]))
         elif kind in ("start", "resume") and event.get("step") is not None and not replica.startswith("worker-"):

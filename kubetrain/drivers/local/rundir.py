@@ -23,6 +23,7 @@ from kubetrain.shared.checkpoints import RUN_CHECKPOINTS, RUN_JOB_FILE, replica_
 from kubetrain.shared.files import atomic_write
 
 from kubetrain.api import TrainingJob, dump_manifest, from_object, to_manifest
+from kubetrain.api.identity import differences, explain
 from kubetrain.api.status import JobStatus, read_status, to_dict
 
 
@@ -115,9 +116,16 @@ class RunDir:
                 old_doc = yaml.safe_load(self.job_file.read_text())
             except yaml.YAMLError:
                 old_doc = None
-            if not isinstance(old_doc, dict) or sizeless(old_doc.get("spec")) != sizeless(to_manifest(job)["spec"]):
+            if not isinstance(old_doc, dict) or not isinstance(old_doc.get("spec"), dict):
+                raise RunDirError(f"{self.path}: its {self.job_file.name} is not a TrainingJob manifest; use another "
+                                  "--run-dir or delete this one")
+            # Field by field, a field the stored manifest lacks counting as its default: a run directory written
+            # by an earlier release (before a field with a default existed) reopens with the same manifest.
+            changed = differences(sizeless(old_doc["spec"]), sizeless(to_manifest(job)["spec"]))
+            if changed:
                 raise RunDirError(
-                    f"{self.path}: holds a run of a different spec (see {self.job_file}); "
+                    f"{self.path}: holds a run of a different spec (see {self.job_file}): "
+                    f"{explain(changed, recorded='in the run', current='in this manifest')}; "
                     "use another --run-dir or delete this one"
                 )
             if job.spec.replicas is None and isinstance(old_doc["spec"].get("replicas"), int):

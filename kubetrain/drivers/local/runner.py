@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from kubetrain.shared import __version__
 from kubetrain.shared.checkpoints import LATEST, RUN_CHECKPOINTS, latest_step
@@ -247,6 +247,7 @@ class Proc:
     phase: str = "Absent"  # Absent (never started, or stopped) | Running | Succeeded | Failed
     exit_code: int | None = None
     attempts: int = 0
+    started: float = 0.0  # unix seconds of the current attempt's start
 
     def observation(self) -> engine.ReplicaObservation | None:
         """The process as the engine sees a replica; None while it does not exist."""
@@ -592,7 +593,14 @@ class LocalRunner:
             samples_per_second=seen.throughput or None,
             checkpoint_step=self._checkpoint_step() or None,
             quorum=seen.quorum,
+            **self._set_aside(),
         )
+
+    def _set_aside(self) -> dict[str, Any]:
+        """The checkpoints set aside by the replicas' current processes, as a cluster reads its chief's count."""
+        found = [what for when, replica, what in self.progress.set_aside
+                 if replica in self.procs and when >= self.procs[replica].started]
+        return {"set_aside": len(found), "set_aside_detail": "; ".join(found)[:1000]} if found else {}
 
     # -- processes ------------------------------------------------------------
 
@@ -623,6 +631,7 @@ class LocalRunner:
         p.log_tail = LogTail(log_path)
         p.log = open(log_path, "a")
         p.attempts += 1
+        p.started = time.time()
         if replica.name == "ddp-0":
             self.state.group_starts += 1
         p.log.write(f"--- kubetrain: attempt {p.attempts} of {replica.name} at {iso()}\n")
