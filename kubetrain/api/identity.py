@@ -56,17 +56,22 @@ _SET = "(set)"
 
 def identity(spec: Spec) -> dict[str, Any]:
     """The math of `spec` as a document of the spec's own shape (camelCase keys, defaults filled in)."""
+    return _sections(spec, NOT_MATH)
+
+
+def _sections(spec: Spec, left_out: frozenset[str]) -> dict[str, Any]:
+    """The mode, model, dataset and training (but the fields `left_out`), and the topology (PS_MATH, DDP_MATH)
+    of `spec`; a script job's, its mode alone (its state is its own: kubetrain cannot tell which changes of
+    the script break it)."""
     doc = to_dict(spec)
     if spec.script is not None:
-        # A script's state is its own: kubetrain cannot tell which changes of the script break it.
         return {"mode": doc["mode"], "script": True}
     out: dict[str, Any] = {"mode": doc["mode"]}
     for section in ("model", "dataset", "training"):
-        out[section] = {k: v for k, v in doc.get(section, {}).items() if f"{section}.{k}" not in NOT_MATH}
-    if "parameterServer" in doc:
-        out["parameterServer"] = {k: doc["parameterServer"][k] for k in PS_MATH if k in doc["parameterServer"]}
-    if "ddp" in doc:
-        out["ddp"] = {k: doc["ddp"][k] for k in DDP_MATH if k in doc["ddp"]}
+        out[section] = {k: v for k, v in doc.get(section, {}).items() if f"{section}.{k}" not in left_out}
+    for section, kept in (("parameterServer", PS_MATH), ("ddp", DDP_MATH)):
+        if section in doc:
+            out[section] = {k: doc[section][k] for k in kept if k in doc[section]}
     return out
 
 
@@ -113,17 +118,7 @@ def _hash(doc: Any) -> str:
 
 def _hashed_sections(spec: Spec) -> dict[str, Any]:
     """What 0.1.0 and the releases before it put into the hash, from today's spec (defaults filled in)."""
-    doc = to_dict(spec)
-    if spec.script is not None:
-        return {"mode": doc["mode"], "script": True}
-    out: dict[str, Any] = {"mode": doc["mode"]}
-    for section in ("model", "dataset", "training"):
-        out[section] = {k: v for k, v in doc.get(section, {}).items() if f"{section}.{k}" not in NEVER_HASHED}
-    if "parameterServer" in doc:
-        out["parameterServer"] = {k: doc["parameterServer"][k] for k in PS_MATH}
-    if "ddp" in doc:
-        out["ddp"] = {k: doc["ddp"][k] for k in DDP_MATH}
-    return out
+    return _sections(spec, NEVER_HASHED)
 
 
 def restrict(doc: Mapping[str, Any], known: frozenset[str], cls: type | None = Spec,

@@ -142,6 +142,20 @@ class Written:
             return Verdict(False, f"its identity cannot be compared ({type(err).__name__})")
 
 
+class Records:
+    """What a commit (a volume's COMMIT, a bucket's commit object) says through its `written` record."""
+
+    written: Written
+
+    @property
+    def step(self) -> int:
+        return self.written.step
+
+    @property
+    def spec_hash(self) -> str:
+        return self.written.spec_hash
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int

@@ -45,7 +45,7 @@ from kubetrain.shared.timestamps import iso
 from kubetrain.api.identity import JobIdentity
 
 from . import dcp_reader
-from .checkpoint import CheckpointInfo, CheckpointStore, CorruptCheckpoint, Written, another_spec
+from .checkpoint import CheckpointInfo, CheckpointStore, CorruptCheckpoint, Records, Written, another_spec
 from .errors import ConfigError, LoadError, TransientError
 from .objstore import CorruptObject, ObjectStore, ObjectURI, RangeReader, file_digest, shared_store
 from .sharded import (METADATA, SHA256_HEX, Commit, CorruptSharded, ShardedCheckpointError, ShardedStore,
@@ -63,7 +63,7 @@ MAX_COMMITS = 4096
 
 
 @dataclass(frozen=True)
-class ObjectCommit:
+class ObjectCommit(Records):
     """A checkpoint in object storage: its name, what it says of the job it was written for (its step, spec hash
     and, since 0.2.0, identity: checkpoint.Written), and every object (a key relative to the replica's prefix)
     with its length and sha256."""
@@ -72,14 +72,6 @@ class ObjectCommit:
     written: Written
     objects: dict[str, tuple[int, str]]
     world_size: int = 1
-
-    @property
-    def step(self) -> int:
-        return self.written.step
-
-    @property
-    def spec_hash(self) -> str:
-        return self.written.spec_hash
 
     @property
     def sharded(self) -> bool:

@@ -63,7 +63,7 @@ from kubetrain.shared.files import PLAIN_NAME, OutsideFolder, atomic_write, conf
 from kubetrain.api.identity import JobIdentity
 
 from . import dcp_reader
-from .checkpoint import CheckpointInfo, Store, Written, another_spec, drop_cache
+from .checkpoint import CheckpointInfo, Records, Store, Written, another_spec, drop_cache
 from .errors import ConfigError, TransientError
 
 log = logging.getLogger(__name__)
@@ -88,21 +88,13 @@ class ShardedCheckpointError(ConfigError):
 
 
 @dataclass(frozen=True)
-class Commit:
+class Commit(Records):
     """What COMMIT records: the step, the job it was written for (kubetrain.api.identity: its hash, and since
     0.2.0 its identity and the release), and every file with its length and sha256."""
 
     written: Written
     world_size: int
     files: dict[str, tuple[int, str]]
-
-    @property
-    def step(self) -> int:
-        return self.written.step
-
-    @property
-    def spec_hash(self) -> str:
-        return self.written.spec_hash
 
     @property
     def lengths(self) -> dict[str, int]:
