@@ -74,6 +74,17 @@ _ALLOWED[("torch.serialization", "_get_layout")] = getattr(torch.serialization, 
 _ALLOWED[("pathlib", "PosixPath")] = pathlib.PurePosixPath
 _ALLOWED[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+_ENUMS = (_MEM_FORMAT_ENCODING,)
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What `builtins.getattr` may do in DCP's metadata: look up a member of DCP's own enum by name (Python
+    3.12's pickle, and Debian's 3.11 in the trainer image, pickle an enum member as `getattr(cls, name)`; the
+    host's 3.11.7 as a call of the class). Anything else is refused."""
+    if cls in _ENUMS and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise MetadataError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {str(name)[:60]!r}): not a member "
+                        "of DCP's metadata enums (refused: unpickling it could run code)")
 _LAYOUTS = (torch.strided,)
 
 
@@ -85,6 +96,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
         raise MetadataError(f"names {module}.{name}, which DCP's metadata does not hold (refused: unpickling it "

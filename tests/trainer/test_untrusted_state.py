@@ -322,3 +322,26 @@ def test_metadata_unpickling_refuses_every_global_outside_dcps_own():
         dcp_reader.read_metadata(b"\x80\x04garbage", {})
     with pytest.raises(dcp_reader.MetadataError, match="not DCP's Metadata"):
         dcp_reader.read_metadata(pickle.dumps({"a": 1}), {})
+
+
+def test_an_enum_member_pickled_by_name_reads_and_getattr_reaches_nothing_else():
+    """Python 3.12 (and the trainer image's Debian 3.11) pickle DCP's `_MEM_FORMAT_ENCODING` members as
+    `getattr(cls, name)`: that one lookup is allowed, for that enum's members only."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    def by_name(name: str) -> bytes:
+        class ByName(pickle.Pickler):
+            def reducer_override(self, obj):
+                if isinstance(obj, _MEM_FORMAT_ENCODING):
+                    return getattr, (type(obj), name)
+                return NotImplemented
+
+        out = io.BytesIO()
+        ByName(out, protocol=4).dump([_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT])
+        return out.getvalue()
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST
+    assert dcp_reader._Unpickler(io.BytesIO(by_name(member.name))).load() == [member]
+    for name in ("__class__", "_member_map_", "__init__"):
+        with pytest.raises(dcp_reader.MetadataError, match="not a member of DCP's metadata enums"):
+            dcp_reader._Unpickler(io.BytesIO(by_name(name))).load()
