@@ -52,6 +52,16 @@ def attempts(events: list[dict]) -> list[list[dict]]:
     return out
 
 
+def first_loss(events: list[dict], killed_at: float, group: str) -> dict:
+    """The group's first commit after the kill under a quorum smaller than at its commit before: its `quorum`
+    event holds that commit's time (`last_commit_time`) and this one's (`time`)."""
+    found = next((e for e in events if e["event"] == "quorum" and e["time"] > killed_at
+                  and e["participants"] < (e.get("previous") or 0)), None)
+    assert found is not None, (f"{group}: no commit under a smaller quorum after the kill at {killed_at:.2f}",
+                               [e for e in events if e["event"] in ("quorum", "start", "heal", "stop")])
+    return found
+
+
 def fault_free_accuracy(e2e) -> float:
     if MANIFEST not in FAULT_FREE:
         doc = example(MANIFEST, EPOCHS)
@@ -76,10 +86,11 @@ def scale(e2e, name: str, size: int, running: set[str]) -> None:
 
 def kill_until_healed(e2e, victim: str, participants: int) -> float:
     """SIGKILL the pod's container (its PID 1, the group's torchrun agent, and its ranks with it); returns when
-    its restarted container healed and takes part again in a quorum of `participants` groups. Returns the kill's
-    time."""
-    sigkill(e2e, victim)
+    its restarted container healed and takes part again in a quorum of `participants` groups. Returns the time
+    just before the kill: `ctr` may return seconds after the signal on a loaded machine, and a survivor's
+    recommit about a heartbeat after the kill must not fall before the time returned."""
     killed_at = time.time()
+    sigkill(e2e, victim)
     watch_metrics(e2e, victim, lambda m: m.get("kubetrain_ft_heals_total", 0) >= 1
                            and m.get("kubetrain_ft_quorum_participants") == participants, "to heal and take part again",
                            timeout=300)
@@ -121,8 +132,7 @@ def test_a_fault_tolerant_job_survives_a_killed_group_and_scales_live_in_real_po
     assert status["restarts"] == 1 and "ReplicaGroupLost" in warning_reasons(e2e, name), status
     events = {g: events_of(e2e, f"data-{name}-{g}", g) for g in GROUPS}
     for survivor in ("ddp-0", "ddp-2"):
-        stall = next(e for e in events[survivor] if e["event"] == "quorum" and e["time"] > killed_at - 1
-                     and e.get("previous") == 3 and e["participants"] == 2)
+        stall = first_loss(events[survivor], killed_at, survivor)
         gap = stall["time"] - stall["last_commit_time"]
         figure(f"{name}: {survivor} stood {gap:.2f} s from its last commit before the kill to its first after")
         assert gap <= HEARTBEAT_SECONDS + 1.0, stall
@@ -133,7 +143,8 @@ def test_a_fault_tolerant_job_survives_a_killed_group_and_scales_live_in_real_po
     # Scaled down (SIGTERM: a checkpoint, `stop`), then up: the new ddp-2 healed. (A StatefulSet restarts a
     # container that ended 0 too: a finished group may have one more attempt at the end.)
     tries = attempts(events["ddp-2"])
-    left = next(i for i, attempt in enumerate(tries) if attempt[-1]["event"] == "stop")
+    left = next((i for i, attempt in enumerate(tries) if attempt[-1]["event"] == "stop"), None)
+    assert left is not None and left + 1 < len(tries), [[e["event"] for e in t if e["event"] != "train"] for t in tries]
     assert "heal" in [e["event"] for e in tries[left + 1]], tries[left + 1]
 
     finals = {g: json.loads(read_files(e2e, f"data-{name}-{g}", [f"run/results/{g}.json"])[f"run/results/{g}.json"])
@@ -161,8 +172,7 @@ def test_a_spare_group_trains_at_once_when_a_group_dies_in_real_pods(e2e):
 
     events = {g: events_of(e2e, f"data-{name}-{g}", g) for g in GROUPS}
     for group in ("ddp-0", "ddp-2"):  # the survivor and the spare: 2 groups train again at their next commit
-        back = next(e for e in events[group] if e["event"] == "quorum" and e["time"] > killed_at - 1
-                    and e.get("previous") == 3 and e["participants"] == 2)
+        back = first_loss(events[group], killed_at, group)
         gap = back["time"] - back["last_commit_time"]
         figure(f"{name}: {group} from its last commit before the kill to its first at full width: {gap:.2f} s")
         assert gap <= HEARTBEAT_SECONDS + 1.0, back
@@ -171,7 +181,8 @@ def test_a_spare_group_trains_at_once_when_a_group_dies_in_real_pods(e2e):
     replacement = attempts(events["ddp-1"])[1]
     kinds = [e["event"] for e in replacement]
     assert "heal" in kinds and "resume" not in kinds, kinds
-    returned = next(e["time"] for e in replacement if e["event"] == "train" and e["lane"] >= 0)
+    returned = next((e["time"] for e in replacement if e["event"] == "train" and e["lane"] >= 0), None)
+    assert returned is not None, ("the replacement never trained a lane", kinds)
     assert any(e["lane"] >= 0 for e in spare if killed_at < e["time"] < returned), "the spare never trained"
     assert all(e["lane"] == -1 for e in spare if e["time"] > returned + 1), "the spare did not stand by again"
     finals = {g: json.loads(read_files(e2e, f"data-{name}-{g}", [f"run/results/{g}.json"])[f"run/results/{g}.json"])
@@ -201,8 +212,7 @@ def test_an_hsdp_job_survives_a_killed_group_in_real_pods(e2e):
     assert status["restarts"] == 1, status
     ranks = {"ddp-0": "ddp-0", "ddp-1": "ddp-0", "ddp-2": "ddp-1", "ddp-3": "ddp-1"}  # rank: its group's pod
     events = {r: events_of(e2e, f"data-{name}-{pod}", r) for r, pod in ranks.items()}
-    back = next(e for e in events["ddp-0"] if e["event"] == "quorum" and e["time"] > killed_at - 1
-                and e.get("previous") == 2 and e["participants"] == 1)
+    back = first_loss(events["ddp-0"], killed_at, "ddp-0")
     figure(f"{name}: group 0 from its last commit before the kill to its first without group 1: "
            f"{back['time'] - back['last_commit_time']:.2f} s")
     assert back["time"] - back["last_commit_time"] <= HEARTBEAT_SECONDS + 1.0, back
