@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from kubetrain.shared.launch import SLOWDOWN_VAR
+from kubetrain.shared.launch import SLOWDOWN_VAR, STARTUP_TAG
 from kubetrain.drivers.local.progress import JsonlTail
 
 from .jobs import manifest
@@ -49,7 +49,7 @@ minutes each here)."""
 QUIET_END_FRACTION = 0.02
 """No kill in the job's last 2 % of steps: a plain group's node killed as the others end waited at a
 rendezvous the finished nodes never joined, restarted and killed again every 30 s (seen once, a bench stuck)."""
-MILESTONE = "kubetrain-startup "
+MILESTONE = f"{STARTUP_TAG} "
 
 
 BATCH = 32

@@ -18,6 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+STARTUP_TAG = "kubetrain-startup"
+"""The prefix of a start-up milestone line on a replica's stderr (kubetrain/trainer/events.startup):
+`kubetrain-startup {"milestone": ..., "time": <unix s>, ...}`. Instrumentation for benchmarks and the e2e
+recovery break-down, which read them from the replica's log (a file locally, the pod's log): `kubetrain run`
+keeps them in the log and out of the console (runner._echo_logs)."""
+
 # What every replica finds in its environment (kubetrain/engine/plan.py sets them, kubetrain/trainer/context.py reads them).
 JOB_FILE_VAR = "KUBETRAIN_JOB_FILE"
 """The job's manifest (job.yaml): in a pod the config volume's copy, locally the run directory's."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.shared.files import atomic_write
+from kubetrain.shared.launch import STARTUP_TAG
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +126,6 @@ def write_result(run_dir: str | Path, replica: str, result: dict[str, Any],
 # stderr, which the pod's log keeps (a PS worker has no volume for an event
 # log), read by tests/e2e (helpers/recovery.py) to break a recovery down.
 
-STARTUP_TAG = "kubetrain-startup"
-"""The prefix of a milestone line: `kubetrain-startup {"milestone": ..., "time": <unix s>, ...}`."""
 _STARTUP_SEEN: set[str] = set()
 # A forked process (a DDP rank forked from its agent, kubetrain/trainer/ddp/agent.py) is a new process: its
 # milestones start again from its own `process`.

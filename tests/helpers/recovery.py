@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-STARTUP_TAG = "kubetrain-startup"  # kubetrain/trainer/events.py's; this module imports nothing of the trainer
+from kubetrain.shared.launch import STARTUP_TAG  # no torch: the launch contract only
 
 # Each kind of fault: the marks in the order they happen, and what the part ending at each one is.
 # A trainer mark is `<role>.<milestone>`: role `agent` is a DDP pod's torchrun, `ddp` its rank.

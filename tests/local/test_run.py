@@ -17,6 +17,7 @@ from support import EXAMPLES, job_doc, kubetrain
 from kubetrain.drivers.local.summary import SUMMARY_KEYS
 from kubetrain.api import load_one
 from kubetrain.api.identity import JobIdentity
+from kubetrain.shared.launch import STARTUP_TAG
 from kubetrain.trainer.checkpoint import CheckpointStore
 
 
@@ -41,6 +42,13 @@ def test_quickstart_runs_to_completion_and_writes_the_run_directory(tmp_path):
     assert (run / "logs" / f"{replica_of(summary)}.log").read_text()
     assert (run / "metrics" / f"{replica_of(summary)}.jsonl").read_text().count('"event": "eval"') >= 1
     assert "eval_accuracy" in proc.stderr  # the summary is printed
+    # A normal run reads as normal: no WARNING (the workers' wait for a parameter server that is still starting
+    # is an INFO line) and no raw start-up milestones on the console, which the replicas' logs keep.
+    console = proc.stdout + proc.stderr
+    assert "WARNING" not in console and STARTUP_TAG not in console, console
+    assert "[worker-0]" in console  # the replicas' own lines are still echoed
+    for replica in ("ps-0", "worker-0", "worker-1"):
+        assert f'{STARTUP_TAG} {{"milestone": "first_step"' in (run / "logs" / f"{replica}.log").read_text()
 
     again = kubetrain("run", str(EXAMPLES / "quickstart.yaml"), "--run-dir", str(run))
     assert again.returncode == 0

@@ -1,10 +1,14 @@
 """Frames carry tensors intact: chunked, bucketed, readable by plain protobuf, checked on receipt."""
 
+import logging
+
+import grpc
 import pytest
 import torch
 
 from kubetrain.trainer.compression import as_bytes
 from kubetrain.trainer.ps import ps_pb2 as pb
+from kubetrain.trainer.ps import transport
 from kubetrain.trainer.ps.transport import (
     Assembler,
     Expected,
@@ -112,3 +116,46 @@ def test_bad_streams_are_refused_with_a_clear_message(mutate, message):
     with pytest.raises(WireError, match=message.replace("[", r"\[").replace("]", r"\]")) as err:
         receive(mutate(send()))
     assert err.value.code.name == "INVALID_ARGUMENT"
+
+
+class Unavailable(grpc.RpcError):
+    """What a channel raises for a peer that does not listen (yet)."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "failed to connect to all addresses"
+
+
+def flaky(failures: int):
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) <= failures:
+            raise Unavailable()
+        return "answered"
+    return call
+
+
+@pytest.mark.parametrize("warn_after, level",
+                         [(transport.PEER_AWAY_WARN_SECONDS, logging.INFO), (0.0, logging.WARNING)])
+def test_a_peer_that_answers_within_the_bound_is_waited_for_at_info_and_past_it_at_warning(
+        monkeypatch, caplog, warn_after, level):
+    """The workers of a job start beside their parameter servers: waiting for one is normal (INFO), and a
+    WARNING only once the peer has been away past PEER_AWAY_WARN_SECONDS."""
+    monkeypatch.setattr(transport, "PEER_AWAY_WARN_SECONDS", warn_after)
+    caplog.set_level(logging.INFO, logger=transport.__name__)
+    backoff = transport.Backoff(base=0.0, cap=0.0)
+    assert transport.call_with_retry(flaky(5), "Register to peer", backoff) == "answered"
+    waits = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert [r.levelno for r in waits] == [level], [r.getMessage() for r in caplog.records]
+    assert "UNAVAILABLE" in waits[0].getMessage()
+    assert any("answered after 5 retries" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_a_peer_away_past_the_budget_is_raised():
+    backoff = transport.Backoff(base=0.0, cap=0.0, budget=0.0)
+    with pytest.raises(Unavailable):
+        transport.call_with_retry(flaky(2), "Register to peer", backoff)

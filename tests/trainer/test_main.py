@@ -11,7 +11,7 @@ import torch
 
 from kubetrain.trainer.__main__ import main
 from kubetrain.trainer.errors import EXIT_CONFIG, EXIT_LOAD
-from kubetrain.trainer.events import STARTUP_TAG
+from kubetrain.shared.launch import STARTUP_TAG
 
 
 @dataclass

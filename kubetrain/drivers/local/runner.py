@@ -29,7 +29,7 @@ from kubetrain.shared.timestamps import iso
 from kubetrain.shared.tls_files import TLS_DIR_VAR
 from kubetrain.shared.launch import (CODE_DIR_VAR, FAULT_REPLICA_VAR, FAULT_VAR, JOB_FILE_VAR, JOB_NAME_VAR,
                                       JOB_TOKEN_VAR, LIGHTHOUSE, METRICS_PORT_VAR, MODEL_DIR_VAR, NAMESPACE_VAR,
-                                      REPLICA_VAR, RUN_DIR_VAR, pretrained_in_place)
+                                      REPLICA_VAR, RUN_DIR_VAR, STARTUP_TAG, pretrained_in_place)
 
 INITIALIZER = "initializer-0"
 """The pretrained model's fetch before training: its log is logs/initializer-0.log."""
@@ -720,7 +720,8 @@ class LocalRunner:
             if p.log_tail is None:
                 continue
             for line in p.log_tail.read():
-                if line.strip():
+                # The start-up milestones are instrumentation: the log file keeps them for benchmarks.
+                if line.strip() and not line.startswith(STARTUP_TAG):
                     self.display.message(f"[{p.replica.name}] {line}")
 
     def _restarts(self) -> int:
@@ -738,7 +739,8 @@ class LocalRunner:
                 lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
-        lines = [line for line in lines if line.strip() and not line.startswith("--- kubetrain:")]
+        lines = [line for line in lines
+                 if line.strip() and not line.startswith(("--- kubetrain:", STARTUP_TAG))]
         return lines[-1].strip() if lines else ""
 
     def _checkpoint_step(self) -> int:

@@ -488,6 +488,11 @@ def open_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     return grpc.secure_channel(address, tls.channel_credentials(), options=GRPC_OPTIONS)
 
 
+PEER_AWAY_WARN_SECONDS = 30.0
+"""A peer unanswered this long is a WARNING, before it an INFO line: the workers of a job start beside their
+parameter servers and ask for them until they listen (1.7-1.9 s in the quickstart here), and a restarted
+shard is back within its restore (seconds); 30 s is past both on a loaded machine and far inside the retry
+budget (Backoff.budget, 600 s)."""
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 """CANCELLED too: a shard cancels the calls still in flight when it stops (SIGTERM, then its restart)
 and a stream it takes for stalled; for an honest worker both are transient, and repeating is safe."""
@@ -541,8 +546,11 @@ def call_with_retry(
                 raise
             if on_retry is not None:
                 on_retry(err, attempt)
-            # Quiet for the first attempts: a peer still starting up is normal.
+            # Quiet for the first attempts, then a line every 20: a peer still starting up is normal (an INFO
+            # line); one away past PEER_AWAY_WARN_SECONDS is worth a WARNING.
             if attempt == 3 or attempt % 20 == 3:
-                log.warning("%s: %s (%s); retrying", what, code.name, err.details())
+                away = time.monotonic() - started
+                log.log(logging.WARNING if away > PEER_AWAY_WARN_SECONDS else logging.INFO,
+                        "%s: %s (%s) for %.1f s; retrying", what, code.name, err.details(), away)
             time.sleep(backoff.delay(attempt))
             attempt += 1
