@@ -127,6 +127,13 @@ MAX_RENDERED_TEMPLATE_BYTES = 4 * 1024 * 1024
 # format text: the longest sample. Attention's memory grows with its square; a model's own limit
 # (max_position_embeddings) is checked against sequenceLength when its config is read.
 MAX_SEQUENCE_LENGTH = 131072
+LM_FORMATS: tuple[str, ...] = ("text", "chat", "prompt-completion")
+"""The dataset formats of model causal-lm: documents tokenized with the pretrained model's tokenizer."""
+ANSWER_FORMATS: tuple[str, ...] = ("chat", "prompt-completion")
+"""The formats whose records have answers (dataset.trainOn)."""
+MAX_CHAT_TEMPLATE_LENGTH = 65536
+"""dataset.chatTemplate: real templates are 1-15 KB (Llama 3.1's 4.6 KB, Qwen 2.5's 2.5 KB); four times the
+largest is room, while the job stays far under the API server's 1.5 MB object limit."""
 SCRIPT_MODEL_MESSAGE = ("applies to a script job only as a pretrained model to fetch ({name: causal-lm, pretrained: "
                         "URI}): the script builds its own model, from KUBETRAIN_MODEL_DIR")
 SPARE_RANGE_MESSAGE = ("ddp.faultTolerance.spareGroups: spare groups stand in for lost ones at a fixed ddp.nodes: "
@@ -143,7 +150,8 @@ class Model:
 
     name: Literal["mlp", "cnn", "causal-lm"] | None = field(
         "Built-in model: mlp or cnn (classifiers and regressors of dataset's features), or causal-lm (a "
-        "pretrained Hugging Face causal language model, fine-tuned on dataset format text; needs pretrained; "
+        "pretrained Hugging Face causal language model, fine-tuned on dataset format text, chat or "
+        "prompt-completion; needs pretrained; "
         "docs/fine-tuning.md).", None)
     pretrained: str | None = field(
         "causal-lm: the Hugging Face model directory to start from (config.json, *.safetensors with or without "
@@ -253,20 +261,46 @@ class Dataset:
         "that fraction of the token samples, the last ones).",
         0.2, minimum=0.0, maximum=0.9
     )
-    format: Literal["tensors", "text"] = field(
+    format: Literal["tensors", "text", "chat", "prompt-completion"] = field(
         "tensors: arrays of features and labels (x, y; Parquet columns). text: documents for model causal-lm, "
         "from path or uri: JSON Lines files (.jsonl, one record per line with a textColumn field), Parquet files "
         "(a textColumn column) or plain text files (.txt, .md: one record per file), tokenized with the "
-        "pretrained model's tokenizer.", "tensors",
+        "pretrained model's tokenizer. chat: conversations for model causal-lm (JSON Lines or Parquet, a "
+        "messagesColumn of {role, content} turns), rendered with the tokenizer's chat template. "
+        "prompt-completion: pairs for model causal-lm (JSON Lines or Parquet, a promptColumn and a "
+        "completionColumn). chat and prompt-completion train on the answers only (trainOn; "
+        "docs/fine-tuning.md).", "tensors",
     )
     text_column: str = field("format text: the field (JSON Lines) or column (Parquet) holding each record's "
                              "text.", "text", max_length=256)
     sequence_length: int = field(
-        "format text: tokens per training sample.", 512, minimum=8, maximum=MAX_SEQUENCE_LENGTH)
+        "format text, chat and prompt-completion: tokens per training sample (chat and prompt-completion: a "
+        "longer record is cut to it, keeping its start).", 512, minimum=8, maximum=MAX_SEQUENCE_LENGTH)
     packing: bool = field(
         "format text: true packs the records' tokens end to end (an end-of-sequence token between records) and "
         "cuts them into samples of sequenceLength, so no position is padding; false gives one sample per record, "
-        "cut at sequenceLength and padded (padding is neither attended to nor trained on).", True)
+        "cut at sequenceLength and padded (padding is neither attended to nor trained on). chat and "
+        "prompt-completion: true puts whole records side by side in a sample while they fit (none is split), "
+        "each with its own positions, and no token attends across a record's boundary; false gives one padded "
+        "sample per record.", True)
+    messages_column: str = field(
+        "format chat: the field (JSON Lines) or column (Parquet) holding each conversation: a list of turns, "
+        "each {role, content} (system, user, assistant, as OpenAI's and Hugging Face's chat formats hold them).",
+        "messages", max_length=256, since="0.2.0")
+    prompt_column: str = field("format prompt-completion: the field or column holding each record's prompt.",
+                               "prompt", max_length=256, since="0.2.0")
+    completion_column: str = field(
+        "format prompt-completion: the field or column holding each record's completion (the answer).",
+        "completion", max_length=256, since="0.2.0")
+    chat_template: str = field(
+        "format chat: a Jinja chat template (as a tokenizer's chat_template) to render the conversations with; "
+        "empty: the pretrained tokenizer's own, or the model directory's chat_template.jinja when the tokenizer "
+        "has none.", "", max_length=MAX_CHAT_TEMPLATE_LENGTH, since="0.2.0")
+    train_on: Literal["assistant", "all"] = field(
+        "format chat and prompt-completion: which tokens carry the loss (training and the held-out loss). "
+        "assistant: the assistant turns (chat, each with the template's end of its turn) or the completion "
+        "and its end-of-sequence token (prompt-completion); system and user turns, prompts and the template's "
+        "own text between turns do not. all: every token.", "assistant", since="0.2.0")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -277,8 +311,18 @@ class Dataset:
                              "applies to Parquet shards (a uri or path); set one or drop it"))
         if self.label_column in self.feature_columns:
             problems.append(("featureColumns", f"must not hold labelColumn ({self.label_column!r})"))
-        if self.format == "text" and self.path is None and self.uri is None:
-            problems.append(("format", "text reads documents from a path or uri: set one"))
+        if self.format in LM_FORMATS and self.path is None and self.uri is None:
+            problems.append(("format", f"{self.format} reads documents from a path or uri: set one"))
+        for name, value, formats in (("messagesColumn", self.messages_column != "messages", ("chat",)),
+                                     ("chatTemplate", bool(self.chat_template), ("chat",)),
+                                     ("promptColumn", self.prompt_column != "prompt", ("prompt-completion",)),
+                                     ("completionColumn", self.completion_column != "completion",
+                                      ("prompt-completion",)),
+                                     ("trainOn", self.train_on != "assistant", ANSWER_FORMATS)):
+            if value and self.format not in formats:
+                problems.append((name, f"applies to format {' or '.join(formats)}, got format {self.format}"))
+        if self.format == "prompt-completion" and self.prompt_column == self.completion_column:
+            problems.append(("completionColumn", f"must differ from promptColumn ({self.prompt_column!r})"))
         return problems
 
 
@@ -921,10 +965,11 @@ class Spec:
         model = self.model or Model(name="mlp")  # complete()'s default
         problems = []
         lm = model.name == "causal-lm"
-        if lm and self.dataset.format != "text":
-            problems.append(("dataset.format", "model causal-lm trains on documents: set format text"))
-        if self.dataset.format == "text" and not lm:
-            problems.append(("dataset.format", "text is tokenized for model causal-lm, got model "
+        if lm and self.dataset.format not in LM_FORMATS:
+            problems.append(("dataset.format", "model causal-lm trains on documents: set format text, chat or "
+                                               "prompt-completion"))
+        if self.dataset.format in LM_FORMATS and not lm:
+            problems.append(("dataset.format", f"{self.dataset.format} is tokenized for model causal-lm, got model "
                                                f"{model.name or model.entrypoint!r}"))
         if lm and self.training.loss != "crossEntropy":
             problems.append(("training.loss", "causal-lm trains on next-token cross entropy: leave loss unset"))

@@ -1,4 +1,5 @@
-"""The built-in causal-LM fine-tuning model (`spec.model.name: causal-lm`) and its text data (`dataset.format: text`).
+"""The built-in causal-LM fine-tuning model (`spec.model.name: causal-lm`) and its text data (`dataset.format: text`;
+chat and prompt-completion: conversations.py).
 
 The model is the pretrained Hugging Face causal LM of `spec.model.pretrained`
 (kubetrain/trainer/pretrained.py fetched and checked it into KUBETRAIN_MODEL_DIR),
@@ -179,6 +180,10 @@ def load_text(dataset: Dataset, model_dir: Path, config: dict[str, Any]) -> Any:
         raise ConfigError(f"spec.dataset.sequenceLength: {dataset.sequence_length} is more than the pretrained "
                           f"model's max_position_embeddings ({limit})")
     files = _text_files(dataset)
+    if dataset.format != "text":
+        from .conversations import load_answers
+
+        return load_answers(dataset, model_dir, config, files, TOKENIZE_RECORDS)
     records = [text for name, path in files for text in _records(name, path, dataset.text_column)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenize(tokenizer, records)
@@ -238,6 +243,13 @@ class CausalLM(nn.Module):
         self.materialized = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:
+            # Packed records (conversations.py): token ids over each token's position in its own record. Position
+            # ids that start again at 0 are the model's padding-free path: transformers' mask builder
+            # (masking_utils.find_packed_sequence_indices) then lets a token attend only within its record, and
+            # no attention mask is given, or it would take that instead. tests/trainer/test_conversations.py holds
+            # a packed batch's per-token loss equal to its records' run one by one.
+            return self.hf(input_ids=x[:, 0].clamp(min=0), position_ids=x[:, 1], use_cache=False).logits
         padded = x == PAD
         mask = (~padded).long() if bool(padded.any()) else None
         return self.hf(input_ids=x.clamp(min=0), attention_mask=mask, use_cache=False).logits
