@@ -40,12 +40,10 @@ from torch import nn
 from kubetrain.api.spec import Dataset, Lora, Spec
 
 from .errors import ConfigError, LoadError
-from .objectives import IGNORE_INDEX, NEXT_TOKEN
+from .objectives import IGNORE_INDEX, NEXT_TOKEN, PAD
 
 log = logging.getLogger(__name__)
 
-PAD = -1
-"""A sample's position that holds no token (packing off: after the record's end)."""
 TEXT_SUFFIXES = (".jsonl", ".parquet", ".txt", ".md", ".text")
 MAX_TEXT_BYTES = 512 << 20
 """format text is read whole into every rank's memory and tokenized there (about 30 bytes a token at the peak:

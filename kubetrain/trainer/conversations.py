@@ -38,7 +38,7 @@ import torch
 from kubetrain.api.spec import Dataset
 
 from .errors import ConfigError, LoadError
-from .objectives import IGNORE_INDEX, NEXT_TOKEN
+from .objectives import IGNORE_INDEX, NEXT_TOKEN, PAD
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +229,6 @@ def answer_samples(records: list[Encoded], length: int, packing: bool,
     records fill a sample in order while they fit (next fit: none is split, so a record's tokens see only its
     own), and the padding at a sample's end is a record of its own (positions from 0), trained on by nothing.
     Unpacked: x is (N, length), one record each, PAD after it."""
-    from .causal_lm import PAD
-
     kept: list[tuple[np.ndarray, np.ndarray]] = []
     dropped = 0
     for record in records:

@@ -103,6 +103,8 @@ class CrossEntropy(Objective):
 
 IGNORE_INDEX = -100
 """A causal-lm target that is no token (padding): F.cross_entropy's default ignore_index."""
+PAD = -1
+"""A causal-lm sample's position that holds no token (after its record's end)."""
 
 
 class NextToken(Objective):

@@ -27,6 +27,9 @@ LORA = {"mode": "Single", "model": {"name": "causal-lm", "pretrained": "/models/
         "dataset": {"path": "data.jsonl", "format": "text", "sequenceLength": 64},
         "training": {"maxSteps": 10, "batchSize": 4, "optimizer": {"name": "adamw", "learningRate": 0.001},
                      "lora": {"rank": 4}}}
+CHAT = {**LORA, "dataset": {"path": "chats.jsonl", "format": "chat", "sequenceLength": 64, "messagesColumn": "turns",
+                             "trainOn": "all"}}
+PAIRS = {**LORA, "dataset": {"path": "pairs.jsonl", "format": "prompt-completion", "promptColumn": "q"}}
 
 # The hashes each release wrote for these specs, computed by that release's own code (spec_hash of
 # trainer/checkpoint.py at 69d6222, of kubetrain/trainer/checkpoint.py at v0.1.0) on 2026-12-06.
@@ -139,7 +142,8 @@ def drop(doc: dict[str, Any], path: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("doc", [SINGLE, PS, DDP, LORA], ids=["Single", "ParameterServer", "DDP", "LoRA"])
+@pytest.mark.parametrize("doc", [SINGLE, PS, DDP, LORA, CHAT, PAIRS],
+                         ids=["Single", "ParameterServer", "DDP", "LoRA", "chat", "prompt-completion"])
 def test_a_checkpoint_written_before_a_field_existed_is_judged_at_that_fields_default(doc):
     """What a new spec field with a default must never do: change an old checkpoint's identity. Each field of the
     identity in turn is taken out of a recorded one, as a release before the field would have written it: the
@@ -164,3 +168,21 @@ def test_every_field_of_the_math_sections_has_a_default():
         for f, _ in fields_of(cls):
             assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, \
                 f"{cls.__name__}.{yaml_name(f)}"
+
+
+@pytest.mark.parametrize(
+    ("doc", "change", "named"),
+    [
+        pytest.param(CHAT, {"trainOn": "assistant"}, 'dataset.trainOn: "all" in the checkpoint, "assistant" in this job',
+                     id="which tokens are trained"),
+        pytest.param(CHAT, {"chatTemplate": "{{ messages }}"}, 'dataset.chatTemplate: "" in the checkpoint',
+                     id="the chat template"),
+        pytest.param(PAIRS, {"completionColumn": "a"}, 'dataset.completionColumn: "completion" in the checkpoint, "a"',
+                     id="the completion column"),
+    ],
+)
+def test_the_answer_only_formats_fields_are_math(doc, change, named):
+    changed = copy.deepcopy(doc)
+    changed["dataset"].update(change)
+    verdict = JobIdentity.of(spec(changed)).judge("ignored", identity(spec(doc)))
+    assert not verdict.ok and named in verdict.reason
