@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,21 +47,26 @@ SHARD_BYTES = 200_000
 """About a fifth of the model per file: several shards and an index."""
 
 
-def reshard(source: Path, dest: Path, shard_bytes: int) -> None:
-    """The model of `source` saved again as safetensors shards of at most `shard_bytes`, with its tokenizer and a
-    SHA256SUMS of its own (make_model.py's)."""
+def make_model() -> Any:
+    """examples/finetune/make_model.py as a module (a script, not a package's module)."""
     import importlib.util
-
-    from transformers import AutoModelForCausalLM
 
     spec = importlib.util.spec_from_file_location("make_model", MAKE_MODEL)
     assert spec is not None and spec.loader is not None
-    make_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_model)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reshard(source: Path, dest: Path, shard_bytes: int) -> None:
+    """The model of `source` saved again as safetensors shards of at most `shard_bytes`, with its tokenizer and a
+    SHA256SUMS of its own (make_model.py's)."""
+    from transformers import AutoModelForCausalLM
+
     AutoModelForCausalLM.from_pretrained(source).save_pretrained(dest, max_shard_size=shard_bytes)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(source / name, dest / name)
-    make_model.write_sums(dest)
+    make_model().write_sums(dest)
 
 
 def copy_model(source: Path, dest: Path) -> Path:

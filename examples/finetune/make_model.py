@@ -13,7 +13,9 @@ SHA256SUMS file that `sha256sum -c SHA256SUMS` checks.
 
 --corpus writes a fine-tuning corpus as JSON Lines, {"text": ...} per record:
 the standard library's json/, email/ and http/ modules (text the model was not
-pretrained on), each cut to its first 4,000 characters.
+pretrained on), each cut to its first 4,000 characters. --chat writes a
+conversation set ({"messages": [...]} per record, examples/finetune/chat.yaml):
+questions about standard library modules answered from their docstrings.
 
     python make_model.py /tmp/base-model --corpus /tmp/finetune.jsonl
     python make_model.py /tmp/sharded --pretrain-steps 0 --shard-size 200000
@@ -139,6 +141,49 @@ def write_corpus(path: str | Path) -> int:
     return len(files)
 
 
+CHAT_PACKAGES = ("json", "email", "http", "urllib", "xml/dom", "logging", "concurrent/futures", "importlib")
+
+
+def _summary(path: Path) -> str | None:
+    """The first paragraph of a module's docstring, on one line (None when it has none)."""
+    import ast
+
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    except (SyntaxError, UnicodeDecodeError):
+        return None
+    first = (doc or "").strip().split("\n\n")[0]
+    return " ".join(first.split())[:300] or None
+
+
+def write_chat(path: str | Path) -> int:
+    """A conversation set as JSON Lines, {"messages": [...]} per record, for `dataset.format: chat`: for each
+    documented module of CHAT_PACKAGES, a user asks what it is for and the assistant answers with its
+    docstring's first paragraph; every third conversation opens with a system turn, and every second has a
+    second exchange (the module's first public function). The count."""
+    import ast
+
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for p in sorted(q for package in CHAT_PACKAGES for q in (STDLIB / package).glob("*.py")):
+            summary = _summary(p)
+            if summary is None:
+                continue
+            name = p.relative_to(STDLIB).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+            messages = [{"role": "user", "content": f"What is the Python module {name} for?"},
+                        {"role": "assistant", "content": summary}]
+            if count % 3 == 0:
+                messages.insert(0, {"role": "system", "content": "You answer questions about Python's library."})
+            functions = [node.name for node in ast.parse(p.read_text(encoding="utf-8")).body
+                         if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+            if count % 2 == 0 and functions:
+                messages += [{"role": "user", "content": "Name one of its functions."},
+                             {"role": "assistant", "content": f"{name}.{functions[0]}()"}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+            count += 1
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write the model (new or empty)")
@@ -150,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-size", type=int, help="bytes per safetensors shard (default: one file)")
     parser.add_argument("--corpus", metavar="OUT.jsonl", help="also write the fine-tuning corpus here")
+    parser.add_argument("--chat", metavar="OUT.jsonl", help="also write a conversation set here (format chat)")
     args = parser.parse_args(argv)
     if args.vocab < 256 + len(SPECIAL):
         parser.error(f"--vocab must be at least {256 + len(SPECIAL)} (the 256 bytes and the special tokens)")
@@ -172,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.corpus:
         count = write_corpus(args.corpus)
         print(f"wrote {count} records, {Path(args.corpus).stat().st_size:,} bytes, to {args.corpus}")
+    if args.chat:
+        count = write_chat(args.chat)
+        print(f"wrote {count} conversations, {Path(args.chat).stat().st_size:,} bytes, to {args.chat}")
     return 0
 
 

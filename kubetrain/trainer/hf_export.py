@@ -39,6 +39,7 @@ from kubetrain.shared.launch import pretrained_in_place
 
 from . import dcp_reader, sharded
 from .causal_lm import hf_name, is_adapter
+from .conversations import TEMPLATE_FILE as CHAT_TEMPLATE_FILE
 from .export_source import EXIT_NO_DATA, EXIT_USAGE, MODEL, Exported, ExportError, Reader, locate, newest
 from .pretrained import CONFIG, INDEX, READY_FILE, SINGLE_WEIGHTS, SUMS, Checked, fetch
 
@@ -85,6 +86,7 @@ def export_huggingface(sources: Sequence[str | Path], out: str | Path, job_file:
         else:
             tensors = _write_adapter(staging, weights, lora, spec.model.pretrained)
         _copy_pretrained_files(pretrained.path, staging, adapter=lora is not None and not merge_lora)
+        _write_chat_template(spec, staging)
         written = _publish(staging, target, out)
     return Exported(kind=MODEL, mode=spec.mode, step=info.step, tensors=tensors[0], tensor_bytes=tensors[1],
                     out=target if isinstance(target, Path) else str(target), file_bytes=written, files=[info.path],
@@ -307,6 +309,15 @@ def _copy_pretrained_files(source: Path, directory: Path, adapter: bool) -> None
         if adapter and file.name in (CONFIG, "generation_config.json"):
             continue
         shutil.copyfile(file, directory / file.name)
+
+
+def _write_chat_template(spec: Any, directory: Path) -> None:
+    """A chat job trained with the manifest's template (dataset.chatTemplate): it goes with the model, as
+    chat_template.jinja, which transformers takes over a template in tokenizer_config.json, so
+    `tokenizer.apply_chat_template` on the export renders as the training did. A template of the tokenizer's
+    own, or the pretrained directory's chat_template.jinja, came with the tokenizer's files already."""
+    if spec.dataset.format == "chat" and spec.dataset.chat_template:
+        (directory / CHAT_TEMPLATE_FILE).write_text(spec.dataset.chat_template, encoding="utf-8")
 
 
 def _publish(staging: Path, target: Any, out: str | Path) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from finetunelib import Pretrained, copy_model
+from finetunelib import Pretrained, copy_model, make_model
 from objstorelib import secret_free
 from support import job_doc, kubetrain
 
@@ -250,7 +250,7 @@ def test_the_finetune_examples_are_valid_and_the_lora_one_runs_as_its_comment_sa
     relative paths), its model and corpus as make_model.py makes them (here the session's, already made)."""
     from support import EXAMPLES
 
-    for name in ("lora.yaml", "fsdp.yaml"):
+    for name in ("lora.yaml", "fsdp.yaml", "chat.yaml"):
         done = kubetrain("validate", str(EXAMPLES / "finetune" / name))
         assert done.returncode == 0, done.stderr
     layout = tmp_path / "examples" / "finetune"
@@ -265,6 +265,51 @@ def test_the_finetune_examples_are_valid_and_the_lora_one_runs_as_its_comment_sa
     export = kubetrain("checkpoints", "export", "runs/finetune-lora", "--format", "huggingface", "--out",
                        "runs/lora-adapter", cwd=tmp_path)
     assert export.returncode == 0 and (tmp_path / "runs" / "lora-adapter" / "adapter_config.json").is_file()
+
+
+def test_the_chat_example_trains_on_answers_resumes_a_kill_exactly_and_exports_its_chat_template(
+        tmp_path, pretrained):
+    """examples/finetune/chat.yaml (LoRA on conversations, answers only, packed) as its comment says: killed at
+    step 30 it resumes to the fault-free run's weights to the last bit (the merged exports compared), its
+    answers' held-out loss falls, and the export carries the manifest's chat template: the exported tokenizer
+    renders a conversation as the training's did."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from support import EXAMPLES
+
+    layout = tmp_path / "examples" / "finetune"
+    layout.mkdir(parents=True)
+    (layout / "base-model").symlink_to(pretrained.single)
+    assert make_model().write_chat(layout / "chat.jsonl") >= 40
+    shutil.copyfile(EXAMPLES / "finetune" / "chat.yaml", layout / "chat.yaml")
+    template = yaml.safe_load((layout / "chat.yaml").read_text())["spec"]["dataset"]["chatTemplate"]
+    exports = {}
+    for name, fault in (("free", ()), ("killed", ("--fault", "single-0:kill@step=30"))):
+        done = kubetrain("run", "examples/finetune/chat.yaml", "--run-dir", f"runs/{name}", "--quiet", *fault,
+                         cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+        assert summary["restarts"] == (1 if fault else 0), summary
+        figures = result(tmp_path / "runs" / name, "single-0")
+        assert figures["eval_loss"] < figures["baseline_eval_loss"], figures
+        export = kubetrain("checkpoints", "export", f"runs/{name}", "--format", "huggingface", "--merge-lora",
+                           "--out", f"runs/{name}-model", cwd=tmp_path)
+        assert export.returncode == 0, export.stderr
+        exports[name] = tmp_path / "runs" / f"{name}-model"
+    assert_equal_states(load_file(exports["free"] / "model.safetensors"),
+                        load_file(exports["killed"] / "model.safetensors"))
+
+    assert (exports["killed"] / "chat_template.jinja").read_text() == template
+    conversation = json.loads((layout / "chat.jsonl").read_text().splitlines()[0])["messages"]
+    source = AutoTokenizer.from_pretrained(pretrained.single)
+    assert not source.chat_template  # the template is the manifest's, not the pretrained tokenizer's
+    source.chat_template = template
+    exported = AutoTokenizer.from_pretrained(exports["killed"])
+    for prompt in (conversation, conversation[:-1]):  # a whole conversation; one that asks for the next answer
+        asks = prompt[-1]["role"] != "assistant"
+        expected = source.apply_chat_template(prompt, tokenize=False, add_generation_prompt=asks)
+        assert exported.apply_chat_template(prompt, tokenize=False, add_generation_prompt=asks) == expected
 
 
 def test_a_script_job_finds_its_pretrained_model_fetched_and_checked_at_kubetrain_model_dir(tmp_path, pretrained,
