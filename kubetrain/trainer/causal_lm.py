@@ -39,6 +39,7 @@ from torch import nn
 
 from kubetrain.api.spec import Dataset, Lora, Spec
 
+from .conversations import json_lines, load_answers
 from .errors import ConfigError, LoadError
 from .objectives import IGNORE_INDEX, NEXT_TOKEN, PAD
 
@@ -125,13 +126,7 @@ def _records(name: str, path: Path, column: str) -> Iterator[str]:
     if not name.endswith(".jsonl"):
         yield text
         return
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise LoadError(f"{name}: line {number}: not JSON ({err})") from None
+    for number, record in json_lines(name, text):
         value = record.get(column) if isinstance(record, dict) else None
         if not isinstance(value, str):
             raise LoadError(f"{name}: line {number}: no text field {column!r} (dataset.textColumn)")
@@ -179,8 +174,6 @@ def load_text(dataset: Dataset, model_dir: Path, config: dict[str, Any]) -> Any:
                           f"model's max_position_embeddings ({limit})")
     files = _text_files(dataset)
     if dataset.format != "text":
-        from .conversations import load_answers
-
         return load_answers(dataset, model_dir, config, files, TOKENIZE_RECORDS)
     records = [text for name, path in files for text in _records(name, path, dataset.text_column)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -58,6 +58,18 @@ class Encoded:
 # --- reading ---------------------------------------------------------------------------------------------------
 
 
+def json_lines(name: str, text: str) -> Iterator[tuple[int, Any]]:
+    """The values of a JSON Lines file's text, a non-blank line each, with their line numbers; LoadError naming
+    the file and the line for one that is not JSON (format text's reader, causal_lm._records, takes them too)."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise LoadError(f"{name}: line {number}: not JSON ({err})") from None
+
+
 def _rows(name: str, path: Path, columns: tuple[str, ...], fields: tuple[str, ...]) -> Iterator[tuple[Any, ...]]:
     """The values of `columns` of every record of one JSON Lines or Parquet file; `fields` are the columns'
     spec names (dataset.messagesColumn), for the errors."""
@@ -78,13 +90,7 @@ def _rows(name: str, path: Path, columns: tuple[str, ...], fields: tuple[str, ..
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise LoadError(f"{name}: not UTF-8 text ({err})") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise LoadError(f"{name}: line {number}: not JSON ({err})") from None
+    for number, record in json_lines(name, text):
         if not isinstance(record, dict):
             raise LoadError(f"{name}: line {number}: not a JSON object")
         for column, field in zip(columns, fields):
